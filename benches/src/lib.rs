@@ -1,0 +1,1 @@
+//! mosaickv-benches: filled in by later work.

@@ -1,0 +1,1 @@
+fn main() { eprintln!("mosaickv: not built yet"); std::process::exit(2); }

@@ -1,0 +1,1 @@
+//! mosaickv-conformance: filled in by later work.

@@ -1,0 +1,1 @@
+//! mosaickv-optimized: filled in by later work.

@@ -1,0 +1,1 @@
+//! mosaickv-reference: filled in by later work.

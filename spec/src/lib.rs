@@ -1,0 +1,1 @@
+//! mosaickv-spec: filled in by later work.
