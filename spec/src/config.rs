@@ -1,0 +1,229 @@
+//! Shapes and the compression configuration (SPEC.md sections 1 and 2).
+
+use crate::error::{MosaicError, Result};
+use serde::{Deserialize, Serialize};
+
+/// Shape of one layer's cache and of the queries that read it.
+///
+/// Keys and values are `[tokens, kv_heads, head_dim]`; queries are
+/// `[q_heads, head_dim]`. Query head `h` reads KV head `h / group()` (GQA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvShape {
+    pub kv_heads: usize,
+    pub q_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvShape {
+    /// Validates the shape: every dimension positive, `q_heads` a multiple of `kv_heads`.
+    pub fn new(kv_heads: usize, q_heads: usize, head_dim: usize) -> Result<Self> {
+        if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(MosaicError::GqaMismatch { q_heads, kv_heads });
+        }
+        if head_dim == 0 {
+            return Err(MosaicError::InvalidConfig("head_dim must be positive".into()));
+        }
+        Ok(Self {
+            kv_heads,
+            q_heads,
+            head_dim,
+        })
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+}
+
+/// How the per-vector retained count `r` and group size `g` are chosen (SPEC.md section 11).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ChannelPolicy {
+    /// The paper's fixed setting: `r = ceil_g(retention * head_dim)`, capped at the kept dims.
+    Fixed { retention: f64, group_size: usize },
+    /// The default: the cheapest `(r, g)` among the candidates whose relative
+    /// dropped energy stays at or under the threshold, separately for K and V.
+    LossThreshold {
+        key_loss: f64,
+        value_loss: f64,
+        /// Candidate retentions as fractions of head_dim.
+        retentions: Vec<f64>,
+        /// Candidate element group sizes.
+        group_sizes: Vec<usize>,
+    },
+}
+
+impl Default for ChannelPolicy {
+    fn default() -> Self {
+        ChannelPolicy::LossThreshold {
+            key_loss: 0.02,
+            value_loss: 0.05,
+            retentions: vec![0.125, 0.25, 0.375, 0.5, 0.625, 0.75],
+            group_sizes: vec![1, 2, 4],
+        }
+    }
+}
+
+/// Every parameter of the method. Defaults and their reasons: SPEC.md section 2.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CompressConfig {
+    /// Fraction of the segment tokens attended per decode step (Quest-style top-k).
+    pub token_rate: f64,
+    /// How `(r, g)` are chosen per segment and side.
+    pub channels: ChannelPolicy,
+    /// Fraction of trailing rotated channels dropped before top-r (rounded down to a multiple of g).
+    pub truncate_fraction: f64,
+    /// Candidate block sizes, ascending; the variance threshold picks one per segment.
+    pub block_sizes: Vec<usize>,
+    /// Largest allowed relative within-block key variance (SPEC.md section 11.3).
+    pub variance_threshold: f64,
+    /// Leading tokens of the sequence kept exact (f16, unrotated) and always attended.
+    pub sink_tokens: usize,
+    /// Segment length for prompt (prefill) tokens.
+    pub input_segment_len: usize,
+    /// Hard cap on the length of a generated-token segment.
+    pub max_segment_len: usize,
+    /// Update buffer capacity in tokens; flushed (compressed) when full.
+    pub buffer_capacity: usize,
+    /// A generated segment closes when its loss under the previous strategy
+    /// exceeds that strategy's fit loss by more than this.
+    pub segment_loss_margin: f64,
+}
+
+impl Default for CompressConfig {
+    fn default() -> Self {
+        Self {
+            token_rate: 0.10,
+            channels: ChannelPolicy::default(),
+            truncate_fraction: 0.25,
+            block_sizes: vec![16, 32, 64],
+            variance_threshold: 0.25,
+            sink_tokens: 4,
+            input_segment_len: 4096,
+            max_segment_len: 65_536,
+            buffer_capacity: 64,
+            segment_loss_margin: 0.02,
+        }
+    }
+}
+
+impl CompressConfig {
+    /// The paper's fixed setting: 25 % channels, g = 1, everything else default.
+    pub fn paper_fixed() -> Self {
+        Self {
+            channels: ChannelPolicy::Fixed {
+                retention: 0.25,
+                group_size: 1,
+            },
+            block_sizes: vec![16],
+            ..Self::default()
+        }
+    }
+
+    /// Parses a JSON configuration; missing keys take their defaults, unknown keys are an error.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text).map_err(|e| {
+            let msg = e.to_string();
+            match msg.strip_prefix("unknown field `") {
+                Some(rest) => MosaicError::UnknownConfigKey(rest.split('`').next().unwrap_or("").to_string()),
+                None => MosaicError::InvalidConfig(msg),
+            }
+        })?;
+        Ok(cfg)
+    }
+
+    /// Checks every parameter against its range and against `head_dim`.
+    pub fn validate(&self, head_dim: usize) -> Result<()> {
+        let bad = |m: String| Err(MosaicError::InvalidConfig(m));
+        if !(self.token_rate > 0.0 && self.token_rate <= 1.0) {
+            return bad(format!("token_rate {} not in (0, 1]", self.token_rate));
+        }
+        if !(0.0..1.0).contains(&self.truncate_fraction) {
+            return bad(format!("truncate_fraction {} not in [0, 1)", self.truncate_fraction));
+        }
+        if self.block_sizes.is_empty()
+            || self.block_sizes.iter().any(|&b| b == 0 || self.buffer_capacity % b != 0)
+            || self.block_sizes.windows(2).any(|w| w[0] >= w[1])
+        {
+            return bad(format!(
+                "block_sizes {:?} must be ascending, positive, and divide buffer_capacity {}",
+                self.block_sizes, self.buffer_capacity
+            ));
+        }
+        if !(self.variance_threshold >= 0.0 && self.variance_threshold.is_finite()) {
+            return bad(format!("variance_threshold {} must be >= 0", self.variance_threshold));
+        }
+        if self.input_segment_len == 0 || self.buffer_capacity == 0 {
+            return bad("input_segment_len and buffer_capacity must be positive".into());
+        }
+        if self.max_segment_len < self.buffer_capacity || self.max_segment_len % self.buffer_capacity != 0 {
+            return bad(format!(
+                "max_segment_len {} must be a positive multiple of buffer_capacity {}",
+                self.max_segment_len, self.buffer_capacity
+            ));
+        }
+        if !(self.segment_loss_margin >= 0.0 && self.segment_loss_margin.is_finite()) {
+            return bad(format!("segment_loss_margin {} must be >= 0", self.segment_loss_margin));
+        }
+        let check_g = |g: usize| -> Result<()> {
+            if g == 0 || head_dim % g != 0 {
+                return Err(MosaicError::GroupSizeNotDivisor {
+                    head_dim,
+                    group_size: g,
+                });
+            }
+            Ok(())
+        };
+        match &self.channels {
+            ChannelPolicy::Fixed {
+                retention,
+                group_size,
+            } => {
+                check_g(*group_size)?;
+                if !(*retention > 0.0 && *retention <= 1.0) {
+                    return bad(format!("retention {retention} not in (0, 1]"));
+                }
+            }
+            ChannelPolicy::LossThreshold {
+                key_loss,
+                value_loss,
+                retentions,
+                group_sizes,
+            } => {
+                if group_sizes.is_empty() || retentions.is_empty() {
+                    return bad("loss_threshold needs at least one retention and one group size".into());
+                }
+                for &g in group_sizes {
+                    check_g(g)?;
+                }
+                if retentions.iter().any(|r| !(*r > 0.0 && *r <= 1.0)) {
+                    return bad(format!("retentions {retentions:?} must lie in (0, 1]"));
+                }
+                for l in [key_loss, value_loss] {
+                    if !(*l >= 0.0 && *l <= 1.0) {
+                        return bad(format!("loss threshold {l} not in [0, 1]"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rotated channels eligible for top-r: `D - floor_g(truncate_fraction * D)` (SPEC.md section 4).
+    pub fn kept_dims(&self, head_dim: usize, group_size: usize) -> usize {
+        let cut = (self.truncate_fraction * head_dim as f64).floor() as usize;
+        head_dim - cut / group_size * group_size
+    }
+
+    /// Attention budget in tokens for `segment_tokens` compressed tokens (SPEC.md section 8).
+    pub fn budget_tokens(&self, segment_tokens: usize) -> usize {
+        ((self.token_rate * segment_tokens as f64).ceil() as usize).min(segment_tokens)
+    }
+}
+
+/// Rounds `x` up to a multiple of `g`.
+pub fn ceil_to(x: usize, g: usize) -> usize {
+    x.div_ceil(g) * g
+}
