@@ -1,1 +1,526 @@
-//! mosaickv-conformance: filled in by later work.
+//! # mosaickv-conformance: the reference against every backend
+//!
+//! One suite, written once over `&dyn Backend`, stamped out per backend with
+//! [`conformance_suite!`]. Each check runs a stage on identical inputs in the
+//! reference and in the candidate and compares: bytes and selections exactly,
+//! floating outputs within [`tolerances`]. A backend that cannot run here is
+//! reported as skipped with its reason, never as passed.
+//!
+//! Compression *quality* (how far MosaicKV is from full attention) is not
+//! checked here; that lives in the reference's own tests.
+
+pub mod tolerances;
+
+use mosaickv_reference::ReferenceBackend;
+use mosaickv_spec::{
+    Availability, Backend, CompressConfig, CompressedCache, KvCache, KvShape, MosaicError, PackedRows, Selection, Side,
+    SideStrategy,
+};
+use ndarray::{Array2, Array3, ArrayView2, Axis};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tolerances::*;
+
+/// Outcome of one check: `Err` carries a human-readable description of the mismatch.
+pub type Check = Result<(), String>;
+
+/// Head dims the properties sweep (issue 3).
+pub const HEAD_DIMS: [usize; 6] = [32, 64, 80, 96, 128, 256];
+/// GQA ratios the properties sweep.
+pub const GQA_RATIOS: [usize; 4] = [1, 3, 4, 8];
+
+/// Returns the backend if it can run here, or the reason it cannot.
+pub fn available(backend: Box<dyn Backend>) -> Result<Box<dyn Backend>, String> {
+    match backend.availability() {
+        Availability::Available => Ok(backend),
+        Availability::Unavailable(reason) => Err(reason),
+    }
+}
+
+/// Prints the standard skip line (tests then return early; the harness shows them as passed,
+/// so the line is the record; `skipped_backends` in the CPU suite also lists them).
+pub fn report_skip(backend: &str, test: &str, reason: &str) {
+    eprintln!("SKIPPED {backend}::{test}: {reason}");
+}
+
+/// Rows `[n, d]` with structure: every direction of a random mixing matrix
+/// with a decaying scale (a full-rank, decaying spectrum), two outlier
+/// channels, and a little noise. Deterministic from `seed`.
+pub fn structured_rows(n: usize, d: usize, seed: u64) -> Array2<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mix: Vec<f32> = (0..d * d).map(|_| rng.gen_range(-1.0..1.0) / (d as f32).sqrt()).collect();
+    let scale: Vec<f32> = (0..d).map(|c| 4.0 / (1.0 + c as f32)).collect();
+    let out1 = rng.gen_range(0..d);
+    let out2 = (out1 + d / 2) % d;
+    let mut rows = Array2::zeros((n, d));
+    let mut z = vec![0.0f32; d];
+    for mut row in rows.axis_iter_mut(Axis(0)) {
+        for (c, zc) in z.iter_mut().enumerate() {
+            *zc = rng.gen_range(-1.0f32..1.0) * scale[c];
+        }
+        for j in 0..d {
+            let mut v = rng.gen_range(-0.05f32..0.05);
+            for (c, zc) in z.iter().enumerate() {
+                v += zc * mix[c * d + j];
+            }
+            row[j] = v;
+        }
+        row[out1] += 6.0;
+        row[out2] -= 3.0 * rng.gen_range(0.5f32..1.5);
+    }
+    rows
+}
+
+/// K/V `[tokens, kv_heads, head_dim]` built from [`structured_rows`], one seed per head and side.
+pub fn structured_kv(tokens: usize, kv_heads: usize, head_dim: usize, seed: u64) -> (Array3<f32>, Array3<f32>) {
+    let mut k = Array3::zeros((tokens, kv_heads, head_dim));
+    let mut v = Array3::zeros((tokens, kv_heads, head_dim));
+    for h in 0..kv_heads {
+        let kr = structured_rows(tokens, head_dim, seed.wrapping_mul(31).wrapping_add(2 * h as u64));
+        let vr = structured_rows(tokens, head_dim, seed.wrapping_mul(31).wrapping_add(2 * h as u64 + 1));
+        k.index_axis_mut(Axis(1), h).assign(&kr);
+        v.index_axis_mut(Axis(1), h).assign(&vr);
+    }
+    (k, v)
+}
+
+/// Queries `[q_heads, head_dim]`, uniform in [-1, 1) scaled by `1/sqrt(d)`-ish so logits are O(1-10).
+pub fn queries(q_heads: usize, head_dim: usize, seed: u64) -> Array2<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9);
+    let s = 2.0 / (head_dim as f32).sqrt();
+    Array2::from_shape_fn((q_heads, head_dim), |_| rng.gen_range(-1.0f32..1.0) * s)
+}
+
+fn max_abs_diff(a: impl IntoIterator<Item = f64>, b: impl IntoIterator<Item = f64>) -> f64 {
+    a.into_iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+/// Relative L2 distance `||a - b|| / ||b||` (0 when both are zero).
+pub fn rel_l2(a: ArrayView2<f32>, b: ArrayView2<f32>) -> f64 {
+    let mut num = 0.0f64;
+    let mut den = 0.0f64;
+    for (x, y) in a.iter().zip(b.iter()) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// SPEC 3, 11: the candidate's fitted side strategy matches the reference's:
+/// identical layout (r, g, kept dims, dtype), rotation within `ROTATION_ABS`,
+/// fit loss within `FIT_LOSS_ABS`. Only for rows with a separated spectrum.
+pub fn check_fit_side(cand: &dyn Backend, rows: ArrayView2<f32>, side: Side, cfg: &CompressConfig) -> Check {
+    let want = ReferenceBackend.fit_side(rows, side, cfg).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.fit_side(rows, side, cfg).map_err(|e| format!("candidate failed: {e}"))?;
+    if want.layout != got.layout {
+        return Err(format!("layout differs: reference {:?}, candidate {:?}", want.layout, got.layout));
+    }
+    let d = rows.ncols();
+    // Eigenvalues of C = X^T X along the reference's columns; only columns
+    // separated from their neighbours by >= 1e-3 of the largest eigenvalue
+    // have a well-defined direction to compare (see ROTATION_ABS).
+    let lambda: Vec<f64> = (0..d)
+        .map(|j| {
+            rows.axis_iter(Axis(0))
+                .map(|x| (0..d).map(|i| x[i] as f64 * want.rotation[i * d + j] as f64).sum::<f64>().powi(2))
+                .sum()
+        })
+        .collect();
+    let top = lambda.iter().cloned().fold(f64::MIN_POSITIVE, f64::max);
+    for j in 0..d {
+        let gap_lo = if j > 0 { lambda[j - 1] - lambda[j] } else { f64::INFINITY };
+        let gap_hi = if j + 1 < d { lambda[j] - lambda[j + 1] } else { f64::INFINITY };
+        if gap_lo.min(gap_hi) < 1e-3 * top {
+            continue;
+        }
+        let diff = (0..d)
+            .map(|i| (want.rotation[i * d + j] as f64 - got.rotation[i * d + j] as f64).abs())
+            .fold(0.0, f64::max);
+        if diff > ROTATION_ABS {
+            return Err(format!("rotation column {j} differs by {diff:e} > {ROTATION_ABS:e}"));
+        }
+    }
+    if (want.fit_loss - got.fit_loss).abs() > FIT_LOSS_ABS {
+        return Err(format!("fit_loss {} vs {}", want.fit_loss, got.fit_loss));
+    }
+    Ok(())
+}
+
+/// SPEC 5-6: encoding the same rows with the same strategy gives the same bytes.
+pub fn check_encode(cand: &dyn Backend, rows: ArrayView2<f32>, side: &SideStrategy) -> Check {
+    let want = ReferenceBackend.encode(rows, side).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.encode(rows, side).map_err(|e| format!("candidate failed: {e}"))?;
+    if want.count != got.count {
+        return Err(format!("record count {} vs {}", want.count, got.count));
+    }
+    if let Some(i) = want.bytes.iter().zip(&got.bytes).position(|(a, b)| a != b) {
+        let rb = side.layout.record_bytes();
+        return Err(format!("packed bytes differ first at byte {i} (record {}, offset {})", i / rb, i % rb));
+    }
+    if want.bytes.len() != got.bytes.len() {
+        return Err(format!("packed length {} vs {}", want.bytes.len(), got.bytes.len()));
+    }
+    Ok(())
+}
+
+/// SPEC 6: decoding is exact (f16 to f32), so outputs must be bit-identical.
+pub fn check_decode(cand: &dyn Backend, packed: &PackedRows, side: &SideStrategy) -> Check {
+    let want = ReferenceBackend.decode(packed, side).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.decode(packed, side).map_err(|e| format!("candidate failed: {e}"))?;
+    if want.shape() != got.shape() {
+        return Err(format!("decoded shape {:?} vs {:?}", want.shape(), got.shape()));
+    }
+    match want.iter().zip(got.iter()).position(|(a, b)| a.to_bits() != b.to_bits()) {
+        Some(i) => Err(format!("decoded value {i} differs")),
+        None => Ok(()),
+    }
+}
+
+/// SPEC 7: metadata is exact (min/max of f16 values).
+pub fn check_block_meta(cand: &dyn Backend, keys: &PackedRows, side: &SideStrategy, block_size: usize) -> Check {
+    let want = ReferenceBackend.block_meta(keys, side, block_size).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.block_meta(keys, side, block_size).map_err(|e| format!("candidate failed: {e}"))?;
+    if want != got {
+        return Err("block metadata differs".into());
+    }
+    Ok(())
+}
+
+/// SPEC 8.1 within `ROTATE_QUERY_REL` of `||q||`.
+pub fn check_rotate_queries(cand: &dyn Backend, queries: ArrayView2<f32>, side: &SideStrategy) -> Check {
+    let want = ReferenceBackend.rotate_queries(queries, side).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.rotate_queries(queries, side).map_err(|e| format!("candidate failed: {e}"))?;
+    if want.shape() != got.shape() {
+        return Err(format!("shape {:?} vs {:?}", want.shape(), got.shape()));
+    }
+    for (h, q) in queries.axis_iter(Axis(0)).enumerate() {
+        let norm = q.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+        let d = max_abs_diff(
+            want.row(h).iter().map(|x| *x as f64),
+            got.row(h).iter().map(|x| *x as f64),
+        );
+        if d > ROTATE_QUERY_REL * norm {
+            return Err(format!("head {h}: rotated query differs by {d:e} (|q| = {norm:e})"));
+        }
+    }
+    Ok(())
+}
+
+/// Scale used for score tolerances: `sum_j |q'_j| * max(|M_j|, |m_j|)`, max over group and blocks.
+fn score_scale(meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> f64 {
+    let dt = meta.kept_dims;
+    let mut scale = f64::MIN_POSITIVE;
+    for b in 0..meta.blocks() {
+        for q in rq.axis_iter(Axis(0)) {
+            let mut s = 0.0f64;
+            for j in 0..dt {
+                let m = (meta.max[b * dt + j].to_f64().abs()).max(meta.min[b * dt + j].to_f64().abs());
+                s += (q[j] as f64).abs() * m;
+            }
+            scale = scale.max(s);
+        }
+    }
+    scale
+}
+
+/// SPEC 8.2 within `SCORE_REL` of the score scale.
+pub fn check_score(cand: &dyn Backend, meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> Check {
+    let want = ReferenceBackend.score_blocks(meta, rq).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.score_blocks(meta, rq).map_err(|e| format!("candidate failed: {e}"))?;
+    if want.len() != got.len() {
+        return Err(format!("{} scores vs {}", want.len(), got.len()));
+    }
+    let tol = SCORE_REL * score_scale(meta, rq);
+    let d = max_abs_diff(want.iter().map(|x| *x as f64), got.iter().map(|x| *x as f64));
+    if d > tol {
+        return Err(format!("scores differ by {d:e} > {tol:e}"));
+    }
+    Ok(())
+}
+
+/// SPEC 8.3: identical scores give identical selections.
+pub fn check_select(cand: &dyn Backend, scores: &[f32], lens: &[usize], budget: usize) -> Check {
+    let want = ReferenceBackend.select_blocks(scores, lens, budget).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.select_blocks(scores, lens, budget).map_err(|e| format!("candidate failed: {e}"))?;
+    if want != got {
+        return Err(format!("selection differs: reference {want:?}, candidate {got:?}"));
+    }
+    Ok(())
+}
+
+/// SPEC 8 on a whole cache. Selections must be equal, except that blocks whose
+/// reference scores are within `NEAR_TIE_REL` of the budget boundary may swap.
+pub fn check_cache_select(cand: &dyn Backend, cache: &CompressedCache, queries: ArrayView2<f32>) -> Check {
+    let want = ReferenceBackend.select(cache, queries).map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand.select(cache, queries).map_err(|e| format!("candidate failed: {e}"))?;
+    if want == got {
+        return Ok(());
+    }
+    if want.per_head.len() != got.per_head.len() {
+        return Err(format!("{} heads vs {}", want.per_head.len(), got.per_head.len()));
+    }
+    let g = cache.shape.group();
+    for (h, (w, c)) in want.per_head.iter().zip(&got.per_head).enumerate() {
+        if w == c {
+            continue;
+        }
+        // Reference scores of every block of this head, to judge near ties.
+        let mut scores = std::collections::HashMap::new();
+        let mut scale = f64::MIN_POSITIVE;
+        let qh = queries.slice(ndarray::s![h * g..(h + 1) * g, ..]);
+        for (si, seg) in cache.segments.iter().enumerate() {
+            let hs = &seg.heads[h];
+            let rq = ReferenceBackend.rotate_queries(qh, &hs.strategy.key).map_err(|e| e.to_string())?;
+            let s = ReferenceBackend.score_blocks(&hs.meta, rq.view()).map_err(|e| e.to_string())?;
+            scale = scale.max(score_scale(&hs.meta, rq.view()));
+            for (bi, x) in s.into_iter().enumerate() {
+                scores.insert((si as u32, bi as u32), x as f64);
+            }
+        }
+        let only_w: Vec<_> = w.iter().filter(|b| !c.contains(b)).collect();
+        let only_c: Vec<_> = c.iter().filter(|b| !w.contains(b)).collect();
+        let boundary = w.iter().map(|b| scores[b]).fold(f64::INFINITY, f64::min);
+        for b in only_w.iter().chain(&only_c) {
+            let s = scores.get(b).copied().unwrap_or(f64::NEG_INFINITY);
+            if (s - boundary).abs() > NEAR_TIE_REL * scale {
+                return Err(format!(
+                    "head {h}: block {b:?} (score {s}) differs, not a near tie with the boundary {boundary}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// SPEC 9 for a given selection: output within `ATTEND_REL_L2` of the reference.
+/// The output is poisoned with NaN first and must come back fully written.
+pub fn check_attend_selected(cand: &dyn Backend, cache: &CompressedCache, queries: ArrayView2<f32>) -> Check {
+    let sel: Selection = ReferenceBackend.select(cache, queries).map_err(|e| format!("reference failed: {e}"))?;
+    let shape = (cache.shape.q_heads, cache.shape.head_dim);
+    let mut want = Array2::<f32>::from_elem(shape, f32::NAN);
+    ReferenceBackend
+        .attend_selected(cache, queries, &sel, want.view_mut())
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let mut got = Array2::<f32>::from_elem(shape, f32::NAN);
+    cand.attend_selected(cache, queries, &sel, got.view_mut())
+        .map_err(|e| format!("candidate failed: {e}"))?;
+    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+        return Err(format!("output element {i} not written (or not finite)"));
+    }
+    let e = rel_l2(got.view(), want.view());
+    if e > ATTEND_REL_L2 {
+        return Err(format!("attention rel L2 {e:e} > {ATTEND_REL_L2:e}"));
+    }
+    Ok(())
+}
+
+/// Runs every stage check on one head's rows: fit (when the spectrum is
+/// separated, i.e. enough rows), encode, decode, metadata, query rotation,
+/// scores, selection.
+pub fn check_stages(cand: &dyn Backend, tokens: usize, head_dim: usize, group: usize, seed: u64, cfg: &CompressConfig) -> Check {
+    let rows = structured_rows(tokens, head_dim, seed);
+    if tokens >= 4 * head_dim {
+        check_fit_side(cand, rows.view(), Side::Key, cfg).map_err(|e| format!("fit_side(K): {e}"))?;
+        check_fit_side(cand, rows.view(), Side::Value, cfg).map_err(|e| format!("fit_side(V): {e}"))?;
+    }
+    let side = ReferenceBackend.fit_side(rows.view(), Side::Key, cfg).map_err(|e| e.to_string())?;
+    check_encode(cand, rows.view(), &side).map_err(|e| format!("encode: {e}"))?;
+    let packed = ReferenceBackend.encode(rows.view(), &side).map_err(|e| e.to_string())?;
+    check_decode(cand, &packed, &side).map_err(|e| format!("decode: {e}"))?;
+    for &b in &cfg.block_sizes {
+        check_block_meta(cand, &packed, &side, b).map_err(|e| format!("block_meta(b={b}): {e}"))?;
+    }
+    let b = cfg.block_sizes[0];
+    let meta = ReferenceBackend.block_meta(&packed, &side, b).map_err(|e| e.to_string())?;
+    let q = queries(group, head_dim, seed);
+    check_rotate_queries(cand, q.view(), &side).map_err(|e| format!("rotate_queries: {e}"))?;
+    let rq = ReferenceBackend.rotate_queries(q.view(), &side).map_err(|e| e.to_string())?;
+    check_score(cand, &meta, rq.view()).map_err(|e| format!("score_blocks: {e}"))?;
+    let scores = ReferenceBackend.score_blocks(&meta, rq.view()).map_err(|e| e.to_string())?;
+    let lens: Vec<usize> = (0..meta.blocks()).map(|i| meta.block_len(i)).collect();
+    let budget = cfg.budget_tokens(tokens);
+    check_select(cand, &scores, &lens, budget).map_err(|e| format!("select_blocks: {e}"))?;
+    Ok(())
+}
+
+/// Builds a reference MosaicCache from a prefill plus `appends` generated tokens.
+pub fn reference_cache(shape: KvShape, cfg: &CompressConfig, prompt: usize, appends: usize, seed: u64) -> Result<CompressedCache, MosaicError> {
+    let (k, v) = structured_kv(prompt + appends, shape.kv_heads, shape.head_dim, seed);
+    let mut cache = mosaickv_reference::MosaicCache::new(shape, cfg.clone())?;
+    cache.prefill(k.slice(ndarray::s![..prompt, .., ..]), v.slice(ndarray::s![..prompt, .., ..]))?;
+    for t in prompt..prompt + appends {
+        cache.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))?;
+    }
+    Ok(cache.compressed().clone())
+}
+
+/// SPEC 8-9 on whole caches built by the reference: selection and attention.
+pub fn check_cache_attention(cand: &dyn Backend, shape: KvShape, cfg: &CompressConfig, prompt: usize, appends: usize, seed: u64) -> Check {
+    let cache = reference_cache(shape, cfg, prompt, appends, seed).map_err(|e| format!("building cache: {e}"))?;
+    let q = queries(shape.q_heads, shape.head_dim, seed);
+    if cache.is_empty() {
+        return check_same_error(cand, &cache, q.view(), Some(MosaicError::EmptyCache));
+    }
+    check_cache_select(cand, &cache, q.view()).map_err(|e| format!("select: {e}"))?;
+    check_attend_selected(cand, &cache, q.view()).map_err(|e| format!("attend_selected: {e}"))
+}
+
+/// Bad input gives the same error in both backends (and, if given, the expected one).
+pub fn check_same_error(cand: &dyn Backend, cache: &CompressedCache, queries: ArrayView2<f32>, expected: Option<MosaicError>) -> Check {
+    let shape = (cache.shape.q_heads, cache.shape.head_dim);
+    let mut o1 = Array2::<f32>::zeros(shape);
+    let mut o2 = Array2::<f32>::zeros(shape);
+    let want = ReferenceBackend.attend(cache, queries, o1.view_mut());
+    let got = cand.attend(cache, queries, o2.view_mut());
+    match (&want, &got) {
+        (Err(a), Err(b)) if a == b => match expected {
+            Some(e) if &e != a => Err(format!("both gave {a}, expected {e}")),
+            _ => Ok(()),
+        },
+        _ => Err(format!("reference {want:?}, candidate {got:?}")),
+    }
+}
+
+/// NaN/Inf in queries and in rows to encode give identical `NonFinite` errors.
+pub fn check_nonfinite(cand: &dyn Backend, head_dim: usize, seed: u64, cfg: &CompressConfig) -> Check {
+    let shape = KvShape::new(2, 4, head_dim).map_err(|e| e.to_string())?;
+    let cache = reference_cache(shape, cfg, 40, 0, seed).map_err(|e| e.to_string())?;
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut q = queries(4, head_dim, seed);
+        q[[1, head_dim / 2]] = bad;
+        check_same_error(cand, &cache, q.view(), Some(MosaicError::NonFinite { what: "queries", index: head_dim + head_dim / 2 }))
+            .map_err(|e| format!("query {bad}: {e}"))?;
+        let mut rows = structured_rows(20, head_dim, seed);
+        rows[[7, 3]] = bad;
+        let side = &cache.segments[0].heads[0].strategy.key;
+        let want = ReferenceBackend.encode(rows.view(), side);
+        let got = cand.encode(rows.view(), side);
+        match (&want, &got) {
+            (Err(MosaicError::NonFinite { .. }), Err(_)) if want == got => {}
+            _ => return Err(format!("encode with {bad}: reference {want:?}, candidate {got:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// Stamps the conformance suite out for one backend: `conformance_suite!(mod_name, || -> Box<dyn Backend>)`.
+/// Unavailable backends make every test print `SKIPPED ... : reason` and return.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($name:ident, $make:expr) => {
+        mod $name {
+            use super::*;
+            use $crate::*;
+            use mosaickv_spec::{Backend, CompressConfig, KvShape};
+            use proptest::prelude::*;
+
+            fn backend(test: &str) -> Option<Box<dyn Backend>> {
+                let make: fn() -> Box<dyn Backend> = $make;
+                match available(make()) {
+                    Ok(b) => Some(b),
+                    Err(reason) => {
+                        report_skip(stringify!($name), test, &reason);
+                        None
+                    }
+                }
+            }
+
+            fn configs() -> Vec<CompressConfig> {
+                let mut small = CompressConfig::default();
+                small.input_segment_len = 96;
+                small.buffer_capacity = 64;
+                small.max_segment_len = 256;
+                let mut fixed = CompressConfig::paper_fixed();
+                fixed.input_segment_len = 80;
+                fixed.buffer_capacity = 32;
+                fixed.max_segment_len = 128;
+                vec![CompressConfig::default(), small, fixed]
+            }
+
+            #[test]
+            fn stages_every_head_dim() {
+                let Some(b) = backend("stages_every_head_dim") else { return };
+                for cfg in configs() {
+                    for &d in &HEAD_DIMS {
+                        for &n in &[0usize, 1, 15, 16, 17, 33, 127, 4 * d + 3] {
+                            check_stages(b.as_ref(), n, d, 4, (d * 1000 + n) as u64, &cfg)
+                                .unwrap_or_else(|e| panic!("D={d} n={n}: {e}"));
+                        }
+                    }
+                }
+            }
+
+            #[test]
+            fn cache_attention_gqa_and_lengths() {
+                let Some(b) = backend("cache_attention_gqa_and_lengths") else { return };
+                for (ci, cfg) in configs().iter().enumerate() {
+                    for &ratio in &GQA_RATIOS {
+                        for &(prompt, appends) in &[(0usize, 0usize), (1, 0), (3, 2), (20, 0), (100, 37), (250, 200)] {
+                            let shape = KvShape::new(2, 2 * ratio, 64).unwrap();
+                            check_cache_attention(b.as_ref(), shape, cfg, prompt, appends, (ci * 100 + ratio) as u64)
+                                .unwrap_or_else(|e| panic!("cfg {ci} gqa {ratio} prompt {prompt} appends {appends}: {e}"));
+                        }
+                    }
+                }
+            }
+
+            #[test]
+            fn large_cache_attention() {
+                let Some(b) = backend("large_cache_attention") else { return };
+                let shape = KvShape::new(2, 8, 128).unwrap();
+                let mut cfg = CompressConfig::default();
+                cfg.input_segment_len = 1024;
+                check_cache_attention(b.as_ref(), shape, &cfg, 3000, 130, 7).unwrap_or_else(|e| panic!("{e}"));
+            }
+
+            #[test]
+            fn nonfinite_inputs_same_error() {
+                let Some(b) = backend("nonfinite_inputs_same_error") else { return };
+                for &d in &[32usize, 80, 128] {
+                    check_nonfinite(b.as_ref(), d, d as u64, &CompressConfig::default()).unwrap_or_else(|e| panic!("D={d}: {e}"));
+                }
+            }
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+                #[test]
+                fn prop_stages(d_idx in 0usize..6, n in 0usize..300, group_idx in 0usize..4, seed in any::<u64>(), cfg_idx in 0usize..3) {
+                    let Some(b) = backend("prop_stages") else { return Ok(()) };
+                    let d = HEAD_DIMS[d_idx];
+                    let cfg = &configs()[cfg_idx];
+                    let r = check_stages(b.as_ref(), n, d, GQA_RATIOS[group_idx], seed, cfg);
+                    prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                }
+
+                #[test]
+                fn prop_cache_attention(d_idx in 0usize..6, prompt in 0usize..400, appends in 0usize..150, ratio_idx in 0usize..4, kv in 1usize..3, seed in any::<u64>(), cfg_idx in 0usize..3) {
+                    let Some(b) = backend("prop_cache_attention") else { return Ok(()) };
+                    let shape = KvShape::new(kv, kv * GQA_RATIOS[ratio_idx], HEAD_DIMS[d_idx]).unwrap();
+                    let cfg = &configs()[cfg_idx];
+                    let r = check_cache_attention(b.as_ref(), shape, cfg, prompt, appends, seed);
+                    prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                }
+            }
+
+            /// quickcheck: identical scores give identical selections, for any scores and budgets.
+            #[test]
+            fn quickcheck_select() {
+                let Some(_) = backend("quickcheck_select") else { return };
+                fn prop(scores: Vec<i8>, lens_seed: u8, budget: u16) -> bool {
+                    let Some(b) = backend("quickcheck_select") else { return true };
+                    // Small integer scores make ties frequent: the tie rule is what is tested.
+                    let scores: Vec<f32> = scores.iter().map(|s| *s as f32 / 4.0).collect();
+                    let lens: Vec<usize> = (0..scores.len()).map(|i| 1 + (i * 7 + lens_seed as usize) % 32).collect();
+                    let total: usize = lens.iter().sum();
+                    let budget = budget as usize % (total + 2);
+                    check_select(b.as_ref(), &scores, &lens, budget).is_ok()
+                }
+                quickcheck::QuickCheck::new().tests(300).quickcheck(prop as fn(Vec<i8>, u8, u16) -> bool);
+            }
+        }
+    };
+}
