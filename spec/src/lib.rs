@@ -8,6 +8,7 @@ pub mod cache;
 pub mod config;
 pub mod error;
 pub mod layout;
+pub mod persist;
 pub mod traits;
 pub mod validate;
 

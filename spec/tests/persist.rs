@@ -1,0 +1,337 @@
+//! The on-disk format (SPEC.md section 15): exact round trip, and every
+//! truncation and byte flip of a saved cache is an error, never a panic.
+
+use mosaickv_spec::cache::{CompressedCache, DenseRows, HeadSegment, Segment, SegmentState};
+use mosaickv_spec::config::{ChannelPolicy, CompressConfig, KvShape};
+use mosaickv_spec::layout::{BlockMeta, PackedRows, RecordLayout, SideStrategy, Strategy, ValueDtype};
+use mosaickv_spec::persist::{read_cache, read_dense, write_cache, write_dense, FORMAT_VERSION};
+use mosaickv_spec::{f16, MosaicError};
+
+/// splitmix64: deterministic test data without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+const KV: usize = 2;
+const D: usize = 8;
+
+fn dense(rng: &mut Rng, tokens: usize) -> DenseRows {
+    let n = tokens * KV * D;
+    DenseRows {
+        tokens,
+        keys: (0..n).map(|_| f16::from_f32(rng.f32())).collect(),
+        values: (0..n).map(|_| f16::from_f32(rng.f32())).collect(),
+    }
+}
+
+/// `count` valid records of `layout`: r/g random groups set, random values, zero padding.
+fn packed(rng: &mut Rng, layout: &RecordLayout, count: usize) -> PackedRows {
+    let rb = layout.record_bytes();
+    let mut bytes = vec![0u8; count * rb];
+    for rec in bytes.chunks_exact_mut(rb) {
+        let mut chosen = Vec::new();
+        while chosen.len() < layout.kept_groups() {
+            let g = rng.below(layout.groups());
+            if !chosen.contains(&g) {
+                chosen.push(g);
+            }
+        }
+        let mut word = 0u64;
+        for g in chosen {
+            word |= 1 << g;
+        }
+        rec[..8].copy_from_slice(&word.to_le_bytes());
+        for i in 0..layout.r {
+            let v = f16::from_f32(rng.f32()).to_le_bytes();
+            rec[8 + 2 * i..10 + 2 * i].copy_from_slice(&v);
+        }
+    }
+    PackedRows { count, bytes }
+}
+
+fn side(rng: &mut Rng, kept_dims: usize, r: usize, g: usize) -> SideStrategy {
+    SideStrategy {
+        layout: RecordLayout {
+            head_dim: D,
+            kept_dims,
+            r,
+            group_size: g,
+            dtype: ValueDtype::F16,
+        },
+        rotation: (0..D * D).map(|_| rng.f32()).collect(),
+        fit_loss: rng.f32().abs() as f64 / 7.0,
+    }
+}
+
+fn head(rng: &mut Rng, tokens: usize, block_size: usize) -> HeadSegment {
+    let key = side(rng, 6, 2, 1);
+    let value = side(rng, 6, 4, 2);
+    let keys = packed(rng, &key.layout, tokens);
+    let values = packed(rng, &value.layout, tokens);
+    let n = tokens.div_ceil(block_size) * 6;
+    let meta = BlockMeta {
+        block_size,
+        kept_dims: 6,
+        tokens,
+        min: (0..n).map(|_| f16::from_f32(-rng.f32().abs())).collect(),
+        max: (0..n).map(|_| f16::from_f32(rng.f32().abs())).collect(),
+    };
+    HeadSegment {
+        strategy: Strategy { key, value, block_size },
+        keys,
+        values,
+        meta,
+    }
+}
+
+fn config() -> CompressConfig {
+    CompressConfig {
+        channels: ChannelPolicy::Fixed {
+            retention: 0.3,
+            group_size: 2,
+        },
+        token_rate: 0.1 + 0.2,
+        block_sizes: vec![4, 8],
+        sink_tokens: 2,
+        buffer_capacity: 16,
+        max_segment_len: 64,
+        input_segment_len: 10,
+        ..CompressConfig::default()
+    }
+}
+
+/// Sink 2 tokens, a closed segment of 10, an open one of 16, a buffer of 5,
+/// host rows for the 21 open + buffer tokens.
+fn sample() -> (CompressedCache, Vec<f32>, Vec<f32>) {
+    let mut rng = Rng(7);
+    let shape = KvShape::new(KV, 2 * KV, D).unwrap();
+    let mut cache = CompressedCache::new(shape, config());
+    cache.sink = dense(&mut rng, 2);
+    cache.segments.push(Segment {
+        start: 2,
+        len: 10,
+        state: SegmentState::Closed,
+        heads: (0..KV).map(|_| head(&mut rng, 10, 4)).collect(),
+    });
+    cache.segments.push(Segment {
+        start: 12,
+        len: 16,
+        state: SegmentState::Open,
+        heads: (0..KV).map(|_| head(&mut rng, 16, 8)).collect(),
+    });
+    cache.buffer = dense(&mut rng, 5);
+    let n = 21 * KV * D;
+    let hk = (0..n).map(|_| rng.f32()).collect();
+    let hv = (0..n).map(|_| rng.f32()).collect();
+    (cache, hk, hv)
+}
+
+fn save(cache: &CompressedCache, hk: &[f32], hv: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_cache(&mut out, cache, hk, hv).expect("write");
+    out
+}
+
+#[test]
+fn round_trip_is_exact() {
+    let (cache, hk, hv) = sample();
+    let bytes = save(&cache, &hk, &hv);
+    let (c2, hk2, hv2) = read_cache(&bytes).expect("read");
+    assert_eq!(c2, cache);
+    assert_eq!(hk2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), hk.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert_eq!(hv2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), hv.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    // Bit-exact: writing what was read gives the same bytes.
+    assert_eq!(save(&c2, &hk2, &hv2), bytes);
+    assert_eq!(&bytes[..8], b"MOSAICKV");
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), FORMAT_VERSION);
+}
+
+#[test]
+fn round_trip_without_host_rows_and_segments() {
+    let (mut cache, _, _) = sample();
+    let bytes = save(&cache, &[], &[]);
+    let (c2, hk, hv) = read_cache(&bytes).unwrap();
+    assert_eq!(c2, cache);
+    assert!(hk.is_empty() && hv.is_empty());
+    cache.segments.clear();
+    cache.buffer = DenseRows::default();
+    let (c3, _, _) = read_cache(&save(&cache, &[], &[])).unwrap();
+    assert_eq!(c3, cache);
+}
+
+#[test]
+fn write_refuses_inconsistent_caches() {
+    let (cache, hk, hv) = sample();
+    // Host rows for the wrong number of tokens.
+    let mut out = Vec::new();
+    let e = write_cache(&mut out, &cache, &hk[..hk.len() - KV * D], &hv[..hv.len() - KV * D]).unwrap_err();
+    assert!(matches!(e, MosaicError::ShapeMismatch { what: "host rows", .. }), "{e}");
+    // An open segment that is not the last one.
+    let mut c = cache.clone();
+    c.segments[0].state = SegmentState::Open;
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+    // A gap between segments.
+    let mut c = cache.clone();
+    c.segments[1].start += 1;
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+    // A record with a bad bitmap.
+    let mut c = cache.clone();
+    c.segments[0].heads[1].keys.bytes[0] ^= 0xff;
+    let e = write_cache(&mut Vec::new(), &c, &hk, &hv).unwrap_err();
+    assert!(matches!(e, MosaicError::CorruptPacked(_)), "{e}");
+    // Metadata of the wrong length.
+    let mut c = cache;
+    c.segments[1].heads[0].meta.min.pop();
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+}
+
+fn is_format_error(e: &MosaicError) -> bool {
+    matches!(e, MosaicError::BadFormat(_) | MosaicError::CorruptPacked(_))
+}
+
+#[test]
+fn every_truncation_is_bad_format() {
+    let (cache, hk, hv) = sample();
+    let bytes = save(&cache, &hk, &hv);
+    for len in 0..bytes.len() {
+        match read_cache(&bytes[..len]) {
+            Err(e) => assert!(is_format_error(&e), "length {len}: {e}"),
+            Ok(_) => panic!("truncation to {len} of {} bytes loaded", bytes.len()),
+        }
+    }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    let e = read_cache(&longer).unwrap_err();
+    assert!(e.to_string().contains("trailing"), "{e}");
+}
+
+#[test]
+fn random_byte_flips_are_bad_format() {
+    let (cache, hk, hv) = sample();
+    let bytes = save(&cache, &hk, &hv);
+    let mut rng = Rng(42);
+    for _ in 0..600 {
+        let mut b = bytes.clone();
+        let pos = rng.below(b.len());
+        let mask = 1 + rng.below(255) as u8;
+        b[pos] ^= mask;
+        match read_cache(&b) {
+            Err(e) => assert!(is_format_error(&e), "flip at {pos}: {e}"),
+            Ok((c, k, v)) => {
+                assert!(c == cache && k == hk && v == hv, "flip at {pos} loaded different content");
+                panic!("flip at {pos} went unnoticed");
+            }
+        }
+    }
+}
+
+/// Recomputes every CRC, so mutations reach the structural checks behind them.
+fn resign(b: &mut [u8]) {
+    let crc = crc32fast::hash(&b[..16]);
+    b[16..20].copy_from_slice(&crc.to_le_bytes());
+    let count = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+    let mut pos = 24;
+    for _ in 0..count {
+        if pos + 16 > b.len() {
+            return;
+        }
+        let len = u64::from_le_bytes(b[pos + 8..pos + 16].try_into().unwrap()) as usize;
+        let end = (pos + 16).saturating_add(len).min(b.len());
+        let mut h = crc32fast::Hasher::new();
+        h.update(&b[pos..pos + 4]);
+        h.update(&b[pos + 8..pos + 16]);
+        h.update(&b[pos + 16..end]);
+        let crc = h.finalize();
+        b[pos + 4..pos + 8].copy_from_slice(&crc.to_le_bytes());
+        pos = end;
+    }
+}
+
+#[test]
+fn resigned_mutations_never_panic() {
+    let (cache, hk, hv) = sample();
+    let bytes = save(&cache, &hk, &hv);
+    let mut rng = Rng(3);
+    let (mut errors, mut loaded) = (0, 0);
+    for _ in 0..600 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + rng.below(3) {
+            let pos = rng.below(b.len());
+            b[pos] ^= 1 << rng.below(8);
+        }
+        resign(&mut b);
+        match read_cache(&b) {
+            Err(e) => {
+                assert!(is_format_error(&e), "{e}");
+                errors += 1;
+            }
+            // A flipped value or rotation byte is a different but valid cache;
+            // it must save and load back to itself.
+            Ok((c, k, v)) => {
+                let first = save(&c, &k, &v);
+                let (c2, k2, v2) = read_cache(&first).expect("a loaded cache re-saves");
+                assert!(save(&c2, &k2, &v2) == first, "re-saved cache differs");
+                loaded += 1;
+            }
+        }
+    }
+    assert!(errors > 0 && loaded > 0, "errors {errors}, loaded {loaded}");
+}
+
+#[test]
+fn other_version_is_named() {
+    let (cache, hk, hv) = sample();
+    let mut b = save(&cache, &hk, &hv);
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 2")), "{e}");
+    let e = read_cache(b"NOTMOSAIC and more bytes").unwrap_err();
+    assert!(e.to_string().contains("magic"), "{e}");
+}
+
+#[test]
+fn resigned_bad_bitmap_is_corrupt_packed() {
+    let (cache, hk, hv) = sample();
+    let clean = save(&cache, &hk, &hv);
+    // Find the first key record of segment 0 head 0 by its bytes.
+    let rec = cache.segments[0].heads[0].keys.record(&cache.segments[0].heads[0].strategy.key.layout, 0).to_vec();
+    let pos = clean.windows(rec.len()).position(|w| w == rec.as_slice()).unwrap();
+    let mut b = clean.clone();
+    b[pos] = 0xff; // popcount 8, r/g = 2
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(matches!(e, MosaicError::CorruptPacked(_)), "{e}");
+}
+
+#[test]
+fn dense_file_round_trip_and_kind_check() {
+    let mut rng = Rng(9);
+    let shape = KvShape::new(KV, KV, D).unwrap();
+    let rows = dense(&mut rng, 13);
+    let mut b = Vec::new();
+    write_dense(&mut b, &shape, &rows).unwrap();
+    let (s2, r2) = read_dense(&b).unwrap();
+    assert_eq!((s2, &r2), (shape, &rows));
+    let e = read_cache(&b).unwrap_err();
+    assert!(e.to_string().contains("dense baseline"), "{e}");
+    let (cache, hk, hv) = sample();
+    let e = read_dense(&save(&cache, &hk, &hv)).unwrap_err();
+    assert!(e.to_string().contains("compressed cache"), "{e}");
+    for len in 0..b.len() {
+        assert!(read_dense(&b[..len]).is_err());
+    }
+}
