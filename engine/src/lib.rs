@@ -13,7 +13,7 @@ mod model;
 mod tokenizer;
 
 pub use fetch::{
-    check_gguf_file, default_home, model_path, MODEL_FILE_NAME, MODEL_SHA256, WHEEL_ENTRY,
+    check_gguf_file, default_home, model_path, sha256_file, MODEL_FILE_NAME, MODEL_SHA256, WHEEL_ENTRY,
     WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
