@@ -1,0 +1,170 @@
+// common.cuh: helpers shared by every MosaicKV kernel (no CUDA headers needed,
+// so NVRTC compiles each .cu with this file as its only header).
+//
+// Conventions (see spec/SPEC.md):
+// - f16 data is carried as raw IEEE binary16 bits (`u16`), converted with the
+//   PTX `cvt` instructions below (round-to-nearest-even).
+// - Logits are kept in the log2 domain: z2 = (q . k) * log2(e) / sqrt(D), so
+//   softmax weights are exp2(z2 - m2). Partials store m in that domain too.
+// - Every size/offset that can exceed 2^31 is an `i64`.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define MKV_INF __int_as_float(0x7f800000)
+#define MKV_NEG_INF __int_as_float(0xff800000)
+// Largest head_dim any kernel supports; bitmaps then have at most 4 words.
+#define MKV_MAX_D 256
+#define MKV_MAX_WORDS 4
+#define MKV_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float mkv_h2f(u16 h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 mkv_f2h(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// One rounding from f64 to f16 (SPEC.md section 5 step 1: no double rounding via f32).
+__device__ __forceinline__ u16 mkv_d2h(double d) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f64 t, %1; mov.b16 %0, t; }" : "=h"(h) : "d"(d));
+    return h;
+}
+
+__device__ __forceinline__ bool mkv_h_is_finite(u16 h) { return (h & 0x7c00u) != 0x7c00u; }
+
+// Position (0..63) of the k-th (0-based) set bit of a 64-bit word; k < popcount(w).
+__device__ __forceinline__ int mkv_nth_bit64(u64 w, int k) {
+    u32 lo = (u32)w;
+    int clo = __popc(lo);
+    if (k < clo) return (int)__fns(lo, 0u, k + 1);
+    return 32 + (int)__fns((u32)(w >> 32), 0u, k - clo + 1);
+}
+
+// Bit position of the k-th set bit of a bitmap of `words` u64 words, or -1.
+// The loops below run over the MKV_MAX_WORDS slots with constant indices so a
+// caller's bitmap array stays in registers.
+__device__ __forceinline__ int mkv_bitmap_kth(const u64* bm, int words, int k) {
+    int found = -1;
+    #pragma unroll
+    for (int w = 0; w < MKV_MAX_WORDS; ++w) {
+        int c = w < words ? __popcll(bm[w]) : 0;
+        if (found < 0 && k < c) found = 64 * w + mkv_nth_bit64(bm[w], k);
+        k -= c;
+    }
+    return found;
+}
+
+// First set bit strictly after `pos`, or -1.
+__device__ __forceinline__ int mkv_bitmap_next(const u64* bm, int words, int pos) {
+    int found = -1;
+    #pragma unroll
+    for (int w = 0; w < MKV_MAX_WORDS; ++w) {
+        int lo = 64 * w;
+        u64 cur = 0ull;
+        if (w < words && pos + 1 < lo + 64) {
+            int b = pos + 1 - lo;
+            cur = b <= 0 ? bm[w] : (bm[w] & (~0ull << b));
+        }
+        if (found < 0 && cur != 0ull) found = lo + __ffsll((i64)cur) - 1;
+    }
+    return found;
+}
+
+// Value index of rotated dim `d` in a record (SPEC.md section 6), or -1 when
+// its group is not kept: rank of group d/g among kept groups, times g, plus d%g.
+__device__ __forceinline__ int mkv_value_index(const u64* bm, int g, int d) {
+    int k = d / g;
+    int kw = k >> 6;
+    int b = k & 63;
+    int rank = 0;
+    bool set = false;
+    #pragma unroll
+    for (int w = 0; w < MKV_MAX_WORDS; ++w) {
+        if (w < kw) rank += __popcll(bm[w]);
+        if (w == kw) {
+            set = ((bm[w] >> b) & 1ull) != 0ull;
+            rank += __popcll(bm[w] & ((1ull << b) - 1ull));
+        }
+    }
+    return set ? rank * g + (d - k * g) : -1;
+}
+
+// Dims of the (up to) four values `4*c .. 4*c+3` of a record with r values
+// and group size g; -1 for indices >= r.
+__device__ __forceinline__ void mkv_chunk_dims(const u64* bm, int words, int r, int g, int c, int dims[4]) {
+    int pos = -1;
+    int prev_group = -1;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int v = 4 * c + i;
+        if (v >= r) {
+            dims[i] = -1;
+            continue;
+        }
+        int gr = v / g;
+        if (gr != prev_group) {
+            pos = prev_group < 0 ? mkv_bitmap_kth(bm, words, gr) : mkv_bitmap_next(bm, words, pos);
+            prev_group = gr;
+        }
+        dims[i] = pos < 0 ? -1 : pos * g + (v - gr * g);
+    }
+}
+
+__device__ __forceinline__ float mkv_warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MKV_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float mkv_warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MKV_FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over aligned groups of `width` lanes (width a power of two <= 32).
+__device__ __forceinline__ float mkv_group_sum(float v, int width) {
+    for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(MKV_FULL_MASK, v, o);
+    return v;
+}
+
+// Smallest power of two >= x (x >= 1), capped at 32.
+__device__ __forceinline__ int mkv_pow2_lanes(int x) {
+    int p = 1;
+    while (p < x && p < 32) p <<= 1;
+    return p;
+}
+
+// Per (segment, KV head) description of one head's part of a segment, shared
+// by the encode/score/attention kernels. Mirrors `SegHeadDesc` in
+// optimized/src/cuda/layout.rs (80 bytes; checked there at compile time).
+struct SegHead {
+    i64 key_rec_off;   // byte offset of record 0 of the keys in the packed-K buffer
+    i64 val_rec_off;   // byte offset of record 0 of the values in the packed-V buffer
+    i64 key_rot_off;   // f32 offset of R_k (D x D, row-major) in the rotation buffer
+    i64 val_rot_off;   // f32 offset of R_v
+    i64 meta_off;      // u16 offset of block 0's min row (and max row) in the meta buffers
+    int seg_len;       // tokens in the segment
+    int block_size;    // b
+    int key_dt, key_r, key_g, key_rb;  // Dt, r, g, record bytes of the K side
+    int val_dt, val_r, val_g, val_rb;  // same for the V side
+};
+
+// One block of one KV head's global block order (SPEC.md section 8.3).
+struct BlockRef {
+    int gseg;    // global segment index (into the seg tables, batch-flattened)
+    int block;   // block index within the segment
+    int start;   // first token of the block within the segment
+    int len;     // tokens in the block
+};
