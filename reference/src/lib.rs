@@ -1,1 +1,42 @@
-//! mosaickv-reference: filled in by later work.
+//! # mosaickv-reference: the readable oracle of SPEC.md
+//!
+//! One module per step of `spec/SPEC.md`, one plain function per step, each
+//! doc comment naming its section. Arithmetic is f64 wherever SPEC.md says
+//! "reference: f64"; storage is f16 exactly as the contract says. Nothing
+//! here is tuned for speed beyond avoiding needless asymptotic waste: this
+//! crate is what every other backend is checked against.
+//!
+//! | module | SPEC.md |
+//! |---|---|
+//! | [`round`] | notation: f64 -> f16 round-to-nearest-even |
+//! | [`rotation`] | 3 (rotation fit) |
+//! | [`topr`] | 4 (truncation), 5 (per-vector top-r) |
+//! | [`packed`] | 6 (record encode / decode) |
+//! | [`meta`] | 7 (block metadata) |
+//! | [`select`] | 8 (rotated query, block score, top-k under a token budget) |
+//! | [`attention`] | 9 (PackedAttention) |
+//! | [`lifecycle`] | 10 (segments, update buffer, close rule) |
+//! | [`strategy`] | 11 (loss, (r, g), block size) |
+//! | [`baselines`] | 12 (Full, Quest, naive 2-D) |
+//! | [`metrics`] | 16 (relative L2, recall@k) |
+//! | [`synthetic`] | test data with realistic structure (not normative) |
+
+pub mod attention;
+pub mod backend;
+pub mod baselines;
+pub mod lifecycle;
+pub mod meta;
+pub mod metrics;
+pub mod packed;
+pub mod rotation;
+pub mod round;
+pub mod select;
+pub mod strategy;
+pub mod synthetic;
+pub mod topr;
+
+pub use backend::ReferenceBackend;
+pub use baselines::{FullCache, Naive2dCache, QuestCache};
+pub use lifecycle::MosaicCache;
+pub use rotation::fit_rotation_f64;
+pub use strategy::side_loss;

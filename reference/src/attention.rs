@@ -1,0 +1,258 @@
+//! SPEC.md section 9: PackedAttention (what is attended, and how).
+
+use crate::packed::decode_record;
+use crate::select::{check_meta, rotate_query_f64, select};
+use mosaickv_spec::{CompressedCache, DenseRows, KvShape, MosaicError, Result, SegmentState, Selection};
+use ndarray::{ArrayView2, ArrayViewMut2};
+
+fn mismatch(what: &'static str, expected: String, got: String) -> MosaicError {
+    MosaicError::ShapeMismatch { what, expected, got }
+}
+
+fn check_dense(shape: &KvShape, rows: &DenseRows, what: &'static str) -> Result<()> {
+    let want = rows.tokens * shape.kv_heads * shape.head_dim;
+    if rows.keys.len() != want || rows.values.len() != want {
+        return Err(mismatch(
+            what,
+            format!("{want} key and value elements"),
+            format!("{} keys, {} values", rows.keys.len(), rows.values.len()),
+        ));
+    }
+    for (index, v) in rows.keys.iter().chain(&rows.values).enumerate() {
+        if !v.is_finite() {
+            return Err(MosaicError::NonFinite { what, index });
+        }
+    }
+    Ok(())
+}
+
+/// Structural validation of a whole compressed cache (SPEC.md sections 6,
+/// 7, 10, 14): shape and configuration, dense row sizes, contiguous
+/// segments starting after the sink, one head entry per KV head, valid
+/// strategies of this head_dim, record counts and bytes (`CorruptPacked`),
+/// metadata sizes matching the segment and its block size, and at most one
+/// open segment, the last one.
+pub fn check_cache(cache: &CompressedCache) -> Result<()> {
+    let shape = cache.shape;
+    KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+    cache.config.validate(shape.head_dim)?;
+    check_dense(&shape, &cache.sink, "sink")?;
+    check_dense(&shape, &cache.buffer, "buffer")?;
+    let mut next = cache.sink.tokens;
+    for (s, seg) in cache.segments.iter().enumerate() {
+        if seg.start != next || seg.len == 0 {
+            return Err(mismatch("segment", format!("start {next}, len > 0"), format!("start {}, len {}", seg.start, seg.len)));
+        }
+        if seg.state == SegmentState::Open && s + 1 != cache.segments.len() {
+            return Err(mismatch("segment state", "only the last segment open".into(), format!("segment {s} open")));
+        }
+        if seg.heads.len() != shape.kv_heads {
+            return Err(mismatch("segment heads", format!("{}", shape.kv_heads), format!("{}", seg.heads.len())));
+        }
+        for h in &seg.heads {
+            let st = &h.strategy;
+            for (side, rows) in [(&st.key, &h.keys), (&st.value, &h.values)] {
+                side.validate()?;
+                if side.head_dim() != shape.head_dim {
+                    return Err(mismatch("strategy head_dim", format!("{}", shape.head_dim), format!("{}", side.head_dim())));
+                }
+                if rows.count != seg.len {
+                    return Err(mismatch("packed rows", format!("{} records", seg.len), format!("{}", rows.count)));
+                }
+                rows.validate(&side.layout)?;
+            }
+            check_meta(&h.meta)?;
+            if h.meta.tokens != seg.len || h.meta.block_size != st.block_size || h.meta.kept_dims != st.key.layout.kept_dims {
+                return Err(mismatch(
+                    "block metadata",
+                    format!("{} tokens, block {}, {} dims", seg.len, st.block_size, st.key.layout.kept_dims),
+                    format!("{} tokens, block {}, {} dims", h.meta.tokens, h.meta.block_size, h.meta.kept_dims),
+                ));
+            }
+        }
+        next += seg.len;
+    }
+    Ok(())
+}
+
+/// Checks a selection against the cache: one list per KV head, entries
+/// strictly ascending, every `(segment, block)` in range.
+pub fn check_selection(cache: &CompressedCache, selection: &Selection) -> Result<()> {
+    if selection.per_head.len() != cache.shape.kv_heads {
+        return Err(mismatch("selection", format!("{} heads", cache.shape.kv_heads), format!("{}", selection.per_head.len())));
+    }
+    for (j, list) in selection.per_head.iter().enumerate() {
+        for w in list.windows(2) {
+            if w[0] >= w[1] {
+                return Err(mismatch("selection", "strictly ascending blocks".into(), format!("{:?} then {:?}", w[0], w[1])));
+            }
+        }
+        for &(s, b) in list {
+            let ok = cache
+                .segments
+                .get(s as usize)
+                .is_some_and(|seg| (b as usize) < seg.heads[j].meta.blocks());
+            if !ok {
+                return Err(mismatch("selection", "existing (segment, block)".into(), format!("({s}, {b}) for head {j}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where an attended token's value lives.
+enum AttendedValue {
+    /// A sink or buffer row, f16 widened, original basis (D dims).
+    Dense(Vec<f64>),
+    /// A packed row `v^` of segment `segment`, rotated basis (Dt_v dims).
+    Rotated { segment: usize, v: Vec<f64> },
+}
+
+fn dense_dot(q: &[f32], k: &[half::f16]) -> f64 {
+    let mut s = 0.0;
+    for i in 0..q.len() {
+        s += f64::from(q[i]) * f64::from(k[i].to_f32());
+    }
+    s
+}
+
+fn widen(v: &[half::f16]) -> Vec<f64> {
+    v.iter().map(|x| f64::from(x.to_f32())).collect()
+}
+
+/// SPEC.md section 9: attention of queries `[q_heads, D]` over the sink,
+/// the selected blocks and the update buffer, written to `out`.
+///
+/// For query head h of KV head `j = h / G`:
+/// - `z_t = (q . k_t) / sqrt(D)`; sink and buffer keys are their f16 rows;
+///   a packed key contributes `q'_seg . k^_t` (q' from section 8.1, f64);
+/// - `p = softmax(z)` with the max subtracted;
+/// - `o = sum_{sink, buffer} p_t v_t + sum_seg R_v,seg (sum_{t in seg} p_t v^_t)`.
+///
+/// f64 throughout, rounded to f32 at the end. `out` is written only on success.
+pub fn attend_selected(
+    cache: &CompressedCache,
+    queries: ArrayView2<f32>,
+    selection: &Selection,
+    mut out: ArrayViewMut2<f32>,
+) -> Result<()> {
+    let shape = cache.shape;
+    check_cache(cache)?;
+    mosaickv_spec::validate::queries(&shape, &queries, out.shape())?;
+    if cache.is_empty() {
+        return Err(MosaicError::EmptyCache);
+    }
+    check_selection(cache, selection)?;
+    let d = shape.head_dim;
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut result = vec![vec![0.0f32; d]; shape.q_heads];
+    for h in 0..shape.q_heads {
+        let j = h / shape.group();
+        let q: Vec<f32> = queries.row(h).iter().copied().collect();
+        let mut attended: Vec<(f64, AttendedValue)> = Vec::new();
+        for t in 0..cache.sink.tokens {
+            let z = dense_dot(&q, cache.sink.key(&shape, t, j)) * scale;
+            attended.push((z, AttendedValue::Dense(widen(cache.sink.value(&shape, t, j)))));
+        }
+        let mut last_segment = usize::MAX;
+        let mut q_rot: Vec<f64> = Vec::new();
+        for &(s, b) in &selection.per_head[j] {
+            let (s, b) = (s as usize, b as usize);
+            let head = &cache.segments[s].heads[j];
+            if s != last_segment {
+                q_rot = rotate_query_f64(&q, &head.strategy.key);
+                last_segment = s;
+            }
+            let (kl, vl) = (&head.strategy.key.layout, &head.strategy.value.layout);
+            let first = b * head.meta.block_size;
+            for t in first..first + head.meta.block_len(b) {
+                let k_hat = decode_record(kl, head.keys.record(kl, t))?;
+                let v_hat = decode_record(vl, head.values.record(vl, t))?;
+                let mut dot = 0.0;
+                for i in 0..k_hat.len() {
+                    dot += q_rot[i] * f64::from(k_hat[i]);
+                }
+                let v = v_hat.iter().map(|&x| f64::from(x)).collect();
+                attended.push((dot * scale, AttendedValue::Rotated { segment: s, v }));
+            }
+        }
+        for t in 0..cache.buffer.tokens {
+            let z = dense_dot(&q, cache.buffer.key(&shape, t, j)) * scale;
+            attended.push((z, AttendedValue::Dense(widen(cache.buffer.value(&shape, t, j)))));
+        }
+
+        let z_max = attended.iter().map(|a| a.0).fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = attended.iter().map(|a| (a.0 - z_max).exp()).collect();
+        let denom: f64 = weights.iter().sum();
+
+        let mut o = vec![0.0f64; d];
+        let mut rotated_acc: Vec<Option<Vec<f64>>> = vec![None; cache.segments.len()];
+        for ((_, value), w) in attended.iter().zip(&weights) {
+            let p = w / denom;
+            match value {
+                AttendedValue::Dense(v) => {
+                    for i in 0..d {
+                        o[i] += p * v[i];
+                    }
+                }
+                AttendedValue::Rotated { segment, v } => {
+                    let acc = rotated_acc[*segment].get_or_insert_with(|| vec![0.0; v.len()]);
+                    for i in 0..v.len() {
+                        acc[i] += p * v[i];
+                    }
+                }
+            }
+        }
+        // Rotate each segment's accumulated values back once: o_i += sum_j R_v[i][j] acc_j.
+        for (s, acc) in rotated_acc.iter().enumerate() {
+            if let Some(acc) = acc {
+                let r = &cache.segments[s].heads[j].strategy.value.rotation;
+                for i in 0..d {
+                    for (jj, a) in acc.iter().enumerate() {
+                        o[i] += f64::from(r[i * d + jj]) * a;
+                    }
+                }
+            }
+        }
+        for i in 0..d {
+            result[h][i] = o[i] as f32;
+        }
+    }
+    for h in 0..shape.q_heads {
+        for i in 0..d {
+            out[[h, i]] = result[h][i];
+        }
+    }
+    Ok(())
+}
+
+/// SPEC.md sections 8 + 9: one decode step's attention.
+pub fn attend(cache: &CompressedCache, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()> {
+    mosaickv_spec::validate::queries(&cache.shape, &queries, out.shape())?;
+    if cache.is_empty() {
+        return Err(MosaicError::EmptyCache);
+    }
+    let selection = select(cache, queries)?;
+    attend_selected(cache, queries, &selection, out)
+}
+
+/// SPEC.md section 9's attended set as token indices, per query head
+/// (ascending): the sink, every token of the head's selected blocks, the buffer.
+pub fn attended_tokens(cache: &CompressedCache, selection: &Selection) -> Result<Vec<Vec<usize>>> {
+    check_selection(cache, selection)?;
+    let shape = cache.shape;
+    let mut per_kv = Vec::with_capacity(shape.kv_heads);
+    for j in 0..shape.kv_heads {
+        let mut tokens: Vec<usize> = (0..cache.sink.tokens).collect();
+        for &(s, b) in &selection.per_head[j] {
+            let seg = &cache.segments[s as usize];
+            let meta = &seg.heads[j].meta;
+            let first = seg.start + b as usize * meta.block_size;
+            tokens.extend(first..first + meta.block_len(b as usize));
+        }
+        let buffer_start = cache.len() - cache.buffer.tokens;
+        tokens.extend(buffer_start..cache.len());
+        per_kv.push(tokens);
+    }
+    Ok((0..shape.q_heads).map(|h| per_kv[h / shape.group()].clone()).collect())
+}

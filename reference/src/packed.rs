@@ -1,0 +1,114 @@
+//! SPEC.md section 6: the packed record (encode and decode).
+
+use crate::topr::{rotate_row_f64, select_row};
+use mosaickv_spec::layout::{bitmap_word, record_value};
+use mosaickv_spec::validate::finite;
+use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, SideStrategy};
+use ndarray::{Array2, ArrayView2};
+
+/// Checks that rows `[n, D]` match the strategy's `D` and are finite.
+pub fn check_rows(rows: &ArrayView2<f32>, side: &SideStrategy, what: &'static str) -> Result<()> {
+    side.validate()?;
+    if rows.ncols() != side.head_dim() {
+        return Err(MosaicError::ShapeMismatch {
+            what,
+            expected: format!("[rows, {}]", side.head_dim()),
+            got: format!("{:?}", rows.shape()),
+        });
+    }
+    finite(what, rows.iter())
+}
+
+/// SPEC.md sections 5 and 6: one row's record, appended to `out`.
+///
+/// `| bitmap: W little-endian u64 words | r kept values, f16 LE, ascending dim | zero pad to 8 |`
+///
+/// A kept value that overflows f16 (|x'| >= 65520) is `NonFinite`: it could
+/// not be stored, and SPEC.md section 14 forbids non-finite decoded values.
+pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result<()> {
+    let layout = &side.layout;
+    let rotated = rotate_row_f64(row, &side.rotation);
+    let (y, kept) = select_row(&rotated, layout);
+    let start = out.len();
+    let mut words = vec![0u64; layout.bitmap_words()];
+    for (k, &is_kept) in kept.iter().enumerate() {
+        if is_kept {
+            words[k / 64] |= 1u64 << (k % 64);
+        }
+    }
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    let g = layout.group_size;
+    for (k, &is_kept) in kept.iter().enumerate() {
+        if is_kept {
+            for j in k * g..(k + 1) * g {
+                if !y[j].is_finite() {
+                    out.truncate(start);
+                    return Err(MosaicError::NonFinite {
+                        what: "rotated value (f16 overflow)",
+                        index: j,
+                    });
+                }
+                out.extend_from_slice(&y[j].to_le_bytes());
+            }
+        }
+    }
+    out.resize(start + layout.record_bytes(), 0);
+    Ok(())
+}
+
+/// SPEC.md sections 5 and 6: every row of `[n, D]` packed, record i at `i * record_bytes`.
+pub fn encode_rows(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
+    check_rows(&rows, side, "rows")?;
+    let mut bytes = Vec::with_capacity(rows.nrows() * side.layout.record_bytes());
+    for row in rows.rows() {
+        let row: Vec<f32> = row.iter().copied().collect();
+        encode_row(&row, side, &mut bytes)?;
+    }
+    Ok(PackedRows {
+        count: rows.nrows(),
+        bytes,
+    })
+}
+
+/// SPEC.md section 6, decode of one (already validated) record: the dense
+/// rotated row `k^` of length Dt, the stored value at kept dims, 0 elsewhere.
+pub fn decode_record(layout: &RecordLayout, record: &[u8]) -> Result<Vec<f32>> {
+    let g = layout.group_size;
+    let mut out = vec![0.0f32; layout.kept_dims];
+    let mut next = 0; // index of the next stored value
+    for k in 0..layout.groups() {
+        let word = bitmap_word(record, k / 64);
+        if (word >> (k % 64)) & 1 == 1 {
+            for j in k * g..(k + 1) * g {
+                let v = record_value(layout, record, next).to_f32();
+                if !v.is_finite() {
+                    return Err(MosaicError::NonFinite {
+                        what: "decoded value",
+                        index: next,
+                    });
+                }
+                out[j] = v;
+                next += 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// SPEC.md section 6: all records decoded to `[n, Dt]`, after
+/// `PackedRows::validate` (a bad record is `CorruptPacked`).
+pub fn decode_rows(packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
+    side.validate()?;
+    let layout = &side.layout;
+    packed.validate(layout)?;
+    let mut out = Array2::<f32>::zeros((packed.count, layout.kept_dims));
+    for i in 0..packed.count {
+        let row = decode_record(layout, packed.record(layout, i))?;
+        for (j, v) in row.into_iter().enumerate() {
+            out[[i, j]] = v;
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,166 @@
+//! SPEC.md section 8: token selection (rotated query, block score, top-k under a token budget).
+
+use crate::attention::check_cache;
+use mosaickv_spec::validate::finite;
+use mosaickv_spec::{BlockMeta, CompressedCache, MosaicError, Result, Selection, SideStrategy};
+use ndarray::{Array2, ArrayView2};
+
+/// SPEC.md section 8.1 for one query: `q'_j = sum_i R_k[i][j] * q_i` for
+/// `j < Dt`, f64, ascending i (R's f32 values widened).
+pub fn rotate_query_f64(q: &[f32], key: &SideStrategy) -> Vec<f64> {
+    let d = key.head_dim();
+    let dt = key.layout.kept_dims;
+    let mut out = vec![0.0f64; dt];
+    for i in 0..d {
+        let qi = f64::from(q[i]);
+        for j in 0..dt {
+            out[j] += f64::from(key.rotation[i * d + j]) * qi;
+        }
+    }
+    out
+}
+
+/// SPEC.md section 8.1: rotated queries `[m, Dt]` (f64, rounded to f32) for queries `[m, D]`.
+pub fn rotate_queries(queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Array2<f32>> {
+    key.validate()?;
+    if queries.ncols() != key.head_dim() {
+        return Err(MosaicError::ShapeMismatch {
+            what: "queries",
+            expected: format!("[m, {}]", key.head_dim()),
+            got: format!("{:?}", queries.shape()),
+        });
+    }
+    finite("queries", queries.iter())?;
+    let dt = key.layout.kept_dims;
+    let mut out = Array2::<f32>::zeros((queries.nrows(), dt));
+    for (m, q) in queries.rows().into_iter().enumerate() {
+        let q: Vec<f32> = q.iter().copied().collect();
+        for (j, v) in rotate_query_f64(&q, key).into_iter().enumerate() {
+            out[[m, j]] = v as f32;
+        }
+    }
+    Ok(out)
+}
+
+/// SPEC.md section 8.2 for one block and one rotated query (f64):
+/// `s = sum_{j<Dt} max(q'_j * M_j, q'_j * m_j)`.
+pub fn block_score_f64(meta: &BlockMeta, block: usize, q: &[f64]) -> f64 {
+    let dt = meta.kept_dims;
+    let mut s = 0.0;
+    for j in 0..dt {
+        let hi = f64::from(meta.max[block * dt + j].to_f32());
+        let lo = f64::from(meta.min[block * dt + j].to_f32());
+        s += (q[j] * hi).max(q[j] * lo);
+    }
+    s
+}
+
+/// Checks a block metadata's internal sizes.
+pub fn check_meta(meta: &BlockMeta) -> Result<()> {
+    let want = meta.blocks() * meta.kept_dims;
+    if meta.block_size == 0 || meta.min.len() != want || meta.max.len() != want {
+        return Err(MosaicError::ShapeMismatch {
+            what: "block metadata",
+            expected: format!("{want} min and max values (block_size > 0)"),
+            got: format!("{} min, {} max, block_size {}", meta.min.len(), meta.max.len(), meta.block_size),
+        });
+    }
+    for (index, v) in meta.min.iter().chain(&meta.max).enumerate() {
+        if !v.is_finite() {
+            return Err(MosaicError::NonFinite {
+                what: "block metadata",
+                index,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// SPEC.md section 8.2: per block, the score (f64 accumulation, rounded
+/// to f32) maximised over the group's rotated queries `[group, Dt]`.
+pub fn score_blocks(meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Result<Vec<f32>> {
+    check_meta(meta)?;
+    if rotated_queries.ncols() != meta.kept_dims || rotated_queries.nrows() == 0 {
+        return Err(MosaicError::ShapeMismatch {
+            what: "rotated queries",
+            expected: format!("[group >= 1, {}]", meta.kept_dims),
+            got: format!("{:?}", rotated_queries.shape()),
+        });
+    }
+    finite("rotated queries", rotated_queries.iter())?;
+    let queries: Vec<Vec<f64>> = rotated_queries
+        .rows()
+        .into_iter()
+        .map(|q| q.iter().map(|&v| f64::from(v)).collect())
+        .collect();
+    let mut scores = Vec::with_capacity(meta.blocks());
+    for b in 0..meta.blocks() {
+        let mut best = f64::NEG_INFINITY;
+        for q in &queries {
+            best = best.max(block_score_f64(meta, b, q));
+        }
+        scores.push(best as f32);
+    }
+    Ok(scores)
+}
+
+/// SPEC.md section 8.3: blocks sorted by score descending (ties: lower
+/// index), taken in that order while fewer than `budget_tokens` tokens are
+/// taken; returned ascending. With variable block lengths the budget may be
+/// overshot by less than one block.
+pub fn select_blocks(scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+    if scores.len() != block_lens.len() {
+        return Err(MosaicError::ShapeMismatch {
+            what: "block_lens",
+            expected: format!("{} entries like scores", scores.len()),
+            got: format!("{}", block_lens.len()),
+        });
+    }
+    finite("scores", scores.iter())?;
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    // Stable sort, descending: equal scores stay in ascending index order.
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+    let mut taken_tokens = 0;
+    let mut chosen = Vec::new();
+    for b in order {
+        if taken_tokens >= budget_tokens {
+            break;
+        }
+        chosen.push(b as u32);
+        taken_tokens += block_lens[b];
+    }
+    chosen.sort_unstable();
+    Ok(chosen)
+}
+
+/// SPEC.md section 8: per KV head, the blocks of all segments (global order:
+/// segments in token order, blocks in order) scored with the group's
+/// rotated queries and selected under `B = min(n_seg, ceil(token_rate * n_seg))`.
+/// Composed from [`rotate_queries`], [`score_blocks`] and [`select_blocks`].
+pub fn select(cache: &CompressedCache, queries: ArrayView2<f32>) -> Result<Selection> {
+    let shape = cache.shape;
+    check_cache(cache)?;
+    mosaickv_spec::validate::queries(&shape, &queries, &[shape.q_heads, shape.head_dim])?;
+    let g = shape.group();
+    let budget = cache.config.budget_tokens(cache.segment_tokens());
+    let mut per_head = Vec::with_capacity(shape.kv_heads);
+    for j in 0..shape.kv_heads {
+        let group = queries.slice(ndarray::s![j * g..(j + 1) * g, ..]);
+        let mut ids: Vec<(u32, u32)> = Vec::new();
+        let mut scores: Vec<f32> = Vec::new();
+        let mut lens: Vec<usize> = Vec::new();
+        for (s, seg) in cache.segments.iter().enumerate() {
+            let head = &seg.heads[j];
+            let rq = rotate_queries(group, &head.strategy.key)?;
+            let seg_scores = score_blocks(&head.meta, rq.view())?;
+            for (b, score) in seg_scores.into_iter().enumerate() {
+                ids.push((s as u32, b as u32));
+                scores.push(score);
+                lens.push(head.meta.block_len(b));
+            }
+        }
+        let chosen = select_blocks(&scores, &lens, budget)?;
+        per_head.push(chosen.into_iter().map(|i| ids[i as usize]).collect());
+    }
+    Ok(Selection { per_head })
+}

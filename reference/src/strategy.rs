@@ -1,0 +1,245 @@
+//! SPEC.md section 11: strategy generation (loss, `(r, g)`, block size).
+
+use crate::packed::{decode_rows, encode_rows};
+use crate::rotation::fit_rotation;
+use crate::topr::{kept_dims, rotate_row_f64, select_row};
+use mosaickv_spec::validate::finite;
+use mosaickv_spec::{
+    ceil_to, ChannelPolicy, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy,
+    ValueDtype,
+};
+use ndarray::ArrayView2;
+
+/// Running sums of SPEC.md section 11.1's loss: `dropped = sum_i sum_{j not
+/// kept} x'_ij^2` and `total = sum_i ||x'_i||^2`, rows added in order.
+/// Adding rows one at a time gives bit-for-bit the sums of [`side_loss`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LossSums {
+    pub dropped: f64,
+    pub total: f64,
+}
+
+impl LossSums {
+    /// Adds one rotated row (f64, all D dims, before f16 rounding).
+    pub fn add_rotated(&mut self, rotated: &[f64], layout: &RecordLayout) {
+        let (dropped, total) = row_loss_terms(rotated, layout);
+        self.dropped += dropped;
+        self.total += total;
+    }
+
+    /// Adds one original row, rotated with `side`'s R.
+    pub fn add_row(&mut self, row: &[f32], side: &SideStrategy) {
+        self.add_rotated(&rotate_row_f64(row, &side.rotation), &side.layout);
+    }
+
+    /// `dropped / total`, 0 when the denominator is 0.
+    pub fn loss(&self) -> f64 {
+        if self.total == 0.0 {
+            0.0
+        } else {
+            self.dropped / self.total
+        }
+    }
+}
+
+/// SPEC.md section 11.1 for one rotated row: `(sum_{j not kept} x'_j^2,
+/// sum_j x'_j^2)` over all D dims (dims `>= Dt` count as dropped). The kept
+/// set is section 5's, chosen on the f16-rounded values; the energies use
+/// the f64 values before rounding.
+pub fn row_loss_terms(rotated: &[f64], layout: &RecordLayout) -> (f64, f64) {
+    let (_, kept) = select_row(rotated, layout);
+    let g = layout.group_size;
+    let mut dropped = 0.0;
+    let mut total = 0.0;
+    for (j, &v) in rotated.iter().enumerate() {
+        let e = v * v;
+        total += e;
+        let is_kept = j < layout.kept_dims && kept[j / g];
+        if !is_kept {
+            dropped += e;
+        }
+    }
+    (dropped, total)
+}
+
+/// SPEC.md section 11.1: `loss = sum_i sum_{j not kept} x'_ij^2 / sum_i ||x'_i||^2`
+/// for rows `[n, D]` under `side` (0 when the denominator is 0).
+pub fn side_loss(rows: ArrayView2<f32>, side: &SideStrategy) -> f64 {
+    let mut sums = LossSums::default();
+    for row in rows.rows() {
+        let row: Vec<f32> = row.iter().copied().collect();
+        sums.add_row(&row, side);
+    }
+    sums.loss()
+}
+
+/// `ceil_g(f * D)`: the smallest multiple of g at or above `f * D`.
+fn ceil_g_fraction(f: f64, head_dim: usize, g: usize) -> usize {
+    ceil_to((f * head_dim as f64).ceil() as usize, g)
+}
+
+/// SPEC.md section 11.2: the candidate `(r, g)` pairs of a policy, in
+/// policy order with duplicates removed. `r = min(Dt_g, ceil_g(f * D))`.
+pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    let mut push = |f: f64, g: usize| {
+        let dt = kept_dims(head_dim, config.truncate_fraction, g);
+        let r = ceil_g_fraction(f, head_dim, g).min(dt);
+        if !out.contains(&(r, g)) {
+            out.push((r, g));
+        }
+    };
+    match &config.channels {
+        ChannelPolicy::Fixed {
+            retention,
+            group_size,
+        } => push(*retention, *group_size),
+        ChannelPolicy::LossThreshold {
+            retentions,
+            group_sizes,
+            ..
+        } => {
+            for &g in group_sizes {
+                for &f in retentions {
+                    push(f, g);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The record layout of candidate `(r, g)`.
+pub fn layout_for(config: &CompressConfig, head_dim: usize, r: usize, g: usize) -> RecordLayout {
+    RecordLayout {
+        head_dim,
+        kept_dims: kept_dims(head_dim, config.truncate_fraction, g),
+        r,
+        group_size: g,
+        dtype: ValueDtype::F16,
+    }
+}
+
+/// SPEC.md section 11.2: chooses `(r, g)` among the candidates, given the
+/// rows already rotated (f64, all D dims). Returns the layout and its loss.
+///
+/// - fixed: the one candidate;
+/// - loss_threshold: the cheapest `record_bytes` whose loss is at most the
+///   side's threshold (ties: lower loss, then smaller g); if none passes,
+///   the lowest loss (ties: fewer bytes, then smaller g).
+pub fn choose_layout(rotated: &[Vec<f64>], side: Side, config: &CompressConfig, head_dim: usize) -> (RecordLayout, f64) {
+    let threshold = match (&config.channels, side) {
+        (ChannelPolicy::Fixed { .. }, _) => f64::INFINITY,
+        (ChannelPolicy::LossThreshold { key_loss, .. }, Side::Key) => *key_loss,
+        (ChannelPolicy::LossThreshold { value_loss, .. }, Side::Value) => *value_loss,
+    };
+    let mut scored: Vec<(RecordLayout, f64)> = Vec::new();
+    for (r, g) in candidates(config, head_dim) {
+        let layout = layout_for(config, head_dim, r, g);
+        let mut sums = LossSums::default();
+        for row in rotated {
+            sums.add_rotated(row, &layout);
+        }
+        scored.push((layout, sums.loss()));
+    }
+    let key_pass = |c: &(RecordLayout, f64)| (c.0.record_bytes(), c.1, c.0.group_size);
+    let key_fail = |c: &(RecordLayout, f64)| (c.1, c.0.record_bytes(), c.0.group_size);
+    let passing: Vec<&(RecordLayout, f64)> = scored.iter().filter(|c| c.1 <= threshold).collect();
+    let best = if passing.is_empty() {
+        scored.iter().min_by(|a, b| key_fail(a).partial_cmp(&key_fail(b)).expect("finite losses"))
+    } else {
+        passing.into_iter().min_by(|a, b| key_pass(a).partial_cmp(&key_pass(b)).expect("finite losses"))
+    };
+    *best.expect("a validated policy has at least one candidate")
+}
+
+/// SPEC.md sections 3, 4, 11.1, 11.2: one side's strategy for rows `[n, D]`:
+/// rotation fitted on the rows, then `(r, g)` chosen with that rotation
+/// (the loss uses R as stored, f32); `fit_loss` is the chosen candidate's loss.
+pub fn fit_side(rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+    let d = rows.ncols();
+    config.validate(d)?;
+    finite("rows", rows.iter())?;
+    let rotation = fit_rotation(rows);
+    let rotated: Vec<Vec<f64>> = rows
+        .rows()
+        .into_iter()
+        .map(|row| {
+            let row: Vec<f32> = row.iter().copied().collect();
+            rotate_row_f64(&row, &rotation)
+        })
+        .collect();
+    let (layout, fit_loss) = choose_layout(&rotated, side, config, d);
+    Ok(SideStrategy {
+        layout,
+        rotation,
+        fit_loss,
+    })
+}
+
+/// SPEC.md section 11.3: `V(b) = mean over blocks of sum_{j<Dt}
+/// var_block(k^_j) / mean_t ||k^_t||^2` for decoded keys `[n, Dt]`
+/// (population variance, f64; 0/0 counts as 0).
+pub fn block_variance(decoded: ArrayView2<f32>, block_size: usize) -> f64 {
+    let (n, dt) = (decoded.nrows(), decoded.ncols());
+    if n == 0 {
+        return 0.0;
+    }
+    let blocks = n.div_ceil(block_size);
+    let mut sum_var = 0.0;
+    for blk in 0..blocks {
+        let first = blk * block_size;
+        let end = (first + block_size).min(n);
+        let len = (end - first) as f64;
+        for j in 0..dt {
+            let mut mean = 0.0;
+            for t in first..end {
+                mean += f64::from(decoded[[t, j]]);
+            }
+            mean /= len;
+            let mut var = 0.0;
+            for t in first..end {
+                let dev = f64::from(decoded[[t, j]]) - mean;
+                var += dev * dev;
+            }
+            sum_var += var / len;
+        }
+    }
+    let mean_var = sum_var / blocks as f64;
+    let mut sum_norm = 0.0;
+    for t in 0..n {
+        for j in 0..dt {
+            let v = f64::from(decoded[[t, j]]);
+            sum_norm += v * v;
+        }
+    }
+    let mean_norm = sum_norm / n as f64;
+    if mean_norm == 0.0 {
+        0.0
+    } else {
+        mean_var / mean_norm
+    }
+}
+
+/// SPEC.md section 11.3: the largest candidate block size with
+/// `V(b) <= variance_threshold`; the smallest candidate if none passes.
+pub fn fit_block_size(keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+    config.validate(keys.ncols())?;
+    let packed = encode_rows(keys, key)?;
+    let decoded = decode_rows(&packed, key)?;
+    let mut chosen = config.block_sizes[0];
+    for &b in &config.block_sizes {
+        if block_variance(decoded.view(), b) <= config.variance_threshold {
+            chosen = chosen.max(b);
+        }
+    }
+    Ok(chosen)
+}
+
+/// SPEC.md section 11: the whole strategy of one head's segment.
+pub fn fit_strategy(keys: ArrayView2<f32>, values: ArrayView2<f32>, config: &CompressConfig) -> Result<Strategy> {
+    let key = fit_side(keys, Side::Key, config)?;
+    let value = fit_side(values, Side::Value, config)?;
+    let block_size = fit_block_size(keys, &key, config)?;
+    Ok(Strategy { key, value, block_size })
+}
