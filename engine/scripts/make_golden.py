@@ -52,6 +52,12 @@ PROMPTS = [
 ]
 
 
+def last_logits(llm):
+    """Logits of the last evaluated token (llama-cpp-python >= 0.3 no longer fills llm.scores
+    unless logits_all=True)."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float32).copy()
+
+
 def main():
     home = os.environ.get("MOSAICKV_HOME") or os.path.expanduser("~/.cache/mosaickv")
     path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(home, "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -68,7 +74,7 @@ def main():
         toks = llm.tokenize(text.encode(), add_bos=False, special=True)
         llm.reset()
         llm.eval(toks)
-        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        logits = last_logits(llm)
         top = np.argsort(-logits, kind="stable")[:5]
         gen = []
         cur = logits
@@ -78,7 +84,7 @@ def main():
             if nxt in eos or len(gen) == N_NEW:
                 break
             llm.eval([nxt])
-            cur = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            cur = last_logits(llm)
         cases.append({
             "name": p["name"],
             "mode": p["mode"],

