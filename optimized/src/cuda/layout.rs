@@ -1,0 +1,224 @@
+//! Host-side tables that describe a batch of compressed caches to the kernels
+//! (mirrors of `SegHead` and `BlockRef` in kernels/cuda/common.cuh).
+
+use bytemuck::{Pod, Zeroable};
+use mosaickv_spec::{CompressedCache, MosaicError, Result};
+
+/// One (segment, KV head): offsets into the concatenated device buffers and both side layouts.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, Pod, Zeroable)]
+pub struct SegHeadDesc {
+    pub key_rec_off: i64,
+    pub val_rec_off: i64,
+    pub key_rot_off: i64,
+    pub val_rot_off: i64,
+    pub meta_off: i64,
+    pub seg_len: i32,
+    pub block_size: i32,
+    pub key_dt: i32,
+    pub key_r: i32,
+    pub key_g: i32,
+    pub key_rb: i32,
+    pub val_dt: i32,
+    pub val_r: i32,
+    pub val_g: i32,
+    pub val_rb: i32,
+}
+const _: () = assert!(std::mem::size_of::<SegHeadDesc>() == 80);
+
+/// One block of a KV head's global block order (SPEC.md section 8.3).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct BlockRefDesc {
+    pub gseg: i32,
+    pub block: i32,
+    pub start: i32,
+    pub len: i32,
+}
+const _: () = assert!(std::mem::size_of::<BlockRefDesc>() == 16);
+
+/// Everything a batch of caches needs on the device, flattened.
+/// Sequence b's segments are `seg_base[b]..seg_base[b + 1]` (global segment
+/// indices); `(b, j)` pairs are `bj = b * kv_heads + j`.
+#[derive(Debug, Default, Clone)]
+pub struct HostTables {
+    pub kv_heads: usize,
+    pub q_heads: usize,
+    pub head_dim: usize,
+    pub batch: usize,
+    pub packed_k: Vec<u8>,
+    pub packed_v: Vec<u8>,
+    pub rot: Vec<f32>,
+    pub meta_min: Vec<u16>,
+    pub meta_max: Vec<u16>,
+    pub seg: Vec<SegHeadDesc>,
+    pub seg_batch: Vec<i32>,
+    pub seg_base: Vec<i32>,
+    pub blocks: Vec<BlockRefDesc>,
+    pub block_owner: Vec<i32>,
+    pub block_base: Vec<i64>,
+    pub block_lens: Vec<i32>,
+    /// `seg_first_block[gseg * kv_heads + j]`: index (within bj's list) of the segment's block 0.
+    pub seg_first_block: Vec<i64>,
+    pub dense_k: Vec<u16>,
+    pub dense_v: Vec<u16>,
+    pub dense_base: Vec<i64>,
+    pub dense_count: Vec<i32>,
+    pub budget: Vec<i64>,
+    /// Upper bound on the work items of any bj for a given run length (see [`HostTables::max_items`]).
+    pub max_blocks_selected: usize,
+    pub max_segments: usize,
+}
+
+impl HostTables {
+    /// Builds the tables for `caches` (one per sequence; all of the same shape).
+    /// Validates every packed record (SPEC.md section 6) before anything is uploaded.
+    pub fn build(caches: &[&CompressedCache]) -> Result<Self> {
+        let first = caches.first().ok_or(MosaicError::EmptyCache)?;
+        let shape = first.shape;
+        let (kv, d) = (shape.kv_heads, shape.head_dim);
+        let mut t = HostTables {
+            kv_heads: kv,
+            q_heads: shape.q_heads,
+            head_dim: d,
+            batch: caches.len(),
+            ..Default::default()
+        };
+        t.seg_base.push(0);
+        t.dense_base.push(0);
+        let mut per_bj_blocks: Vec<Vec<BlockRefDesc>> = vec![Vec::new(); caches.len() * kv];
+        for (b, c) in caches.iter().enumerate() {
+            if c.shape != shape {
+                return Err(MosaicError::ShapeMismatch {
+                    what: "batch cache shape",
+                    expected: format!("{shape:?}"),
+                    got: format!("{:?}", c.shape),
+                });
+            }
+            if c.is_empty() {
+                return Err(MosaicError::EmptyCache);
+            }
+            let gseg0 = t.seg_batch.len();
+            let mut seg_tokens = 0usize;
+            let mut bmin = usize::MAX;
+            let mut bmax = 1usize;
+            for (s, seg) in c.segments.iter().enumerate() {
+                let gseg = gseg0 + s;
+                t.seg_batch.push(b as i32);
+                seg_tokens += seg.len;
+                if seg.heads.len() != kv {
+                    return Err(MosaicError::ShapeMismatch {
+                        what: "segment heads",
+                        expected: kv.to_string(),
+                        got: seg.heads.len().to_string(),
+                    });
+                }
+                for (j, h) in seg.heads.iter().enumerate() {
+                    let (kl, vl) = (&h.strategy.key.layout, &h.strategy.value.layout);
+                    h.strategy.key.validate()?;
+                    h.strategy.value.validate()?;
+                    if kl.head_dim != d || vl.head_dim != d || d > mosaickv_kernels::MAX_HEAD_DIM {
+                        return Err(MosaicError::ShapeMismatch {
+                            what: "strategy head_dim",
+                            expected: format!("{d} (at most {})", mosaickv_kernels::MAX_HEAD_DIM),
+                            got: format!("{} / {}", kl.head_dim, vl.head_dim),
+                        });
+                    }
+                    if h.keys.count != seg.len || h.values.count != seg.len {
+                        return Err(MosaicError::CorruptPacked(format!("segment {s} head {j}: record count != segment length")));
+                    }
+                    h.keys.validate(kl)?;
+                    h.values.validate(vl)?;
+                    let bs = h.strategy.block_size.max(1);
+                    let blocks = seg.len.div_ceil(bs);
+                    if h.meta.block_size != bs || h.meta.kept_dims != kl.kept_dims || h.meta.min.len() != blocks * kl.kept_dims || h.meta.max.len() != blocks * kl.kept_dims {
+                        return Err(MosaicError::CorruptPacked(format!("segment {s} head {j}: block metadata does not match the strategy")));
+                    }
+                    if let Some(i) = h.meta.min.iter().chain(&h.meta.max).position(|x| !x.is_finite()) {
+                        return Err(MosaicError::NonFinite { what: "block metadata", index: i });
+                    }
+                    bmin = bmin.min(bs);
+                    bmax = bmax.max(bs);
+                    // Keep every meta chunk 8-element aligned.
+                    while t.meta_min.len() % 8 != 0 {
+                        t.meta_min.push(0);
+                        t.meta_max.push(0);
+                    }
+                    let desc = SegHeadDesc {
+                        key_rec_off: t.packed_k.len() as i64,
+                        val_rec_off: t.packed_v.len() as i64,
+                        key_rot_off: t.rot.len() as i64,
+                        val_rot_off: (t.rot.len() + d * d) as i64,
+                        meta_off: t.meta_min.len() as i64,
+                        seg_len: seg.len as i32,
+                        block_size: bs as i32,
+                        key_dt: kl.kept_dims as i32,
+                        key_r: kl.r as i32,
+                        key_g: kl.group_size as i32,
+                        key_rb: kl.record_bytes() as i32,
+                        val_dt: vl.kept_dims as i32,
+                        val_r: vl.r as i32,
+                        val_g: vl.group_size as i32,
+                        val_rb: vl.record_bytes() as i32,
+                    };
+                    t.packed_k.extend_from_slice(&h.keys.bytes);
+                    t.packed_v.extend_from_slice(&h.values.bytes);
+                    t.rot.extend_from_slice(&h.strategy.key.rotation);
+                    t.rot.extend_from_slice(&h.strategy.value.rotation);
+                    t.meta_min.extend(h.meta.min.iter().map(|x| x.to_bits()));
+                    t.meta_max.extend(h.meta.max.iter().map(|x| x.to_bits()));
+                    t.seg.push(desc);
+                    let list = &mut per_bj_blocks[b * kv + j];
+                    t.seg_first_block.push(list.len() as i64);
+                    for blk in 0..blocks {
+                        list.push(BlockRefDesc {
+                            gseg: gseg as i32,
+                            block: blk as i32,
+                            start: (blk * bs) as i32,
+                            len: (seg.len - blk * bs).min(bs) as i32,
+                        });
+                    }
+                }
+            }
+            t.max_segments = t.max_segments.max(c.segments.len());
+            t.seg_base.push(t.seg_batch.len() as i32);
+            let budget = c.config.budget_tokens(seg_tokens);
+            t.budget.push(budget as i64);
+            if bmin != usize::MAX {
+                t.max_blocks_selected = t.max_blocks_selected.max((budget + bmax) / bmin + c.segments.len());
+            }
+            // Dense rows: the sink, then the update buffer.
+            for rows in [&c.sink, &c.buffer] {
+                if rows.keys.len() != rows.tokens * kv * d || rows.values.len() != rows.tokens * kv * d {
+                    return Err(MosaicError::ShapeMismatch {
+                        what: "dense rows",
+                        expected: format!("{} x {kv} x {d}", rows.tokens),
+                        got: format!("{} / {}", rows.keys.len(), rows.values.len()),
+                    });
+                }
+                t.dense_k.extend(rows.keys.iter().map(|x| x.to_bits()));
+                t.dense_v.extend(rows.values.iter().map(|x| x.to_bits()));
+            }
+            t.dense_count.push((c.sink.tokens + c.buffer.tokens) as i32);
+            t.dense_base.push(t.dense_base.last().copied().unwrap_or(0) + (c.sink.tokens + c.buffer.tokens) as i64);
+        }
+        t.dense_base.pop();
+        t.block_base.push(0);
+        for list in per_bj_blocks {
+            t.blocks.extend_from_slice(&list);
+            t.block_owner.extend(std::iter::repeat_n((t.block_base.len() - 1) as i32, list.len()));
+            t.block_lens.extend(list.iter().map(|b| b.len));
+            t.block_base.push(t.blocks.len() as i64);
+        }
+        Ok(t)
+    }
+
+    /// Upper bound on the work items of one bj for runs of `per_item` blocks.
+    pub fn max_items(&self, per_item: usize) -> usize {
+        (self.max_blocks_selected.div_ceil(per_item.max(1)) + self.max_segments).max(1)
+    }
+
+    pub fn total_segments(&self) -> usize {
+        self.seg_batch.len()
+    }
+}
