@@ -1,1 +1,24 @@
-//! mosaickv-optimized: filled in by later work.
+//! # mosaickv-optimized: the fast CPU backend
+//!
+//! - [`CpuBackend`]: every stage of [`mosaickv_spec::Backend`] (SPEC.md sections 3-9), byte-identical
+//!   encode, exact selection rules, f32 attention with online softmax.
+//! - [`OptimizedMosaicCache`]: the MosaicKV [`mosaickv_spec::KvCache`] with the section 10 lifecycle,
+//!   parallel prefill encoding and allocation-free flash-decoding attention.
+//! - [`DenseF16Cache`], [`QuestF16Cache`]: the section 12 baselines on the same kernels.
+//!
+//! Kernels: AVX2 + FMA + F16C via `std::arch`, detected at run time, or a portable
+//! scalar path; `MOSAICKV_FORCE_PORTABLE=1` (or the `portable()` constructors) forces the latter.
+
+pub mod attend;
+pub mod backend;
+pub mod baselines;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod encode;
+pub mod mosaic;
+pub mod simd;
+
+pub use backend::CpuBackend;
+pub use baselines::{DenseF16Cache, QuestF16Cache, QUEST_PAGE};
+pub use mosaic::{attend_scratch_bytes, OptimizedMosaicCache};
+pub use simd::Path;

@@ -1,0 +1,538 @@
+//! Flash-decoding attention over packed segments, dense rows and their merge
+//! (SPEC.md sections 8 and 9), plus the fused score + top-k selection.
+//!
+//! A *partial* is the online-softmax state of one work unit for the `G` query
+//! heads of one KV head: `[m; G] [l; G] [acc; G * dp]` (f32). Units run on
+//! rayon threads; partials are merged afterwards. All buffers live in a
+//! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
+//! allocates nothing once the buffers have grown to the cache's size.
+
+use crate::simd::{fast_exp, Path, TILE};
+use half::f16;
+use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Selected blocks per work unit (flash-decoding split inside a segment).
+pub const UNIT_BLOCKS: usize = 32;
+
+/// Rounds up to a multiple of 8 (SIMD width).
+#[inline]
+pub fn pad8(x: usize) -> usize {
+    x.div_ceil(8) * 8
+}
+
+/// Floats of one partial for `g` heads of padded width `dp`.
+#[inline]
+pub fn partial_len(g: usize, dp: usize) -> usize {
+    2 * g + g * dp
+}
+
+/// Resets a partial to the empty state.
+#[inline]
+pub fn partial_init(st: &mut [f32], g: usize) {
+    st[..g].fill(f32::NEG_INFINITY);
+    st[g..].fill(0.0);
+}
+
+thread_local! {
+    static TILES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f(ktile, vtile, logits)` with this thread's tile buffers (grown once, then reused).
+pub fn with_tiles<R>(dp: usize, g: usize, f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R {
+    TILES.with(|t| {
+        let mut t = t.borrow_mut();
+        let need = 2 * TILE * dp + g * TILE;
+        if t.len() < need {
+            t.resize(need, 0.0);
+        }
+        let (k, rest) = t.split_at_mut(TILE * dp);
+        let (v, l) = rest.split_at_mut(TILE * dp);
+        f(k, v, &mut l[..g * TILE])
+    })
+}
+
+/// Tile-local online softmax step: `logits` (`[g][TILE]`, first `n` valid) become
+/// probabilities relative to the new running max; `st` is rescaled; values accumulated.
+#[inline]
+pub fn online_update(path: Path, st: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize, vtile: &[f32]) {
+    let (ml, acc) = st.split_at_mut(2 * g);
+    for h in 0..g {
+        let lg = &mut logits[h * TILE..h * TILE + n];
+        let mt = lg.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let m_old = ml[h];
+        let m_new = m_old.max(mt);
+        let corr = if m_old == f32::NEG_INFINITY { 0.0 } else { fast_exp(m_old - m_new) };
+        let mut sum = 0f32;
+        for x in lg.iter_mut() {
+            *x = fast_exp(*x - m_new);
+            sum += *x;
+        }
+        ml[g + h] = ml[g + h] * corr + sum;
+        if corr != 1.0 {
+            for a in &mut acc[h * dp..(h + 1) * dp] {
+                *a *= corr;
+            }
+        }
+        ml[h] = m_new;
+    }
+    path.tile_accumulate(logits, g, dp, vtile, n, acc);
+}
+
+/// Attends dense f16 rows `t0..t1` (row t's key at `keys[t * stride ..][..d]`) into partial `st`.
+/// `q` is `[g][dp]` (zero-padded past d).
+#[allow(clippy::too_many_arguments)]
+pub fn dense_rows_update(path: Path, q: &[f32], g: usize, d: usize, dp: usize, keys: &[f16], values: &[f16], stride: usize, t0: usize, t1: usize, scale: f32, st: &mut [f32]) {
+    with_tiles(dp, g, |kt, vt, lg| {
+        if d != dp {
+            kt[..TILE * dp].fill(0.0);
+            vt[..TILE * dp].fill(0.0);
+        }
+        let mut t = t0;
+        while t < t1 {
+            let n = (t1 - t).min(TILE);
+            for i in 0..n {
+                let o = (t + i) * stride;
+                path.f16_to_f32(&keys[o..o + d], &mut kt[i * dp..i * dp + d]);
+            }
+            path.tile_logits(q, g, dp, kt, n, scale, lg);
+            for i in 0..n {
+                let o = (t + i) * stride;
+                path.f16_to_f32(&values[o..o + d], &mut vt[i * dp..i * dp + d]);
+            }
+            online_update(path, st, g, dp, lg, n, vt);
+            t += n;
+        }
+    })
+}
+
+/// Key for the fused top-k: sorts by score descending, then index ascending (SPEC 8.3, 12).
+#[inline]
+pub fn rank_key(score: f32, index: u32) -> u64 {
+    let s = if score.is_nan() {
+        f32::NEG_INFINITY
+    } else if score == 0.0 {
+        0.0
+    } else {
+        score
+    };
+    let b = s.to_bits();
+    // Monotone map f32 -> u32 (increasing), then invert for descending.
+    let mono = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
+    ((!mono as u64) << 32) | index as u64
+}
+
+/// SPEC 8.3: blocks taken in (score desc, index asc) order while fewer than `budget` tokens are taken;
+/// written ascending into `out`. `keys` is scratch. `max_take` bounds how many blocks can be needed.
+pub fn top_blocks(scores: &[f32], lens: impl Fn(usize) -> usize, budget: usize, max_take: usize, keys: &mut Vec<u64>, out: &mut Vec<u32>) {
+    out.clear();
+    keys.clear();
+    if budget == 0 || scores.is_empty() {
+        return;
+    }
+    keys.extend(scores.iter().enumerate().map(|(i, &s)| rank_key(s, i as u32)));
+    let k = max_take.clamp(1, keys.len());
+    if k < keys.len() {
+        keys.select_nth_unstable(k - 1);
+    }
+    let head = &mut keys[..k];
+    head.sort_unstable();
+    let mut taken = 0usize;
+    for &key in head.iter() {
+        if taken >= budget {
+            break;
+        }
+        let i = (key & 0xffff_ffff) as usize;
+        taken += lens(i);
+        out.push(i as u32);
+    }
+    out.sort_unstable();
+}
+
+/// Per-segment geometry of one KV head, cached per step.
+#[derive(Debug, Clone, Copy, Default)]
+struct SegGeom {
+    dtk: usize,
+    dpk: usize,
+    dtv: usize,
+    dpv: usize,
+    block: usize,
+    blocks: usize,
+    /// First global block index of this segment for this head.
+    first: usize,
+}
+
+/// One flash-decoding work unit: selected blocks `sel[s0..s1]` of KV head `head`, all in segment `seg`.
+#[derive(Debug, Clone, Copy)]
+struct Unit {
+    head: usize,
+    seg: usize,
+    s0: usize,
+    s1: usize,
+}
+
+/// Reusable buffers for packed attention over a [`CompressedCache`].
+#[derive(Debug, Default)]
+pub struct MosaicScratch {
+    geom: Vec<SegGeom>,
+    qrot: Vec<f32>,
+    scores: Vec<f32>,
+    sel: Vec<Vec<u32>>,
+    keys: Vec<Vec<u64>>,
+    units: Vec<Unit>,
+    partials: Vec<f32>,
+    head_out: Vec<f32>,
+}
+
+/// Sizes the step needs, from the cache's geometry.
+struct Dims {
+    kv: usize,
+    g: usize,
+    d: usize,
+    dp: usize,
+    nseg: usize,
+    dpk_max: usize,
+    dpv_max: usize,
+    blocks_max: usize,
+}
+
+fn dims(cache: &CompressedCache) -> Dims {
+    let s = &cache.shape;
+    let mut dpk_max = 8;
+    let mut dpv_max = 8;
+    let mut blocks_max = 0;
+    for h in 0..s.kv_heads {
+        let mut b = 0;
+        for seg in &cache.segments {
+            let hs = &seg.heads[h];
+            dpk_max = dpk_max.max(pad8(hs.strategy.key.layout.kept_dims));
+            dpv_max = dpv_max.max(pad8(hs.strategy.value.layout.kept_dims));
+            b += seg.len.div_ceil(hs.strategy.block_size.max(1));
+        }
+        blocks_max = blocks_max.max(b);
+    }
+    Dims {
+        kv: s.kv_heads,
+        g: s.group(),
+        d: s.head_dim,
+        dp: pad8(s.head_dim),
+        nseg: cache.segments.len(),
+        dpk_max,
+        dpv_max,
+        blocks_max,
+    }
+}
+
+/// Scratch bytes packed attention needs for a cache of this geometry (excluding
+/// per-thread tile buffers of `2 * TILE * dp + g * TILE` floats and the unit list).
+pub fn scratch_bytes_for(kv: usize, g: usize, d: usize, nseg: usize, blocks_per_head: usize, selected_per_head: usize) -> usize {
+    let dp = pad8(d);
+    let units = kv * (nseg + selected_per_head.div_ceil(UNIT_BLOCKS));
+    4 * (kv * nseg * g * dp) // rotated queries
+        + 4 * kv * blocks_per_head // scores
+        + 8 * kv * blocks_per_head // rank keys
+        + 4 * kv * selected_per_head // selections
+        + 4 * units * partial_len(g, dp) // unit partials
+        + 4 * kv * (3 * g * dp + 3 * g) // per-head merge buffers
+        + std::mem::size_of::<SegGeom>() * kv * nseg
+        + std::mem::size_of::<Unit>() * units
+}
+
+/// Where the selection of a step comes from.
+pub enum SelectionSource<'a> {
+    /// Score and select (SPEC 8).
+    Compute,
+    /// Use this selection (validated).
+    Given(&'a Selection),
+}
+
+/// SPEC 8 + 9 over a compressed cache. `queries` is `[q_heads][d]` row-major, `out` `[q_heads][d]`.
+/// When `want_selection` is set (and the selection is computed), the selection is returned as `(segment, block)` pairs.
+pub fn packed_attention(
+    path: Path,
+    cache: &CompressedCache,
+    queries: &[f32],
+    src: SelectionSource<'_>,
+    want_selection: bool,
+    out: Option<&mut [f32]>,
+    sc: &mut MosaicScratch,
+) -> Result<Option<Selection>> {
+    if cache.is_empty() {
+        return Err(MosaicError::EmptyCache);
+    }
+    let dm = dims(cache);
+    let (kv, g, d, dp, nseg) = (dm.kv, dm.g, dm.d, dm.dp, dm.nseg);
+    // Geometry per (head, seg).
+    sc.geom.clear();
+    for h in 0..kv {
+        let mut first = 0;
+        for seg in &cache.segments {
+            let st = &seg.heads[h].strategy;
+            let blocks = seg.len.div_ceil(st.block_size.max(1));
+            sc.geom.push(SegGeom {
+                dtk: st.key.layout.kept_dims,
+                dpk: pad8(st.key.layout.kept_dims),
+                dtv: st.value.layout.kept_dims,
+                dpv: pad8(st.value.layout.kept_dims),
+                block: st.block_size,
+                blocks,
+                first,
+            });
+            first += blocks;
+        }
+    }
+    let qstride = g * dm.dpk_max; // per (head, seg)
+    sc.qrot.resize(kv * nseg * qstride, 0.0);
+    sc.scores.resize(kv * dm.blocks_max, 0.0);
+    sc.sel.resize_with(kv, Vec::new);
+    sc.keys.resize_with(kv, Vec::new);
+    let n_seg_tokens = cache.segment_tokens();
+    let budget = cache.config.budget_tokens(n_seg_tokens);
+    let compute = matches!(src, SelectionSource::Compute);
+
+    // Phase A: rotate queries once per (segment, head); score + select (fused, per KV head).
+    {
+        let geom = &sc.geom;
+        sc.qrot
+            .par_chunks_mut(nseg * qstride)
+            .zip(sc.scores.par_chunks_mut(dm.blocks_max.max(1)))
+            .zip(sc.sel.par_iter_mut().zip(sc.keys.par_iter_mut()))
+            .enumerate()
+            .for_each(|(h, ((qr, scores), (sel, keys)))| {
+                let mut bmin = usize::MAX;
+                let mut total_blocks = 0;
+                for (s, seg) in cache.segments.iter().enumerate() {
+                    let gm = geom[h * nseg + s];
+                    let hs = &seg.heads[h];
+                    let q = &mut qr[s * qstride..(s + 1) * qstride];
+                    for k in 0..g {
+                        let qh = &queries[(h * g + k) * d..(h * g + k + 1) * d];
+                        let o = &mut q[k * gm.dpk..(k + 1) * gm.dpk];
+                        o[gm.dtk..].fill(0.0);
+                        path.rotate_query(&hs.strategy.key.rotation, d, qh, &mut o[..gm.dtk]);
+                    }
+                    if compute {
+                        path.score_blocks(q, g, gm.dpk, gm.dtk, &hs.meta.min, &hs.meta.max, &mut scores[gm.first..gm.first + gm.blocks]);
+                        bmin = bmin.min(gm.block);
+                    }
+                    total_blocks += gm.blocks;
+                }
+                if compute {
+                    let gh = &geom[h * nseg..(h + 1) * nseg];
+                    let lens = |i: usize| {
+                        let s = gh.partition_point(|x| x.first + x.blocks <= i);
+                        let b = i - gh[s].first;
+                        (cache.segments[s].len - b * gh[s].block).min(gh[s].block)
+                    };
+                    let max_take = budget.div_ceil(bmin.max(1)) + nseg;
+                    top_blocks(&scores[..total_blocks], lens, budget, max_take, keys, sel);
+                }
+            });
+    }
+    if let SelectionSource::Given(given) = src {
+        if given.per_head.len() != kv {
+            return Err(MosaicError::ShapeMismatch {
+                what: "selection",
+                expected: format!("{kv} heads"),
+                got: format!("{} heads", given.per_head.len()),
+            });
+        }
+        for h in 0..kv {
+            let sel = &mut sc.sel[h];
+            sel.clear();
+            for &(s, b) in &given.per_head[h] {
+                let (s, b) = (s as usize, b as usize);
+                if s >= nseg || b >= sc.geom[h * nseg + s].blocks {
+                    return Err(MosaicError::ShapeMismatch {
+                        what: "selection",
+                        expected: "blocks of existing segments".into(),
+                        got: format!("({s}, {b}) for head {h}"),
+                    });
+                }
+                let gi = (sc.geom[h * nseg + s].first + b) as u32;
+                if sel.last().is_some_and(|&l| l >= gi) {
+                    return Err(MosaicError::ShapeMismatch {
+                        what: "selection",
+                        expected: "strictly ascending blocks".into(),
+                        got: format!("({s}, {b}) for head {h}"),
+                    });
+                }
+                sel.push(gi);
+            }
+        }
+    }
+    let selection = if compute && want_selection {
+        let mut per_head = Vec::with_capacity(kv);
+        for h in 0..kv {
+            let gh = &sc.geom[h * nseg..(h + 1) * nseg];
+            per_head.push(
+                sc.sel[h]
+                    .iter()
+                    .map(|&i| {
+                        let s = gh.partition_point(|x| x.first + x.blocks <= i as usize);
+                        (s as u32, i - gh[s].first as u32)
+                    })
+                    .collect(),
+            );
+        }
+        Some(Selection { per_head })
+    } else {
+        None
+    };
+    let out = match out {
+        Some(o) => o,
+        None => return Ok(selection),
+    };
+
+    // Units: consecutive selected blocks of one (head, segment), at most UNIT_BLOCKS each.
+    sc.units.clear();
+    for h in 0..kv {
+        let sel = &sc.sel[h];
+        let gh = &sc.geom[h * nseg..(h + 1) * nseg];
+        let mut i = 0;
+        while i < sel.len() {
+            let s = gh.partition_point(|x| x.first + x.blocks <= sel[i] as usize);
+            let end_block = (gh[s].first + gh[s].blocks) as u32;
+            let mut j = i;
+            while j < sel.len() && sel[j] < end_block && j - i < UNIT_BLOCKS {
+                j += 1;
+            }
+            sc.units.push(Unit { head: h, seg: s, s0: i, s1: j });
+            i = j;
+        }
+    }
+    let plen = partial_len(g, dm.dpv_max.max(dp));
+    sc.partials.resize(sc.units.len() * plen, 0.0);
+    let scale = 1.0 / (d as f32).sqrt();
+
+    // Phase B: flash-decoding over the selected packed blocks.
+    {
+        let (units, geom, sel, qrot) = (&sc.units, &sc.geom, &sc.sel, &sc.qrot);
+        sc.partials.par_chunks_mut(plen).zip(units.par_iter()).for_each(|(st, u)| {
+            let gm = geom[u.head * nseg + u.seg];
+            let hs = &cache.segments[u.seg].heads[u.head];
+            let seg_len = cache.segments[u.seg].len;
+            let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
+            let (krb, vrb) = (kl.record_bytes(), vl.record_bytes());
+            let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
+            let dpmax = gm.dpk.max(gm.dpv);
+            partial_init(&mut st[..partial_len(g, gm.dpv)], g);
+            with_tiles(dpmax, g, |kt, vt, lg| {
+                for &gi in &sel[u.head][u.s0..u.s1] {
+                    let b = gi as usize - gm.first;
+                    let t0 = b * gm.block;
+                    let t1 = (t0 + gm.block).min(seg_len);
+                    let mut t = t0;
+                    while t < t1 {
+                        let n = (t1 - t).min(TILE);
+                        let kb = &hs.keys.bytes[t * krb..];
+                        path.expand_records(kb, kb.len() - n * krb, n, krb, kl.bitmap_words(), kl.group_size, kl.kept_dims, kl.r, gm.dpk, kt);
+                        path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
+                        let vb = &hs.values.bytes[t * vrb..];
+                        path.expand_records(vb, vb.len() - n * vrb, n, vrb, vl.bitmap_words(), vl.group_size, vl.kept_dims, vl.r, gm.dpv, vt);
+                        online_update(path, &mut st[..partial_len(g, gm.dpv)], g, gm.dpv, lg, n, vt);
+                        t += n;
+                    }
+                }
+            });
+        });
+    }
+
+    // Phase C: per KV head, the dense part (sink + buffer), then merge units of each
+    // segment in rotated space, rotate back once per (segment, head), merge everything.
+    let hlen = 3 * g * dp + 3 * g;
+    sc.head_out.resize(kv * hlen, 0.0);
+    {
+        let (units, geom, partials) = (&sc.units, &sc.geom, &sc.partials);
+        sc.head_out.par_chunks_mut(hlen).enumerate().for_each(|(h, buf)| {
+            let (dense, rest) = buf.split_at_mut(partial_len(g, dp));
+            let (qd, rest) = rest.split_at_mut(g * dp);
+            let (acc, mx) = rest.split_at_mut(g * dp);
+            let mx = &mut mx[..g];
+            // Dense part with the unrotated queries.
+            partial_init(dense, g);
+            for k in 0..g {
+                let row = &mut qd[k * dp..(k + 1) * dp];
+                row[..d].copy_from_slice(&queries[(h * g + k) * d..(h * g + k + 1) * d]);
+                row[d..].fill(0.0);
+            }
+            let stride = kv * d;
+            for rows in [&cache.sink, &cache.buffer] {
+                if rows.tokens > 0 {
+                    dense_rows_update(path, qd, g, d, dp, &rows.keys[h * d..], &rows.values[h * d..], stride, 0, rows.tokens, scale, dense);
+                }
+            }
+            // Global max per query head.
+            mx.copy_from_slice(&dense[..g]);
+            let base = units.partition_point(|u| u.head < h);
+            let hu = &units[base..units.partition_point(|u| u.head <= h)];
+            for i in 0..hu.len() {
+                let p = &partials[(base + i) * plen..];
+                for k in 0..g {
+                    mx[k] = mx[k].max(p[k]);
+                }
+            }
+            // Output accumulator (unrotated, width dp): starts from the dense part.
+            let mut lsum = [0f32; 64];
+            let mut lsum_vec: Vec<f32>;
+            let l: &mut [f32] = if g <= 64 {
+                &mut lsum[..g]
+            } else {
+                lsum_vec = vec![0.0; g];
+                &mut lsum_vec[..]
+            };
+            let (o_acc, seg_acc) = (qd, acc); // qd no longer needed after dense part
+            for k in 0..g {
+                let c = if dense[k] == f32::NEG_INFINITY { 0.0 } else { fast_exp(dense[k] - mx[k]) };
+                l[k] = dense[g + k] * c;
+                for (o, &a) in o_acc[k * dp..(k + 1) * dp].iter_mut().zip(&dense[2 * g + k * dp..2 * g + (k + 1) * dp]) {
+                    *o = a * c;
+                }
+            }
+            let mut i = 0;
+            while i < hu.len() {
+                let s = hu[i].seg;
+                let gm = geom[h * nseg + s];
+                seg_acc[..g * gm.dpv].fill(0.0);
+                while i < hu.len() && hu[i].seg == s {
+                    let p = &partials[(base + i) * plen..(base + i) * plen + partial_len(g, gm.dpv)];
+                    for k in 0..g {
+                        if p[k] == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let c = fast_exp(p[k] - mx[k]);
+                        l[k] += p[g + k] * c;
+                        for (o, &a) in seg_acc[k * gm.dpv..(k + 1) * gm.dpv].iter_mut().zip(&p[2 * g + k * gm.dpv..2 * g + (k + 1) * gm.dpv]) {
+                            *o += a * c;
+                        }
+                    }
+                    i += 1;
+                }
+                // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j.
+                let rv = &cache.segments[s].heads[h].strategy.value.rotation;
+                for k in 0..g {
+                    let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
+                    let o = &mut o_acc[k * dp..k * dp + d];
+                    for (ii, oi) in o.iter_mut().enumerate() {
+                        *oi += path.dot(&rv[ii * d..ii * d + gm.dtv], a);
+                    }
+                }
+            }
+            for k in 0..g {
+                let inv = if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 };
+                for x in &mut o_acc[k * dp..k * dp + d] {
+                    *x *= inv;
+                }
+            }
+        });
+    }
+    for h in 0..kv {
+        let buf = &sc.head_out[h * hlen..(h + 1) * hlen];
+        let o_acc = &buf[partial_len(g, dp)..partial_len(g, dp) + g * dp];
+        for k in 0..g {
+            out[(h * g + k) * d..(h * g + k + 1) * d].copy_from_slice(&o_acc[k * dp..k * dp + d]);
+        }
+    }
+    Ok(selection)
+}

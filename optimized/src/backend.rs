@@ -1,0 +1,310 @@
+//! [`CpuBackend`]: every stage of `mosaickv_spec::Backend` on the CPU.
+
+use crate::attend::{packed_attention, pad8, MosaicScratch, SelectionSource};
+use crate::encode;
+use crate::simd::Path;
+use mosaickv_spec::{
+    validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError, PackedRows, Result, Selection, Side, SideStrategy,
+};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2};
+use std::borrow::Cow;
+use std::sync::Mutex;
+
+/// The optimized CPU backend. `new()` picks AVX2/FMA/F16C when the CPU has them
+/// (unless `MOSAICKV_FORCE_PORTABLE=1`); `portable()` always uses the scalar path.
+#[derive(Debug)]
+pub struct CpuBackend {
+    path: Path,
+    scratch: Mutex<MosaicScratch>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clone for CpuBackend {
+    fn clone(&self) -> Self {
+        Self::with_path(self.path)
+    }
+}
+
+/// Row-major contiguous data of a 2-D view.
+pub(crate) fn contig<'a>(v: &ArrayView2<'a, f32>) -> Cow<'a, [f32]> {
+    match v.to_slice() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(v.iter().copied().collect()),
+    }
+}
+
+impl CpuBackend {
+    /// Detects the CPU's features at run time; honours `MOSAICKV_FORCE_PORTABLE=1`.
+    pub fn new() -> Self {
+        Self::with_path(Path::detect())
+    }
+
+    /// The portable scalar path, whatever the CPU.
+    pub fn portable() -> Self {
+        Self::with_path(Path::Portable)
+    }
+
+    /// The AVX2 path, or `BackendUnavailable` when the CPU lacks AVX2, FMA or F16C.
+    pub fn avx2() -> Result<Self> {
+        if crate::simd::avx2_available() {
+            Ok(Self::with_path(Path::Avx2))
+        } else {
+            Err(MosaicError::BackendUnavailable("CPU lacks avx2/fma/f16c".into()))
+        }
+    }
+
+    pub(crate) fn with_path(path: Path) -> Self {
+        Self {
+            path,
+            scratch: Mutex::new(MosaicScratch::default()),
+        }
+    }
+
+    /// Which kernel path runs.
+    pub fn path(&self) -> Path {
+        self.path
+    }
+
+    fn check_rows(rows: &ArrayView2<f32>, d: usize, what: &'static str) -> Result<()> {
+        if rows.ncols() != d {
+            return Err(MosaicError::ShapeMismatch {
+                what,
+                expected: format!("[n, {d}]"),
+                got: format!("{:?}", rows.shape()),
+            });
+        }
+        validate::finite(what, rows.iter())
+    }
+
+    /// Checks every structural invariant a foreign cache must satisfy before attention reads it.
+    fn check_cache(cache: &CompressedCache) -> Result<()> {
+        let s = &cache.shape;
+        let d = s.head_dim;
+        let dense = |rows: &mosaickv_spec::DenseRows, what: &'static str| -> Result<()> {
+            let n = rows.tokens * s.kv_heads * d;
+            if rows.keys.len() != n || rows.values.len() != n {
+                return Err(MosaicError::ShapeMismatch {
+                    what,
+                    expected: format!("{n} f16 values"),
+                    got: format!("{} / {}", rows.keys.len(), rows.values.len()),
+                });
+            }
+            Ok(())
+        };
+        dense(&cache.sink, "sink")?;
+        dense(&cache.buffer, "buffer")?;
+        for seg in &cache.segments {
+            if seg.heads.len() != s.kv_heads {
+                return Err(MosaicError::ShapeMismatch {
+                    what: "segment heads",
+                    expected: s.kv_heads.to_string(),
+                    got: seg.heads.len().to_string(),
+                });
+            }
+            for hs in &seg.heads {
+                let st = &hs.strategy;
+                st.key.validate()?;
+                st.value.validate()?;
+                if st.key.head_dim() != d || st.value.head_dim() != d {
+                    return Err(MosaicError::ShapeMismatch {
+                        what: "strategy head_dim",
+                        expected: d.to_string(),
+                        got: st.key.head_dim().to_string(),
+                    });
+                }
+                if hs.keys.count != seg.len || hs.values.count != seg.len {
+                    return Err(MosaicError::CorruptPacked(format!("{} / {} records for a segment of {}", hs.keys.count, hs.values.count, seg.len)));
+                }
+                hs.keys.validate(&st.key.layout)?;
+                hs.values.validate(&st.value.layout)?;
+                let m = &hs.meta;
+                let dt = st.key.layout.kept_dims;
+                if st.block_size == 0 || m.block_size != st.block_size || m.kept_dims != dt || m.tokens != seg.len || m.min.len() != m.blocks() * dt || m.max.len() != m.min.len() {
+                    return Err(MosaicError::CorruptPacked("block metadata does not match its segment".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        match self.path {
+            Path::Avx2 => "cpu-avx2",
+            Path::Portable => "cpu-portable",
+        }
+    }
+
+    fn availability(&self) -> Availability {
+        Availability::Available
+    }
+
+    fn fit_side(&self, rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+        let d = rows.ncols();
+        Self::check_rows(&rows, d, "rows")?;
+        config.validate(d)?;
+        let data = contig(&rows);
+        Ok(encode::fit_side_rotated(&data, d, side, config)?.0)
+    }
+
+    fn fit_block_size(&self, keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+        key.validate()?;
+        Self::check_rows(&keys, key.head_dim(), "keys")?;
+        config.validate(key.head_dim())?;
+        if config.block_sizes.len() == 1 {
+            return Ok(config.block_sizes[0]);
+        }
+        let packed = encode::encode_rows(&contig(&keys), key);
+        let dense = encode::decode_rows(&packed, &key.layout)?;
+        Ok(encode::block_size_dense(&dense, key.layout.kept_dims, config))
+    }
+
+    fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
+        side.validate()?;
+        Self::check_rows(&rows, side.head_dim(), "rows")?;
+        Ok(encode::encode_rows(&contig(&rows), side))
+    }
+
+    fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
+        side.validate()?;
+        let dt = side.layout.kept_dims;
+        let v = encode::decode_rows(packed, &side.layout)?;
+        Array2::from_shape_vec((packed.count, dt), v).map_err(|e| MosaicError::ShapeMismatch {
+            what: "decoded",
+            expected: format!("[{}, {dt}]", packed.count),
+            got: e.to_string(),
+        })
+    }
+
+    fn block_meta(&self, keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta> {
+        key.validate()?;
+        if block_size == 0 {
+            return Err(MosaicError::InvalidConfig("block_size must be positive".into()));
+        }
+        let dense = encode::decode_rows(keys, &key.layout)?;
+        Ok(encode::block_meta_dense(&dense, key.layout.kept_dims, block_size))
+    }
+
+    fn rotate_queries(&self, queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Array2<f32>> {
+        key.validate()?;
+        let d = key.head_dim();
+        Self::check_rows(&queries, d, "queries")?;
+        let dt = key.layout.kept_dims;
+        let q = contig(&queries);
+        let mut out = Array2::zeros((queries.nrows(), dt));
+        for (i, mut row) in out.rows_mut().into_iter().enumerate() {
+            let o = row.as_slice_mut().expect("standard layout");
+            self.path.rotate_query(&key.rotation, d, &q[i * d..(i + 1) * d], o);
+        }
+        Ok(out)
+    }
+
+    fn score_blocks(&self, meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Result<Vec<f32>> {
+        let dt = meta.kept_dims;
+        if rotated_queries.ncols() != dt || rotated_queries.nrows() == 0 {
+            return Err(MosaicError::ShapeMismatch {
+                what: "rotated_queries",
+                expected: format!("[group >= 1, {dt}]"),
+                got: format!("{:?}", rotated_queries.shape()),
+            });
+        }
+        if meta.block_size == 0 || meta.min.len() != meta.blocks() * dt || meta.max.len() != meta.min.len() {
+            return Err(MosaicError::CorruptPacked("block metadata sizes".into()));
+        }
+        validate::finite("rotated_queries", rotated_queries.iter())?;
+        let g = rotated_queries.nrows();
+        let dp = pad8(dt);
+        let mut q = vec![0f32; g * dp];
+        for (k, row) in rotated_queries.rows().into_iter().enumerate() {
+            for (j, &x) in row.iter().enumerate() {
+                q[k * dp + j] = x;
+            }
+        }
+        let mut out = vec![0f32; meta.blocks()];
+        self.path.score_blocks(&q, g, dp, dt, &meta.min, &meta.max, &mut out);
+        Ok(out)
+    }
+
+    fn select_blocks(&self, scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+        if scores.len() != block_lens.len() {
+            return Err(MosaicError::ShapeMismatch {
+                what: "block_lens",
+                expected: scores.len().to_string(),
+                got: block_lens.len().to_string(),
+            });
+        }
+        let bmin = block_lens.iter().copied().filter(|&l| l > 0).min().unwrap_or(1);
+        // Every block of positive length has at least bmin tokens, so at most ceil(B / bmin) of them
+        // plus the empty ones can be taken before the budget is reached.
+        let max_take = budget_tokens.div_ceil(bmin).max(1).saturating_add(block_lens.iter().filter(|&&l| l < bmin).count());
+        let mut keys = Vec::new();
+        let mut out = Vec::new();
+        crate::attend::top_blocks(scores, |i| block_lens[i], budget_tokens, max_take, &mut keys, &mut out);
+        Ok(out)
+    }
+
+    fn select(&self, cache: &CompressedCache, queries: ArrayView2<f32>) -> Result<Selection> {
+        Self::check_cache(cache)?;
+        let s = cache.shape;
+        validate::queries(&s, &queries, &[s.q_heads, s.head_dim])?;
+        let q = contig(&queries);
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.segments.is_empty() {
+            return Ok(Selection {
+                per_head: vec![Vec::new(); s.kv_heads],
+            });
+        }
+        let sel = packed_attention(self.path, cache, &q, SelectionSource::Compute, true, None, &mut sc)?;
+        Ok(sel.unwrap_or_default())
+    }
+
+    fn attend_selected(&self, cache: &CompressedCache, queries: ArrayView2<f32>, selection: &Selection, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        Self::check_cache(cache)?;
+        let s = cache.shape;
+        validate::queries(&s, &queries, out.shape())?;
+        if cache.is_empty() {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tmp;
+        let o: &mut [f32] = match out.as_slice_mut() {
+            Some(o) => {
+                packed_attention(self.path, cache, &q, SelectionSource::Given(selection), false, Some(o), &mut sc)?;
+                return Ok(());
+            }
+            None => {
+                tmp = vec![0f32; s.q_heads * s.head_dim];
+                &mut tmp
+            }
+        };
+        packed_attention(self.path, cache, &q, SelectionSource::Given(selection), false, Some(o), &mut sc)?;
+        for (dst, &src) in out.iter_mut().zip(o.iter()) {
+            *dst = src;
+        }
+        Ok(())
+    }
+
+    fn attend(&self, cache: &CompressedCache, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        Self::check_cache(cache)?;
+        let s = cache.shape;
+        validate::queries(&s, &queries, out.shape())?;
+        if cache.is_empty() {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = vec![0f32; s.q_heads * s.head_dim];
+        packed_attention(self.path, cache, &q, SelectionSource::Compute, false, Some(&mut o), &mut sc)?;
+        for (dst, &src) in out.iter_mut().zip(o.iter()) {
+            *dst = src;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,394 @@
+//! Optimized baselines (SPEC.md section 12): dense full attention over an f16
+//! cache and Quest, with the same flash-decoding kernels as MosaicKV so that
+//! speed ratios compare like with like.
+
+use crate::attend::{dense_rows_update, pad8, partial_init, partial_len, top_blocks};
+use crate::backend::contig;
+use crate::simd::{fast_exp, Path};
+use half::f16;
+use mosaickv_spec::{validate, KvCache, KvShape, MemoryReport, MosaicError, Result};
+use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
+use rayon::prelude::*;
+
+/// Quest page size (SPEC 12).
+pub const QUEST_PAGE: usize = 16;
+/// Dense attention splits each head's tokens into chunks of this many tokens.
+const DENSE_CHUNK: usize = 2048;
+/// Quest pages per work unit.
+const QUEST_UNIT_PAGES: usize = 64;
+
+/// Dense f16 K/V per KV head, `[tokens][d]` contiguous per head (streaming layout).
+#[derive(Debug, Clone)]
+struct F16Store {
+    shape: KvShape,
+    tokens: usize,
+    keys: Vec<Vec<f16>>,
+    values: Vec<Vec<f16>>,
+}
+
+impl F16Store {
+    fn new(shape: KvShape) -> Result<Self> {
+        KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        Ok(Self {
+            shape,
+            tokens: 0,
+            keys: vec![Vec::new(); shape.kv_heads],
+            values: vec![Vec::new(); shape.kv_heads],
+        })
+    }
+
+    fn prefill(&mut self, keys: &ArrayView3<f32>, values: &ArrayView3<f32>) -> Result<()> {
+        validate::prompt_kv(&self.shape, keys, values)?;
+        if self.tokens != 0 {
+            return Err(MosaicError::AlreadyPrefilled(self.tokens));
+        }
+        let n = keys.shape()[0];
+        let d = self.shape.head_dim;
+        let conv = |a: &ArrayView3<f32>, h: usize, out: &mut Vec<f16>| {
+            out.reserve(n * d);
+            for t in 0..n {
+                out.extend(a.slice(ndarray::s![t, h, ..]).iter().map(|&x| f16::from_f32(x)));
+            }
+        };
+        self.keys.par_iter_mut().zip(self.values.par_iter_mut()).enumerate().for_each(|(h, (k, v))| {
+            conv(keys, h, k);
+            conv(values, h, v);
+        });
+        self.tokens = n;
+        Ok(())
+    }
+
+    fn append(&mut self, key: &ArrayView2<f32>, value: &ArrayView2<f32>) -> Result<()> {
+        validate::token_kv(&self.shape, key, value)?;
+        for h in 0..self.shape.kv_heads {
+            self.keys[h].extend(key.row(h).iter().map(|&x| f16::from_f32(x)));
+            self.values[h].extend(value.row(h).iter().map(|&x| f16::from_f32(x)));
+        }
+        self.tokens += 1;
+        Ok(())
+    }
+
+    fn memory(&self) -> MemoryReport {
+        MemoryReport {
+            tokens: self.tokens,
+            values: 2 * self.keys.iter().chain(&self.values).map(Vec::len).sum::<usize>(),
+            ..MemoryReport::default()
+        }
+    }
+}
+
+/// Reusable buffers of the page-based attention.
+#[derive(Debug, Default)]
+struct PageScratch {
+    q: Vec<f32>,
+    scores: Vec<f32>,
+    keys: Vec<Vec<u64>>,
+    sel: Vec<Vec<u32>>,
+    units: Vec<(usize, usize, usize)>,
+    partials: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// Attention over the pages in `sc.sel[h]` (page `p` = tokens `p*page .. (p+1)*page`), flash-decoding
+/// split into units of `unit_pages` pages, merged per head. `sc.q` holds `[q_heads][dp]` queries.
+fn attend_pages(path: Path, store: &F16Store, page: usize, unit_pages: usize, sc: &mut PageScratch, out: &mut [f32]) {
+    let s = store.shape;
+    let (kv, g, d) = (s.kv_heads, s.group(), s.head_dim);
+    let dp = pad8(d);
+    sc.units.clear();
+    for h in 0..kv {
+        let n = sc.sel[h].len();
+        let mut i = 0;
+        while i < n {
+            let j = (i + unit_pages).min(n);
+            sc.units.push((h, i, j));
+            i = j;
+        }
+    }
+    let plen = partial_len(g, dp);
+    sc.partials.resize(sc.units.len() * plen, 0.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (units, sel, q) = (&sc.units, &sc.sel, &sc.q);
+    sc.partials.par_chunks_mut(plen).zip(units.par_iter()).for_each(|(st, &(h, i, j))| {
+        partial_init(st, g);
+        let qh = &q[h * g * dp..(h + 1) * g * dp];
+        let (k, v) = (&store.keys[h], &store.values[h]);
+        // Coalesce consecutive pages into one token range.
+        let mut a = i;
+        while a < j {
+            let mut b = a + 1;
+            while b < j && sel[h][b] == sel[h][b - 1] + 1 {
+                b += 1;
+            }
+            let t0 = sel[h][a] as usize * page;
+            let t1 = ((sel[h][b - 1] as usize + 1) * page).min(store.tokens);
+            dense_rows_update(path, qh, g, d, dp, k, v, d, t0, t1, scale, st);
+            a = b;
+        }
+    });
+    // Merge per head.
+    let (units, partials) = (&sc.units, &sc.partials);
+    sc.out.resize(s.q_heads * dp, 0.0);
+    sc.out.par_chunks_mut(g * dp).enumerate().for_each(|(h, o)| {
+        let a = units.partition_point(|u| u.0 < h);
+        let b = units.partition_point(|u| u.0 <= h);
+        o.fill(0.0);
+        for k in 0..g {
+            let mx = (a..b).map(|u| partials[u * plen + k]).fold(f32::NEG_INFINITY, f32::max);
+            let mut l = 0f32;
+            let ok = &mut o[k * dp..(k + 1) * dp];
+            for u in a..b {
+                let p = &partials[u * plen..(u + 1) * plen];
+                if p[k] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let c = fast_exp(p[k] - mx);
+                l += p[g + k] * c;
+                for (x, &y) in ok.iter_mut().zip(&p[2 * g + k * dp..2 * g + (k + 1) * dp]) {
+                    *x += y * c;
+                }
+            }
+            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+            for x in ok.iter_mut() {
+                *x *= inv;
+            }
+        }
+    });
+    for qh in 0..s.q_heads {
+        out[qh * d..(qh + 1) * d].copy_from_slice(&sc.out[qh * dp..qh * dp + d]);
+    }
+}
+
+/// Copies queries into the padded `[q_heads][dp]` buffer.
+fn load_queries(shape: &KvShape, queries: &[f32], q: &mut Vec<f32>) {
+    let (d, dp) = (shape.head_dim, pad8(shape.head_dim));
+    q.resize(shape.q_heads * dp, 0.0);
+    for h in 0..shape.q_heads {
+        q[h * dp..h * dp + d].copy_from_slice(&queries[h * d..(h + 1) * d]);
+        q[h * dp + d..(h + 1) * dp].fill(0.0);
+    }
+}
+
+fn write_out(out: &mut ArrayViewMut2<f32>, shape: &KvShape, tmp: &mut Vec<f32>, f: impl FnOnce(&mut [f32])) {
+    match out.as_slice_mut() {
+        Some(o) => f(o),
+        None => {
+            tmp.resize(shape.q_heads * shape.head_dim, 0.0);
+            f(tmp);
+            for (d, &s) in out.iter_mut().zip(tmp.iter()) {
+                *d = s;
+            }
+        }
+    }
+}
+
+/// Full attention over a dense f16 cache (SPEC 12 "Full"), flash-decoding over
+/// token chunks on rayon threads, f16 -> f32 with F16C where available.
+#[derive(Debug)]
+pub struct DenseF16Cache {
+    path: Path,
+    store: F16Store,
+    sc: PageScratch,
+    tmp: Vec<f32>,
+}
+
+impl DenseF16Cache {
+    pub fn new(shape: KvShape) -> Result<Self> {
+        Self::with_path(shape, Path::detect())
+    }
+    /// Same cache on the portable kernels.
+    pub fn portable(shape: KvShape) -> Result<Self> {
+        Self::with_path(shape, Path::Portable)
+    }
+    fn with_path(shape: KvShape, path: Path) -> Result<Self> {
+        Ok(Self {
+            path,
+            store: F16Store::new(shape)?,
+            sc: PageScratch::default(),
+            tmp: Vec::new(),
+        })
+    }
+    /// Bytes one decode step reads: every K and V element.
+    pub fn bytes_per_step(&self) -> usize {
+        self.store.memory().values
+    }
+}
+
+impl KvCache for DenseF16Cache {
+    fn shape(&self) -> KvShape {
+        self.store.shape
+    }
+    fn len(&self) -> usize {
+        self.store.tokens
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        self.store.prefill(&keys, &values)
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        self.store.append(&key, &value)
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        let shape = self.store.shape;
+        validate::queries(&shape, &queries, out.shape())?;
+        if self.store.tokens == 0 {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        load_queries(&shape, &q, &mut self.sc.q);
+        let chunks = self.store.tokens.div_ceil(DENSE_CHUNK);
+        self.sc.sel.resize_with(shape.kv_heads, Vec::new);
+        for s in &mut self.sc.sel {
+            s.clear();
+            s.extend(0..chunks as u32);
+        }
+        let (path, store, sc) = (self.path, &self.store, &mut self.sc);
+        write_out(&mut out, &shape, &mut self.tmp, |o| attend_pages(path, store, DENSE_CHUNK, 1, sc, o));
+        Ok(())
+    }
+    fn memory(&self) -> MemoryReport {
+        self.store.memory()
+    }
+}
+
+/// Quest (SPEC 12): dense f16 K/V, per page of 16 tokens the min/max of each key dim,
+/// budget `P = ceil(ceil(rate * n) / 16)` pages: the last page plus the `P - 1` best others.
+#[derive(Debug)]
+pub struct QuestF16Cache {
+    path: Path,
+    store: F16Store,
+    token_rate: f64,
+    /// Per KV head, `[pages][d]` f16 min and max of the keys.
+    min: Vec<Vec<f16>>,
+    max: Vec<Vec<f16>>,
+    sc: PageScratch,
+    tmp: Vec<f32>,
+}
+
+impl QuestF16Cache {
+    /// `token_rate` in (0, 1].
+    pub fn new(shape: KvShape, token_rate: f64) -> Result<Self> {
+        Self::with_path(shape, token_rate, Path::detect())
+    }
+    pub fn portable(shape: KvShape, token_rate: f64) -> Result<Self> {
+        Self::with_path(shape, token_rate, Path::Portable)
+    }
+    fn with_path(shape: KvShape, token_rate: f64, path: Path) -> Result<Self> {
+        if !(token_rate > 0.0 && token_rate <= 1.0) {
+            return Err(MosaicError::InvalidConfig(format!("token_rate {token_rate} not in (0, 1]")));
+        }
+        Ok(Self {
+            path,
+            store: F16Store::new(shape)?,
+            token_rate,
+            min: vec![Vec::new(); shape.kv_heads],
+            max: vec![Vec::new(); shape.kv_heads],
+            sc: PageScratch::default(),
+            tmp: Vec::new(),
+        })
+    }
+
+    /// Pages attended for a cache of `n` tokens.
+    pub fn budget_pages(&self, n: usize) -> usize {
+        ((self.token_rate * n as f64).ceil() as usize).div_ceil(QUEST_PAGE)
+    }
+
+    /// Bytes one decode step reads: all page metadata plus K and V of the selected pages.
+    pub fn bytes_per_step(&self) -> usize {
+        let s = self.store.shape;
+        let n = self.store.tokens;
+        let pages = n.div_ceil(QUEST_PAGE);
+        let p = self.budget_pages(n).min(pages);
+        let meta = 2 * 2 * pages * s.head_dim * s.kv_heads;
+        meta + p * QUEST_PAGE * 4 * s.head_dim * s.kv_heads
+    }
+
+    /// Updates page metadata for tokens `t0..tokens`.
+    fn update_meta(&mut self, t0: usize) {
+        let d = self.store.shape.head_dim;
+        let n = self.store.tokens;
+        let path = self.path;
+        let _ = path;
+        self.min.par_iter_mut().zip(self.max.par_iter_mut()).zip(self.store.keys.par_iter()).for_each(|((mn, mx), k)| {
+            mn.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
+            mx.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
+            let first_page = t0 / QUEST_PAGE;
+            for p in first_page..n.div_ceil(QUEST_PAGE) {
+                let rows = &k[p * QUEST_PAGE * d..((p + 1) * QUEST_PAGE).min(n) * d];
+                for j in 0..d {
+                    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+                    for r in rows.chunks_exact(d) {
+                        let x = r[j].to_f32();
+                        lo = lo.min(x);
+                        hi = hi.max(x);
+                    }
+                    mn[p * d + j] = f16::from_f32(lo);
+                    mx[p * d + j] = f16::from_f32(hi);
+                }
+            }
+        });
+    }
+}
+
+impl KvCache for QuestF16Cache {
+    fn shape(&self) -> KvShape {
+        self.store.shape
+    }
+    fn len(&self) -> usize {
+        self.store.tokens
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        self.store.prefill(&keys, &values)?;
+        self.update_meta(0);
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        let t0 = self.store.tokens;
+        self.store.append(&key, &value)?;
+        self.update_meta(t0);
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        let shape = self.store.shape;
+        validate::queries(&shape, &queries, out.shape())?;
+        let n = self.store.tokens;
+        if n == 0 {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        load_queries(&shape, &q, &mut self.sc.q);
+        let (kv, g, d) = (shape.kv_heads, shape.group(), shape.head_dim);
+        let dp = pad8(d);
+        let pages = n.div_ceil(QUEST_PAGE);
+        let p_budget = self.budget_pages(n);
+        let sc = &mut self.sc;
+        sc.sel.resize_with(kv, Vec::new);
+        sc.keys.resize_with(kv, Vec::new);
+        sc.scores.resize(kv * pages, 0.0);
+        let path = self.path;
+        let (mins, maxs, qv) = (&self.min, &self.max, &sc.q);
+        sc.sel
+            .par_iter_mut()
+            .zip(sc.keys.par_iter_mut())
+            .zip(sc.scores.par_chunks_mut(pages))
+            .enumerate()
+            .for_each(|(h, ((sel, keys), scores))| {
+                sel.clear();
+                if pages <= p_budget {
+                    sel.extend(0..pages as u32);
+                    return;
+                }
+                let others = pages - 1;
+                path.score_blocks(&qv[h * g * dp..], g, dp, d, &mins[h][..others * d], &maxs[h][..others * d], &mut scores[..others]);
+                top_blocks(&scores[..others], |_| 1, p_budget - 1, p_budget - 1, keys, sel);
+                sel.push(others as u32);
+            });
+        let (store, sc) = (&self.store, &mut self.sc);
+        write_out(&mut out, &shape, &mut self.tmp, |o| attend_pages(path, store, QUEST_PAGE, QUEST_UNIT_PAGES, sc, o));
+        Ok(())
+    }
+    fn memory(&self) -> MemoryReport {
+        let mut m = self.store.memory();
+        m.block_meta = 2 * self.min.iter().chain(&self.max).map(Vec::len).sum::<usize>();
+        m
+    }
+}

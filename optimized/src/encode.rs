@@ -1,0 +1,464 @@
+//! Strategy fitting, encoding and block metadata (SPEC.md sections 3-7, 11),
+//! written for throughput but producing the spec's exact bytes: every f64 sum
+//! runs over the same index in the same ascending order as the spec's
+//! definition, with separate multiply and add (Rust never contracts to FMA).
+
+use half::f16;
+use mosaickv_spec::{
+    ceil_to, BlockMeta, ChannelPolicy, CompressConfig, MosaicError, PackedRows, RecordLayout, Result, Side, SideStrategy, ValueDtype,
+};
+use nalgebra::{DMatrix, SymmetricEigen};
+use rayon::prelude::*;
+
+/// Rows per rayon task when encoding.
+const ROWS_PER_TASK: usize = 256;
+
+/// SPEC 3 step 1: `C = sum_i x_i x_i^T` in f64, ascending i, `d x d` row-major.
+pub fn covariance(rows: &[f32], d: usize) -> Vec<f64> {
+    let mut c = vec![0f64; d * d];
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2_available() {
+        // SAFETY: avx2 detected; the function only indexes within `rows` and `c`.
+        unsafe { covariance_avx2(rows, d, &mut c) };
+        mirror(&mut c, d);
+        return c;
+    }
+    covariance_body(rows, d, &mut c);
+    mirror(&mut c, d);
+    c
+}
+
+#[inline(always)]
+fn covariance_body(rows: &[f32], d: usize, c: &mut [f64]) {
+    let mut x = vec![0f64; d];
+    for row in rows.chunks_exact(d) {
+        for (xi, &r) in x.iter_mut().zip(row) {
+            *xi = r as f64;
+        }
+        for a in 0..d {
+            let xa = x[a];
+            let ca = &mut c[a * d..a * d + a + 1];
+            for (cb, &xb) in ca.iter_mut().zip(&x[..=a]) {
+                *cb += xa * xb;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn covariance_avx2(rows: &[f32], d: usize, c: &mut [f64]) {
+    covariance_body(rows, d, c)
+}
+
+fn mirror(c: &mut [f64], d: usize) {
+    for a in 0..d {
+        for b in a + 1..d {
+            c[a * d + b] = c[b * d + a];
+        }
+    }
+}
+
+/// SPEC 3 steps 2-4: eigenvectors of C sorted by eigenvalue descending (stable),
+/// sign-normalized, as a row-major f32 `d x d` matrix (columns = eigenvectors).
+pub fn rotation_from_covariance(c: &[f64], d: usize) -> Vec<f32> {
+    let mut r = vec![0f32; d * d];
+    if c.iter().all(|&x| x == 0.0) {
+        for i in 0..d {
+            r[i * d + i] = 1.0;
+        }
+        return r;
+    }
+    let m = DMatrix::from_row_slice(d, d, c);
+    let eig = SymmetricEigen::new(m);
+    let vals = eig.eigenvalues;
+    let vecs = eig.eigenvectors;
+    let mut order: Vec<usize> = (0..d).collect();
+    order.sort_by(|&a, &b| vals[b].partial_cmp(&vals[a]).unwrap_or(std::cmp::Ordering::Equal));
+    for (j, &k) in order.iter().enumerate() {
+        let col = vecs.column(k);
+        let mut best = 0usize;
+        for i in 1..d {
+            if col[i].abs() > col[best].abs() {
+                best = i;
+            }
+        }
+        let s = if col[best] < 0.0 { -1.0 } else { 1.0 };
+        for i in 0..d {
+            r[i * d + j] = (s * col[i]) as f32;
+        }
+    }
+    r
+}
+
+/// SPEC 5 step 1 (and 11.1): `out[j] = sum_i R[i][j] x_i` in f64, ascending i, for `j < out.len()`.
+#[inline(always)]
+fn rotate_f64_body(rot: &[f32], d: usize, x: &[f32], out: &mut [f64]) {
+    let dims = out.len();
+    out.fill(0.0);
+    for i in 0..d {
+        let xi = x[i] as f64;
+        let row = &rot[i * d..i * d + dims];
+        for (o, &r) in out.iter_mut().zip(row) {
+            *o += r as f64 * xi;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn rotate_f64_avx2(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
+    for (x, o) in rows.chunks_exact(d).zip(out.chunks_exact_mut(dims)) {
+        rotate_f64_body(rot, d, x, o);
+    }
+}
+
+/// Rotates every row of `rows` (`[n][d]`) to its first `dims` rotated coordinates in f64.
+pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2_available() {
+        // SAFETY: avx2 detected; all indexing is bounds-checked slice access.
+        unsafe { rotate_f64_avx2(rot, d, rows, dims, out) };
+        return;
+    }
+    for (x, o) in rows.chunks_exact(d).zip(out.chunks_exact_mut(dims)) {
+        rotate_f64_body(rot, d, x, o);
+    }
+}
+
+/// SPEC 5 steps 2-3: which groups a row keeps, from its f16-rounded rotated values `y` (length Dt).
+/// Writes a keep flag per group into `keep`; `scratch` holds group indices.
+fn select_groups(y: &[f16], g: usize, kept_groups: usize, imp: &mut [f32], order: &mut [u16], keep: &mut [bool]) {
+    let groups = y.len() / g;
+    for k in 0..groups {
+        let mut s = 0f32;
+        for &v in &y[k * g..(k + 1) * g] {
+            let f = v.to_f32();
+            s += f * f;
+        }
+        imp[k] = s;
+    }
+    if kept_groups >= groups {
+        keep[..groups].fill(true);
+        return;
+    }
+    for (k, o) in order.iter_mut().enumerate().take(groups) {
+        *o = k as u16;
+    }
+    let cmp = |a: &u16, b: &u16| {
+        let (ia, ib) = (imp[*a as usize], imp[*b as usize]);
+        ib.partial_cmp(&ia).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(b))
+    };
+    order[..groups].select_nth_unstable_by(kept_groups - 1, cmp);
+    keep[..groups].fill(false);
+    for &k in &order[..kept_groups] {
+        keep[k as usize] = true;
+    }
+}
+
+/// Packs one record (SPEC.md section 6) from a row's rotated f64 coordinates (at least Dt of them).
+fn pack_record(x: &[f64], layout: &RecordLayout, out: &mut [u8], y: &mut [f16], imp: &mut [f32], order: &mut [u16], keep: &mut [bool]) {
+    let dt = layout.kept_dims;
+    let g = layout.group_size;
+    for j in 0..dt {
+        y[j] = f16::from_f64(x[j]);
+    }
+    select_groups(&y[..dt], g, layout.kept_groups(), imp, order, keep);
+    out.fill(0);
+    let mut o = layout.bitmap_bytes();
+    for k in 0..layout.groups() {
+        if keep[k] {
+            let w = k / 64;
+            let cur = u64::from_le_bytes(out[8 * w..8 * w + 8].try_into().expect("8 bytes"));
+            out[8 * w..8 * w + 8].copy_from_slice(&(cur | 1u64 << (k % 64)).to_le_bytes());
+            for &v in &y[k * g..(k + 1) * g] {
+                out[o..o + 2].copy_from_slice(&v.to_le_bytes());
+                o += 2;
+            }
+        }
+    }
+}
+
+/// Per-thread buffers for packing.
+struct PackBufs {
+    y: Vec<f16>,
+    imp: Vec<f32>,
+    order: Vec<u16>,
+    keep: Vec<bool>,
+}
+
+impl PackBufs {
+    fn new(d: usize) -> Self {
+        Self {
+            y: vec![f16::ZERO; d],
+            imp: vec![0.0; d],
+            order: vec![0; d],
+            keep: vec![false; d],
+        }
+    }
+}
+
+/// Packs rows whose rotated coordinates are given (`[n][stride]`, stride >= Dt), in parallel.
+pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> PackedRows {
+    let n = rot_rows.len() / stride.max(1);
+    let rb = layout.record_bytes();
+    let mut bytes = vec![0u8; n * rb];
+    let d = layout.head_dim;
+    bytes
+        .par_chunks_mut(rb * ROWS_PER_TASK)
+        .zip(rot_rows.par_chunks(stride * ROWS_PER_TASK))
+        .for_each(|(out, x)| {
+            let mut b = PackBufs::new(d);
+            for (o, row) in out.chunks_exact_mut(rb).zip(x.chunks_exact(stride)) {
+                pack_record(row, layout, o, &mut b.y, &mut b.imp, &mut b.order, &mut b.keep);
+            }
+        });
+    PackedRows { count: n, bytes }
+}
+
+/// SPEC 5-6: rotate and pack rows `[n][d]` with a side strategy (parallel over row chunks).
+pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> PackedRows {
+    let layout = side.layout;
+    let d = layout.head_dim;
+    let dt = layout.kept_dims;
+    let n = rows.len() / d;
+    let rb = layout.record_bytes();
+    let mut bytes = vec![0u8; n * rb];
+    bytes
+        .par_chunks_mut(rb * ROWS_PER_TASK)
+        .zip(rows.par_chunks(d * ROWS_PER_TASK))
+        .for_each(|(out, x)| {
+            let mut b = PackBufs::new(d);
+            let mut xr = vec![0f64; x.len() / d * dt];
+            rotate_rows_f64(&side.rotation, d, x, dt, &mut xr);
+            for (o, row) in out.chunks_exact_mut(rb).zip(xr.chunks_exact(dt)) {
+                pack_record(row, &layout, o, &mut b.y, &mut b.imp, &mut b.order, &mut b.keep);
+            }
+        });
+    PackedRows { count: n, bytes }
+}
+
+/// SPEC 11.1: relative dropped energy of rows given their full rotated coordinates `[n][d]` (f64)
+/// under `(Dt, r, g)`: kept groups chosen by SPEC 5 from the f16-rounded values.
+pub fn loss_rotated(rot_rows: &[f64], d: usize, layout: &RecordLayout) -> f64 {
+    let dt = layout.kept_dims;
+    let g = layout.group_size;
+    let parts: Vec<(f64, f64)> = rot_rows
+        .par_chunks(d * ROWS_PER_TASK)
+        .map(|x| {
+            let mut b = PackBufs::new(d);
+            let (mut num, mut den) = (0f64, 0f64);
+            for row in x.chunks_exact(d) {
+                for j in 0..dt {
+                    b.y[j] = f16::from_f64(row[j]);
+                }
+                select_groups(&b.y[..dt], g, layout.kept_groups(), &mut b.imp, &mut b.order, &mut b.keep);
+                for (j, &v) in row.iter().enumerate() {
+                    let e = v * v;
+                    den += e;
+                    if j >= dt || !b.keep[j / g] {
+                        num += e;
+                    }
+                }
+            }
+            (num, den)
+        })
+        .collect();
+    let (num, den) = parts.iter().fold((0f64, 0f64), |(a, b), (x, y)| (a + x, b + y));
+    if den == 0.0 {
+        0.0
+    } else {
+        num / den
+    }
+}
+
+/// SPEC 11.2: candidate layouts for a policy.
+pub fn candidates(d: usize, config: &CompressConfig) -> Vec<RecordLayout> {
+    let mk = |g: usize, f: f64| {
+        let dt = config.kept_dims(d, g);
+        let r = ceil_to((f * d as f64).ceil() as usize, g).min(dt);
+        RecordLayout {
+            head_dim: d,
+            kept_dims: dt,
+            r,
+            group_size: g,
+            dtype: ValueDtype::F16,
+        }
+    };
+    let mut out: Vec<RecordLayout> = Vec::new();
+    match &config.channels {
+        ChannelPolicy::Fixed { retention, group_size } => out.push(mk(*group_size, *retention)),
+        ChannelPolicy::LossThreshold { retentions, group_sizes, .. } => {
+            for &g in group_sizes {
+                for &f in retentions {
+                    let l = mk(g, f);
+                    if !out.contains(&l) {
+                        out.push(l);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// SPEC 11.2: picks the candidate by the policy's rule, given each candidate's loss.
+pub fn choose(cands: &[RecordLayout], losses: &[f64], side: Side, config: &CompressConfig) -> usize {
+    let threshold = match &config.channels {
+        ChannelPolicy::Fixed { .. } => return 0,
+        ChannelPolicy::LossThreshold { key_loss, value_loss, .. } => match side {
+            Side::Key => *key_loss,
+            Side::Value => *value_loss,
+        },
+    };
+    let passing: Vec<usize> = (0..cands.len()).filter(|&i| losses[i] <= threshold).collect();
+    let cmp_f = |a: f64, b: f64| a.partial_cmp(&b).unwrap_or(std::cmp::Ordering::Equal);
+    if !passing.is_empty() {
+        *passing
+            .iter()
+            .min_by(|&&a, &&b| {
+                cands[a]
+                    .record_bytes()
+                    .cmp(&cands[b].record_bytes())
+                    .then(cmp_f(losses[a], losses[b]))
+                    .then(cands[a].group_size.cmp(&cands[b].group_size))
+            })
+            .expect("non-empty")
+    } else {
+        (0..cands.len())
+            .min_by(|&a, &b| cmp_f(losses[a], losses[b]).then(cands[a].record_bytes().cmp(&cands[b].record_bytes())))
+            .expect("at least one candidate")
+    }
+}
+
+/// SPEC 3, 4, 11: fits one side from rows `[n][d]`; also returns the rows' full rotated coordinates
+/// so a caller that encodes the same rows does not rotate them twice.
+pub fn fit_side_rotated(rows: &[f32], d: usize, side: Side, config: &CompressConfig) -> Result<(SideStrategy, Vec<f64>)> {
+    config.validate(d)?;
+    let c = covariance(rows, d);
+    let rotation = rotation_from_covariance(&c, d);
+    let n = rows.len() / d;
+    let mut xr = vec![0f64; n * d];
+    xr.par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(rows.par_chunks(d * ROWS_PER_TASK))
+        .for_each(|(o, x)| rotate_rows_f64(&rotation, d, x, d, o));
+    let cands = candidates(d, config);
+    for l in &cands {
+        l.validate()?;
+    }
+    let losses: Vec<f64> = cands.iter().map(|l| loss_rotated(&xr, d, l)).collect();
+    let k = choose(&cands, &losses, side, config);
+    Ok((
+        SideStrategy {
+            layout: cands[k],
+            rotation,
+            fit_loss: losses[k],
+        },
+        xr,
+    ))
+}
+
+/// SPEC 11.1 for rows `[n][d]` under an existing strategy.
+pub fn loss_rows(rows: &[f32], side: &SideStrategy) -> f64 {
+    let d = side.layout.head_dim;
+    let n = rows.len() / d;
+    let mut xr = vec![0f64; n * d];
+    xr.par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(rows.par_chunks(d * ROWS_PER_TASK))
+        .for_each(|(o, x)| rotate_rows_f64(&side.rotation, d, x, d, o));
+    loss_rotated(&xr, d, &side.layout)
+}
+
+/// SPEC 6: decodes records to dense rotated rows `[n][Dt]` (validating them first).
+pub fn decode_rows(packed: &PackedRows, layout: &RecordLayout) -> Result<Vec<f32>> {
+    packed.validate(layout)?;
+    let out = decode_trusted(packed, layout);
+    if let Some(i) = out.iter().position(|x| !x.is_finite()) {
+        return Err(MosaicError::NonFinite { what: "decoded values", index: i });
+    }
+    Ok(out)
+}
+
+/// SPEC 6 decode of records this crate wrote itself (no validation, no finiteness check).
+pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
+    let dt = layout.kept_dims;
+    let dp = dt.div_ceil(8) * 8;
+    let mut tmp = vec![0f32; packed.count * dp];
+    crate::simd::Path::Portable.expand_records(
+        &packed.bytes,
+        0,
+        packed.count,
+        layout.record_bytes(),
+        layout.bitmap_words(),
+        layout.group_size,
+        dt,
+        layout.r,
+        dp,
+        &mut tmp,
+    );
+    let mut out = vec![0f32; packed.count * dt];
+    for (o, t) in out.chunks_exact_mut(dt.max(1)).zip(tmp.chunks_exact(dp.max(1))) {
+        o.copy_from_slice(&t[..dt]);
+    }
+    out
+}
+
+/// SPEC 7: block min/max over dense decoded keys `[n][dt]`.
+pub fn block_meta_dense(keys: &[f32], dt: usize, block_size: usize) -> BlockMeta {
+    let n = keys.len() / dt.max(1);
+    let blocks = n.div_ceil(block_size);
+    let mut min = vec![f16::ZERO; blocks * dt];
+    let mut max = vec![f16::ZERO; blocks * dt];
+    for b in 0..blocks {
+        let rows = &keys[b * block_size * dt..((b + 1) * block_size).min(n) * dt];
+        for j in 0..dt {
+            let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+            for row in rows.chunks_exact(dt) {
+                lo = lo.min(row[j]);
+                hi = hi.max(row[j]);
+            }
+            min[b * dt + j] = f16::from_f32(lo);
+            max[b * dt + j] = f16::from_f32(hi);
+        }
+    }
+    BlockMeta {
+        block_size,
+        kept_dims: dt,
+        tokens: n,
+        min,
+        max,
+    }
+}
+
+/// SPEC 11.3: the block size from dense decoded keys `[n][dt]`.
+pub fn block_size_dense(keys: &[f32], dt: usize, config: &CompressConfig) -> usize {
+    let sizes = &config.block_sizes;
+    if sizes.len() == 1 {
+        return sizes[0];
+    }
+    let n = keys.len() / dt.max(1);
+    let mean_norm = if n == 0 {
+        0.0
+    } else {
+        keys.chunks_exact(dt).map(|r| r.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum::<f64>() / n as f64
+    };
+    let mut chosen = sizes[0];
+    for &b in sizes {
+        let blocks = n.div_ceil(b);
+        let mut total = 0f64;
+        for k in 0..blocks {
+            let rows = &keys[k * b * dt..((k + 1) * b).min(n) * dt];
+            let m = (rows.len() / dt) as f64;
+            for j in 0..dt {
+                let mean = rows.chunks_exact(dt).map(|r| r[j] as f64).sum::<f64>() / m;
+                total += rows.chunks_exact(dt).map(|r| (r[j] as f64 - mean).powi(2)).sum::<f64>() / m;
+            }
+        }
+        let num = if blocks == 0 { 0.0 } else { total / blocks as f64 };
+        let v = if mean_norm == 0.0 { 0.0 } else { num / mean_norm };
+        if v <= config.variance_threshold {
+            chosen = b;
+        }
+    }
+    chosen
+}

@@ -1,0 +1,365 @@
+//! [`OptimizedMosaicCache`]: the MosaicKV cache with the SPEC.md section 10
+//! lifecycle, parallel encoding, and allocation-free decode attention.
+
+use crate::attend::{packed_attention, scratch_bytes_for, MosaicScratch, SelectionSource};
+use crate::backend::contig;
+use crate::encode;
+use crate::simd::Path;
+use mosaickv_spec::{
+    validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport, MosaicError, Result, Segment, SegmentState, Side, SideStrategy,
+    Strategy,
+};
+use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
+use rayon::prelude::*;
+
+/// Scratch bytes one decode step of packed attention needs for a cache of
+/// `tokens` tokens under `config` (upper bound; per-thread tile buffers of
+/// `4 * (2 * 16 * pad8(head_dim) + 16 * group)` bytes come on top).
+pub fn attend_scratch_bytes(shape: &KvShape, config: &CompressConfig, tokens: usize) -> usize {
+    let seg_tokens = tokens.saturating_sub(config.sink_tokens);
+    let nseg = seg_tokens.div_ceil(config.input_segment_len.max(1)).max(1) + 1;
+    let bmin = config.block_sizes.first().copied().unwrap_or(1).max(1);
+    let blocks = seg_tokens.div_ceil(bmin) + nseg;
+    let selected = config.budget_tokens(seg_tokens).div_ceil(bmin) + nseg;
+    scratch_bytes_for(shape.kv_heads, shape.group(), shape.head_dim, nseg, blocks, selected)
+}
+
+/// Encodes one head's segment rows (SPEC 10.1: fit, encode, metadata).
+pub(crate) fn encode_segment(keys: &[f32], values: &[f32], d: usize, config: &CompressConfig) -> Result<HeadSegment> {
+    let (ks, kr) = encode::fit_side_rotated(keys, d, Side::Key, config)?;
+    let packed_k = encode::pack_rotated(&kr, d, &ks.layout);
+    drop(kr);
+    let (vs, vr) = encode::fit_side_rotated(values, d, Side::Value, config)?;
+    let packed_v = encode::pack_rotated(&vr, d, &vs.layout);
+    drop(vr);
+    let dense = encode::decode_trusted(&packed_k, &ks.layout);
+    let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
+    let meta = encode::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
+    Ok(HeadSegment {
+        strategy: Strategy {
+            key: ks,
+            value: vs,
+            block_size,
+        },
+        keys: packed_k,
+        values: packed_v,
+        meta,
+    })
+}
+
+/// Gathers head `h`'s rows `[t0, t1)` from `[tokens][kv][d]` data into `[n][d]`.
+fn gather(data: &[f32], kv: usize, d: usize, h: usize, t0: usize, t1: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity((t1 - t0) * d);
+    for t in t0..t1 {
+        let o = (t * kv + h) * d;
+        out.extend_from_slice(&data[o..o + d]);
+    }
+    out
+}
+
+/// The MosaicKV cache of one layer on the CPU: a [`CompressedCache`] plus the
+/// host-side f32 rows the lifecycle needs and reusable attention scratch.
+#[derive(Debug)]
+pub struct OptimizedMosaicCache {
+    path: Path,
+    cache: CompressedCache,
+    /// f32 rows of the update buffer, `[tokens][kv][d]` (SPEC 10.2).
+    buf_k: Vec<f32>,
+    buf_v: Vec<f32>,
+    /// f32 rows of the open segment, `[tokens][kv][d]`.
+    open_k: Vec<f32>,
+    open_v: Vec<f32>,
+    /// Running SPEC 11.1 loss sums (dropped, total) of the open rows under the
+    /// temporary strategy, per head and side (K then V).
+    open_loss: Vec<[(f64, f64); 2]>,
+    scratch: MosaicScratch,
+    out_tmp: Vec<f32>,
+}
+
+impl OptimizedMosaicCache {
+    /// An empty cache; the config is validated against the shape.
+    pub fn new(shape: KvShape, config: CompressConfig) -> Result<Self> {
+        Self::with_path(shape, config, Path::detect())
+    }
+
+    /// An empty cache using the portable kernels.
+    pub fn portable(shape: KvShape, config: CompressConfig) -> Result<Self> {
+        Self::with_path(shape, config, Path::Portable)
+    }
+
+    fn with_path(shape: KvShape, config: CompressConfig, path: Path) -> Result<Self> {
+        KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        config.validate(shape.head_dim)?;
+        Ok(Self {
+            path,
+            cache: CompressedCache::new(shape, config),
+            buf_k: Vec::new(),
+            buf_v: Vec::new(),
+            open_k: Vec::new(),
+            open_v: Vec::new(),
+            open_loss: Vec::new(),
+            scratch: MosaicScratch::default(),
+            out_tmp: Vec::new(),
+        })
+    }
+
+    /// The compressed data (SPEC.md section 9's cache).
+    pub fn compressed(&self) -> &CompressedCache {
+        &self.cache
+    }
+
+    /// Which kernels run ("cpu-avx2" / "cpu-portable").
+    pub fn backend_name(&self) -> &'static str {
+        match self.path {
+            Path::Avx2 => "cpu-avx2",
+            Path::Portable => "cpu-portable",
+        }
+    }
+
+    fn open_segment(&self) -> Option<usize> {
+        match self.cache.segments.last() {
+            Some(s) if s.state == SegmentState::Open => Some(self.cache.segments.len() - 1),
+            _ => None,
+        }
+    }
+
+    /// SPEC 11.1 sums (dropped, total) of rows `[n][d]` under a strategy side.
+    fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
+        let d = side.layout.head_dim;
+        let l = encode::loss_rows(rows, side);
+        let total: f64 = rows.chunks_exact(d).map(|r| r.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum();
+        (l * total, total)
+    }
+
+    /// SPEC 10.2 flush of a full buffer, then the SPEC 10.3 close rule.
+    fn flush(&mut self) -> Result<()> {
+        let shape = self.cache.shape;
+        let (kv, d) = (shape.kv_heads, shape.head_dim);
+        let n = self.cache.buffer.tokens;
+        let config = self.cache.config.clone();
+        let start = self.cache.sink.tokens + self.cache.segment_tokens();
+        let (bk, bv) = (&self.buf_k, &self.buf_v);
+        // 1. Open a segment if none is open.
+        if self.open_segment().is_none() {
+            let strategies: Vec<Strategy> = match self.cache.segments.last() {
+                Some(last) => last.heads.iter().map(|h| h.strategy.clone()).collect(),
+                None => (0..kv)
+                    .into_par_iter()
+                    .map(|h| {
+                        let k = gather(bk, kv, d, h, 0, n);
+                        let v = gather(bv, kv, d, h, 0, n);
+                        let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, &config)?;
+                        let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, &config)?;
+                        let packed = encode::encode_rows(&k, &ks);
+                        let dense = encode::decode_trusted(&packed, &ks.layout);
+                        let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, &config);
+                        Ok(Strategy { key: ks, value: vs, block_size })
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            };
+            let heads = strategies
+                .into_iter()
+                .map(|strategy| HeadSegment {
+                    meta: mosaickv_spec::BlockMeta {
+                        block_size: strategy.block_size,
+                        kept_dims: strategy.key.layout.kept_dims,
+                        tokens: 0,
+                        min: Vec::new(),
+                        max: Vec::new(),
+                    },
+                    strategy,
+                    keys: Default::default(),
+                    values: Default::default(),
+                })
+                .collect();
+            self.cache.segments.push(Segment {
+                start,
+                len: 0,
+                state: SegmentState::Open,
+                heads,
+            });
+            self.open_k.clear();
+            self.open_v.clear();
+            self.open_loss = vec![[(0.0, 0.0); 2]; kv];
+        }
+        // 2. Encode the buffer with the temporary strategy and append.
+        let si = self.cache.segments.len() - 1;
+        let seg = &self.cache.segments[si];
+        let new: Vec<(mosaickv_spec::PackedRows, mosaickv_spec::PackedRows, Vec<f32>, [(f64, f64); 2])> = (0..kv)
+            .into_par_iter()
+            .map(|h| {
+                let st = &seg.heads[h].strategy;
+                let k = gather(bk, kv, d, h, 0, n);
+                let v = gather(bv, kv, d, h, 0, n);
+                let pk = encode::encode_rows(&k, &st.key);
+                let pv = encode::encode_rows(&v, &st.value);
+                let dense = encode::decode_trusted(&pk, &st.key.layout);
+                Ok((pk, pv, dense, [Self::loss_sums(&k, &st.key), Self::loss_sums(&v, &st.value)]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let seg = &mut self.cache.segments[si];
+        let old_len = seg.len;
+        for (h, (pk, pv, dense, ls)) in new.into_iter().enumerate() {
+            let hs = &mut seg.heads[h];
+            hs.keys.bytes.extend_from_slice(&pk.bytes);
+            hs.keys.count += pk.count;
+            hs.values.bytes.extend_from_slice(&pv.bytes);
+            hs.values.count += pv.count;
+            let b = hs.strategy.block_size;
+            let dt = hs.strategy.key.layout.kept_dims;
+            if old_len % b == 0 {
+                let m = encode::block_meta_dense(&dense, dt, b);
+                hs.meta.min.extend_from_slice(&m.min);
+                hs.meta.max.extend_from_slice(&m.max);
+                hs.meta.tokens += n;
+            } else {
+                let all = encode::decode_trusted(&hs.keys, &hs.strategy.key.layout);
+                hs.meta = encode::block_meta_dense(&all, dt, b);
+            }
+            for s in 0..2 {
+                self.open_loss[h][s].0 += ls[s].0;
+                self.open_loss[h][s].1 += ls[s].1;
+            }
+        }
+        seg.len += n;
+        self.open_k.extend_from_slice(&self.buf_k);
+        self.open_v.extend_from_slice(&self.buf_v);
+        self.cache.buffer.clear();
+        self.buf_k.clear();
+        self.buf_v.clear();
+        // 3. Close rule.
+        let seg = &self.cache.segments[si];
+        let margin = config.segment_loss_margin;
+        let mut close = seg.len >= config.max_segment_len;
+        for h in 0..kv {
+            for (s, side) in [&seg.heads[h].strategy.key, &seg.heads[h].strategy.value].into_iter().enumerate() {
+                let (num, den) = self.open_loss[h][s];
+                let l = if den == 0.0 { 0.0 } else { num / den };
+                if l > side.fit_loss + margin {
+                    close = true;
+                }
+            }
+        }
+        if close {
+            let len = seg.len;
+            let (ok, ov) = (&self.open_k, &self.open_v);
+            let heads = (0..kv)
+                .into_par_iter()
+                .map(|h| encode_segment(&gather(ok, kv, d, h, 0, len), &gather(ov, kv, d, h, 0, len), d, &config))
+                .collect::<Result<Vec<_>>>()?;
+            let seg = &mut self.cache.segments[si];
+            seg.heads = heads;
+            seg.state = SegmentState::Closed;
+            self.open_k = Vec::new();
+            self.open_v = Vec::new();
+            self.open_loss.clear();
+        }
+        Ok(())
+    }
+}
+
+impl KvCache for OptimizedMosaicCache {
+    fn shape(&self) -> KvShape {
+        self.cache.shape
+    }
+
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// SPEC 10.1: sink, then closed prompt segments, encoded in parallel over (segment, head).
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        let shape = self.cache.shape;
+        validate::prompt_kv(&shape, &keys, &values)?;
+        if !self.cache.is_empty() {
+            return Err(MosaicError::AlreadyPrefilled(self.cache.len()));
+        }
+        let (kv, d) = (shape.kv_heads, shape.head_dim);
+        let n = keys.shape()[0];
+        let kdata: Vec<f32> = keys.iter().copied().collect();
+        let vdata: Vec<f32> = values.iter().copied().collect();
+        let config = self.cache.config.clone();
+        let s = config.sink_tokens.min(n);
+        let m = n - s;
+        let l_in = config.input_segment_len;
+        let c = if m == 0 { 0 } else { (m / l_in).max(1) };
+        let bounds: Vec<(usize, usize)> = (0..c)
+            .map(|i| {
+                let a = s + i * l_in;
+                let b = if i + 1 == c { n } else { a + l_in };
+                (a, b)
+            })
+            .collect();
+        let jobs: Vec<(usize, usize)> = (0..c).flat_map(|i| (0..kv).map(move |h| (i, h))).collect();
+        let encoded = jobs
+            .par_iter()
+            .map(|&(i, h)| {
+                let (a, b) = bounds[i];
+                encode_segment(&gather(&kdata, kv, d, h, a, b), &gather(&vdata, kv, d, h, a, b), d, &config)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut it = encoded.into_iter();
+        let mut sink = mosaickv_spec::DenseRows::default();
+        for t in 0..s {
+            sink.push(kdata[t * kv * d..(t + 1) * kv * d].iter().copied(), vdata[t * kv * d..(t + 1) * kv * d].iter().copied());
+        }
+        self.cache.sink = sink;
+        for &(a, b) in &bounds {
+            let heads: Vec<HeadSegment> = it.by_ref().take(kv).collect();
+            self.cache.segments.push(Segment {
+                start: a,
+                len: b - a,
+                state: SegmentState::Closed,
+                heads,
+            });
+        }
+        Ok(())
+    }
+
+    /// SPEC 10.2-10.3.
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        let shape = self.cache.shape;
+        validate::token_kv(&shape, &key, &value)?;
+        if self.cache.len() < self.cache.config.sink_tokens {
+            self.cache.sink.push(key.iter().copied(), value.iter().copied());
+            return Ok(());
+        }
+        self.cache.buffer.push(key.iter().copied(), value.iter().copied());
+        self.buf_k.extend(key.iter().copied());
+        self.buf_v.extend(value.iter().copied());
+        if self.cache.buffer.tokens >= self.cache.config.buffer_capacity {
+            // Inputs were validated above and the config at construction, so a flush
+            // cannot fail part-way (SPEC 14: errors never leave a half-mutated cache).
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        let shape = self.cache.shape;
+        validate::queries(&shape, &queries, out.shape())?;
+        if self.cache.is_empty() {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        match out.as_slice_mut() {
+            Some(o) => {
+                packed_attention(self.path, &self.cache, &q, SelectionSource::Compute, false, Some(o), &mut self.scratch)?;
+            }
+            None => {
+                self.out_tmp.resize(shape.q_heads * shape.head_dim, 0.0);
+                packed_attention(self.path, &self.cache, &q, SelectionSource::Compute, false, Some(&mut self.out_tmp), &mut self.scratch)?;
+                for (dst, &src) in out.iter_mut().zip(self.out_tmp.iter()) {
+                    *dst = src;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn memory(&self) -> MemoryReport {
+        let mut m = self.cache.memory();
+        m.host_rows = 4 * (self.buf_k.len() + self.buf_v.len() + self.open_k.len() + self.open_v.len());
+        m
+    }
+}

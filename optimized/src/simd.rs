@@ -1,0 +1,517 @@
+//! Inner kernels with two implementations: AVX2 + FMA + F16C (`std::arch`,
+//! chosen at run time) and a portable scalar path written in 8-lane arrays.
+//!
+//! Kernels that feed token selection ([`Path::rotate_query`],
+//! [`Path::score_blocks`]) are bit-identical across the two paths: same lane
+//! structure, same reduction tree, no FMA (SPEC.md section 8 selections must
+//! not depend on the machine). Attention kernels may use FMA (their outputs
+//! are compared with a tolerance).
+
+use half::f16;
+
+/// Tokens per attention tile (rows expanded to f32 and processed together).
+pub const TILE: usize = 16;
+
+/// Which implementation of the inner kernels runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// `std::arch` AVX2, FMA and F16C, detected at run time.
+    Avx2,
+    /// Plain Rust, no target features beyond the build's baseline.
+    Portable,
+}
+
+impl Path {
+    /// The fastest path this CPU supports, unless `MOSAICKV_FORCE_PORTABLE=1`.
+    pub fn detect() -> Path {
+        if std::env::var("MOSAICKV_FORCE_PORTABLE").map(|v| v == "1").unwrap_or(false) {
+            return Path::Portable;
+        }
+        if avx2_available() {
+            Path::Avx2
+        } else {
+            Path::Portable
+        }
+    }
+
+    /// f16 -> f32, exact.
+    #[inline]
+    pub fn f16_to_f32(self, src: &[f16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Path::Avx2` is only constructed after run-time detection of avx2/fma/f16c.
+            Path::Avx2 => unsafe { x86::f16_to_f32(src, dst) },
+            _ => {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = f16_bits_to_f32(s.to_bits());
+                }
+            }
+        }
+    }
+
+    /// `out[j] = sum_i R[i][j] * q[i]` for `j < out.len()`, ascending i, f32, mul then add
+    /// (SPEC.md section 8.1, optimized: f32). `rot` is `d x d` row-major. Bit-identical across paths.
+    #[inline]
+    pub fn rotate_query(self, rot: &[f32], d: usize, q: &[f32], out: &mut [f32]) {
+        let dt = out.len();
+        assert!(rot.len() >= d * d && q.len() >= d && dt <= d);
+        out.fill(0.0);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; slice bounds asserted above.
+            Path::Avx2 => unsafe { x86::rotate_query(rot, d, q, out) },
+            _ => {
+                for i in 0..d {
+                    let qi = q[i];
+                    let row = &rot[i * d..i * d + dt];
+                    for (o, &r) in out.iter_mut().zip(row) {
+                        *o += r * qi;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Quest bound of every block (SPEC.md section 8.2), max over the `g` query rows of `q`
+    /// (`[g][stride]`, first `dt` entries used). `min`/`max` are `[blocks][dt]`. Bit-identical across paths.
+    pub fn score_blocks(self, q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
+        let blocks = out.len();
+        assert!(min.len() == blocks * dt && max.len() == blocks * dt && q.len() >= (g - 1) * stride + dt);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 => unsafe { x86::score_blocks(q, g, stride, dt, min, max, out) },
+            _ => portable_score_blocks(q, g, stride, dt, min, max, out),
+        }
+    }
+
+    /// `out[h*TILE + t] = scale * (q_h . rows_t)` for `t < n`, `h < g`; `q` is `[g][dp]`, rows `[n][dp]`.
+    #[inline]
+    pub fn tile_logits(self, q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
+        assert!(q.len() >= g * dp && rows.len() >= n * dp && out.len() >= g * TILE && n <= TILE && dp % 8 == 0);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 => unsafe { x86::tile_logits(q, g, dp, rows, n, scale, out) },
+            _ => {
+                for h in 0..g {
+                    for t in 0..n {
+                        out[h * TILE + t] = scale * dot8(&q[h * dp..(h + 1) * dp], &rows[t * dp..(t + 1) * dp]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `acc_h += sum_t p[h*TILE + t] * rows_t` for `h < g`; acc is `[g][dp]`.
+    #[inline]
+    pub fn tile_accumulate(self, p: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, acc: &mut [f32]) {
+        assert!(acc.len() >= g * dp && rows.len() >= n * dp && p.len() >= g * TILE && n <= TILE && dp % 8 == 0);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 => unsafe { x86::tile_accumulate(p, g, dp, rows, n, acc) },
+            _ => {
+                for h in 0..g {
+                    let a = &mut acc[h * dp..(h + 1) * dp];
+                    for t in 0..n {
+                        let pt = p[h * TILE + t];
+                        for (x, &v) in a.iter_mut().zip(&rows[t * dp..(t + 1) * dp]) {
+                            *x += pt * v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `sum_i a_i b_i` (f32; FMA on the AVX2 path).
+    #[inline]
+    pub fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; equal lengths asserted.
+            Path::Avx2 => unsafe { x86::dot(a, b) },
+            _ => dot8(a, b),
+        }
+    }
+
+    /// Expands packed records (SPEC.md section 6, f16 values) to dense rotated rows
+    /// `[n][dp]` (`dp >= kept_dims`, multiple of 8; zeros at dims not kept).
+    /// `bytes` holds `n` consecutive records of `rb` bytes starting at record 0;
+    /// `tail` bytes of readable slack follow them in the underlying buffer.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn expand_records(self, bytes: &[u8], tail: usize, n: usize, rb: usize, words: usize, g: usize, dt: usize, r: usize, dp: usize, out: &mut [f32]) {
+        assert!(bytes.len() >= n * rb && out.len() >= n * dp && dp >= dt && dp % 8 == 0 && 8 * words + 2 * r <= rb);
+        #[cfg(target_arch = "x86_64")]
+        if self == Path::Avx2 && g == 1 {
+            for t in 0..n {
+                let rec = &bytes[t * rb..(t + 1) * rb];
+                // Bytes readable after this record's values: the rest of the record, later records, slack.
+                let after = (rb - 8 * words - 2 * r) + (n - 1 - t) * rb + tail;
+                // SAFETY: detected features; the record and `out` row are in bounds (asserted above).
+                unsafe { x86::expand_g1(rec, words, r, dt, after, &mut out[t * dp..(t + 1) * dp]) };
+            }
+            return;
+        }
+        for t in 0..n {
+            let rec = &bytes[t * rb..(t + 1) * rb];
+            let row = &mut out[t * dp..(t + 1) * dp];
+            row.fill(0.0);
+            let mut k = 0usize;
+            let vals = &rec[8 * words..8 * words + 2 * r];
+            for w in 0..words {
+                let mut bits = u64::from_le_bytes(rec[8 * w..8 * w + 8].try_into().expect("8 bytes"));
+                while bits != 0 {
+                    let grp = 64 * w + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    for e in 0..g {
+                        if k >= r {
+                            break;
+                        }
+                        let dim = grp * g + e;
+                        if dim < dt {
+                            row[dim] = f16_bits_to_f32(u16::from_le_bytes([vals[2 * k], vals[2 * k + 1]]));
+                        }
+                        k += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether AVX2, FMA and F16C are all available on this CPU.
+pub fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Exact f16 -> f32 from the bit pattern (portable).
+#[inline]
+pub fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = ((h as u32) & 0x8000) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = if exp == 0 {
+        if man == 0 {
+            sign
+        } else {
+            // Subnormal: value = man * 2^-24, exact in f32.
+            let v = man as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -v } else { v };
+        }
+    } else if exp == 31 {
+        sign | 0x7f80_0000 | (man << 13)
+    } else {
+        sign | ((exp + 112) << 23) | (man << 13)
+    };
+    f32::from_bits(bits)
+}
+
+/// 8-lane dot product, lanes reduced in a fixed tree (portable).
+#[inline]
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let n8 = a.len() / 8 * 8;
+    let mut acc = [0f32; 8];
+    for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut s = reduce8(&acc);
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// The reduction tree the AVX2 path uses: (hi128 + lo128), then movehl, then lane 1.
+#[inline]
+fn reduce8(a: &[f32; 8]) -> f32 {
+    let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    let t = [s[0] + s[2], s[1] + s[3]];
+    t[0] + t[1]
+}
+
+fn portable_score_blocks(q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
+    let d8 = dt / 8 * 8;
+    let mut mx = vec![0f32; dt];
+    let mut mn = vec![0f32; dt];
+    for (b, o) in out.iter_mut().enumerate() {
+        for j in 0..dt {
+            mx[j] = f16_bits_to_f32(max[b * dt + j].to_bits());
+            mn[j] = f16_bits_to_f32(min[b * dt + j].to_bits());
+        }
+        let mut best = f32::NEG_INFINITY;
+        for h in 0..g {
+            let qh = &q[h * stride..h * stride + dt];
+            let mut acc = [0f32; 8];
+            for c in (0..d8).step_by(8) {
+                for l in 0..8 {
+                    let a = qh[c + l] * mx[c + l];
+                    let bb = qh[c + l] * mn[c + l];
+                    acc[l] += if a > bb { a } else { bb };
+                }
+            }
+            let mut s = reduce8(&acc);
+            for j in d8..dt {
+                let a = qh[j] * mx[j];
+                let bb = qh[j] * mn[j];
+                s += if a > bb { a } else { bb };
+            }
+            if h == 0 || s > best {
+                best = s;
+            }
+        }
+        *o = best;
+    }
+}
+
+/// Fast `exp` (Cephes-style polynomial, ~2 ulp), branch-free so loops over it vectorize.
+#[inline(always)]
+pub fn fast_exp(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let r2 = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let y = p * r2 + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    y * scale
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::TILE;
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_ph(p: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len();
+        let n8 = n / 8 * 8;
+        let mut i = 0;
+        while i < n8 {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), load_ph(src.as_ptr().add(i)));
+            i += 8;
+        }
+        for j in n8..n {
+            dst[j] = super::f16_bits_to_f32(src[j].to_bits());
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rotate_query(rot: &[f32], d: usize, q: &[f32], out: &mut [f32]) {
+        let dt = out.len();
+        let d8 = dt / 8 * 8;
+        for i in 0..d {
+            let qi = q[i];
+            let qv = _mm256_set1_ps(qi);
+            let row = rot.as_ptr().add(i * d);
+            let mut j = 0;
+            while j < d8 {
+                let o = out.as_mut_ptr().add(j);
+                // mul then add (no FMA): bit-identical to the portable path.
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(_mm256_loadu_ps(row.add(j)), qv)));
+                j += 8;
+            }
+            for j in d8..dt {
+                out[j] += *row.add(j) * qi;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn score_blocks(q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
+        let d8 = dt / 8 * 8;
+        for (b, o) in out.iter_mut().enumerate() {
+            let mxp = max.as_ptr().add(b * dt);
+            let mnp = min.as_ptr().add(b * dt);
+            let mut best = f32::NEG_INFINITY;
+            let mut h0 = 0;
+            while h0 < g {
+                let hn = (g - h0).min(4);
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                while c < d8 {
+                    let mx = load_ph(mxp.add(c));
+                    let mn = load_ph(mnp.add(c));
+                    for (k, a) in acc.iter_mut().enumerate().take(hn) {
+                        let qv = _mm256_loadu_ps(q.as_ptr().add((h0 + k) * stride + c));
+                        let t = _mm256_max_ps(_mm256_mul_ps(qv, mx), _mm256_mul_ps(qv, mn));
+                        *a = _mm256_add_ps(*a, t);
+                    }
+                    c += 8;
+                }
+                for (k, a) in acc.iter().enumerate().take(hn) {
+                    let h = h0 + k;
+                    let mut s = hsum(*a);
+                    for j in d8..dt {
+                        let qj = q[h * stride + j];
+                        let x = qj * super::f16_bits_to_f32((*mxp.add(j)).to_bits());
+                        let y = qj * super::f16_bits_to_f32((*mnp.add(j)).to_bits());
+                        s += if x > y { x } else { y };
+                    }
+                    if h == 0 || s > best {
+                        best = s;
+                    }
+                }
+                h0 += 4;
+            }
+            *o = best;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let n8 = n / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n8 {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc);
+            i += 8;
+        }
+        let mut s = hsum(acc);
+        for j in n8..n {
+            s += a[j] * b[j];
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_logits(q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            for t in 0..n {
+                let row = rows.as_ptr().add(t * dp);
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                while c < dp {
+                    let k = _mm256_loadu_ps(row.add(c));
+                    for (kk, a) in acc.iter_mut().enumerate().take(hn) {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add((h0 + kk) * dp + c)), k, *a);
+                    }
+                    c += 8;
+                }
+                for (kk, a) in acc.iter().enumerate().take(hn) {
+                    out[(h0 + kk) * TILE + t] = scale * hsum(*a);
+                }
+            }
+            h0 += 4;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_accumulate(p: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, acc: &mut [f32]) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            let mut c = 0;
+            while c < dp {
+                let mut a = [_mm256_setzero_ps(); 4];
+                for (k, x) in a.iter_mut().enumerate().take(hn) {
+                    *x = _mm256_loadu_ps(acc.as_ptr().add((h0 + k) * dp + c));
+                }
+                for t in 0..n {
+                    let v = _mm256_loadu_ps(rows.as_ptr().add(t * dp + c));
+                    for (k, x) in a.iter_mut().enumerate().take(hn) {
+                        *x = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked((h0 + k) * TILE + t)), v, *x);
+                    }
+                }
+                for (k, x) in a.iter().enumerate().take(hn) {
+                    _mm256_storeu_ps(acc.as_mut_ptr().add((h0 + k) * dp + c), *x);
+                }
+                c += 8;
+            }
+            h0 += 4;
+        }
+    }
+
+    /// pshufb masks: for a bitmap byte, where each of the 8 output f16 lanes takes its value from.
+    static EXPAND_LUT: [[u8; 16]; 256] = {
+        let mut t = [[0x80u8; 16]; 256];
+        let mut b = 0;
+        while b < 256 {
+            let mut k = 0u8;
+            let mut lane = 0;
+            while lane < 8 {
+                if (b >> lane) & 1 == 1 {
+                    t[b][2 * lane] = 2 * k;
+                    t[b][2 * lane + 1] = 2 * k + 1;
+                    k += 1;
+                }
+                lane += 1;
+            }
+            b += 1;
+        }
+        t
+    };
+
+    /// g = 1 record expansion: per bitmap byte, one 16-byte load, pshufb, cvtph2ps.
+    /// `after` = readable bytes after the record's values (in the same allocation).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn expand_g1(rec: &[u8], words: usize, r: usize, dt: usize, after: usize, out: &mut [f32]) {
+        let chunks = dt.div_ceil(8);
+        let vals = rec.as_ptr().add(8 * words);
+        let mut local = [0u8; 16 + 2 * 256];
+        let src: *const u8 = if after >= 16 || 2 * r + 16 > local.len() {
+            vals
+        } else {
+            std::ptr::copy_nonoverlapping(vals, local.as_mut_ptr(), 2 * r);
+            local.as_ptr()
+        };
+        if after < 16 && 2 * r + 16 > local.len() {
+            // Too large for the local copy: scalar, bounds-checked.
+            out.fill(0.0);
+            let mut k = 0;
+            for dim in 0..dt {
+                let w = u64::from_le_bytes(rec[8 * (dim / 64)..8 * (dim / 64) + 8].try_into().expect("8"));
+                if (w >> (dim % 64)) & 1 == 1 && k < r {
+                    out[dim] = super::f16_bits_to_f32(u16::from_le_bytes([rec[8 * words + 2 * k], rec[8 * words + 2 * k + 1]]));
+                    k += 1;
+                }
+            }
+            return;
+        }
+        let mut off = 0usize;
+        for c in 0..chunks {
+            let byte = *rec.get_unchecked(c) as usize; // bitmap bytes are little-endian words: byte c = dims 8c..8c+8
+            let v = _mm_loadu_si128(src.add(2 * off) as *const __m128i);
+            let m = _mm_loadu_si128(EXPAND_LUT[byte].as_ptr() as *const __m128i);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), _mm256_cvtph_ps(_mm_shuffle_epi8(v, m)));
+            off += byte.count_ones() as usize;
+            if off > r {
+                off = r;
+            }
+        }
+        for x in out.iter_mut().skip(8 * chunks) {
+            *x = 0.0;
+        }
+    }
+}
