@@ -2,11 +2,17 @@
 
 use crate::packed::decode_record;
 use crate::select::{check_meta, rotate_query_f64, select};
-use mosaickv_spec::{CompressedCache, DenseRows, KvShape, MosaicError, Result, SegmentState, Selection};
+use mosaickv_spec::{
+    CompressedCache, DenseRows, KvShape, MosaicError, Result, SegmentState, Selection,
+};
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 fn mismatch(what: &'static str, expected: String, got: String) -> MosaicError {
-    MosaicError::ShapeMismatch { what, expected, got }
+    MosaicError::ShapeMismatch {
+        what,
+        expected,
+        got,
+    }
 }
 
 fn check_dense(shape: &KvShape, rows: &DenseRows, what: &'static str) -> Result<()> {
@@ -41,32 +47,61 @@ pub fn check_cache(cache: &CompressedCache) -> Result<()> {
     let mut next = cache.sink.tokens;
     for (s, seg) in cache.segments.iter().enumerate() {
         if seg.start != next || seg.len == 0 {
-            return Err(mismatch("segment", format!("start {next}, len > 0"), format!("start {}, len {}", seg.start, seg.len)));
+            return Err(mismatch(
+                "segment",
+                format!("start {next}, len > 0"),
+                format!("start {}, len {}", seg.start, seg.len),
+            ));
         }
         if seg.state == SegmentState::Open && s + 1 != cache.segments.len() {
-            return Err(mismatch("segment state", "only the last segment open".into(), format!("segment {s} open")));
+            return Err(mismatch(
+                "segment state",
+                "only the last segment open".into(),
+                format!("segment {s} open"),
+            ));
         }
         if seg.heads.len() != shape.kv_heads {
-            return Err(mismatch("segment heads", format!("{}", shape.kv_heads), format!("{}", seg.heads.len())));
+            return Err(mismatch(
+                "segment heads",
+                format!("{}", shape.kv_heads),
+                format!("{}", seg.heads.len()),
+            ));
         }
         for h in &seg.heads {
             let st = &h.strategy;
             for (side, rows) in [(&st.key, &h.keys), (&st.value, &h.values)] {
                 side.validate()?;
                 if side.head_dim() != shape.head_dim {
-                    return Err(mismatch("strategy head_dim", format!("{}", shape.head_dim), format!("{}", side.head_dim())));
+                    return Err(mismatch(
+                        "strategy head_dim",
+                        format!("{}", shape.head_dim),
+                        format!("{}", side.head_dim()),
+                    ));
                 }
                 if rows.count != seg.len {
-                    return Err(mismatch("packed rows", format!("{} records", seg.len), format!("{}", rows.count)));
+                    return Err(mismatch(
+                        "packed rows",
+                        format!("{} records", seg.len),
+                        format!("{}", rows.count),
+                    ));
                 }
                 rows.validate(&side.layout)?;
             }
             check_meta(&h.meta)?;
-            if h.meta.tokens != seg.len || h.meta.block_size != st.block_size || h.meta.kept_dims != st.key.layout.kept_dims {
+            if h.meta.tokens != seg.len
+                || h.meta.block_size != st.block_size
+                || h.meta.kept_dims != st.key.layout.kept_dims
+            {
                 return Err(mismatch(
                     "block metadata",
-                    format!("{} tokens, block {}, {} dims", seg.len, st.block_size, st.key.layout.kept_dims),
-                    format!("{} tokens, block {}, {} dims", h.meta.tokens, h.meta.block_size, h.meta.kept_dims),
+                    format!(
+                        "{} tokens, block {}, {} dims",
+                        seg.len, st.block_size, st.key.layout.kept_dims
+                    ),
+                    format!(
+                        "{} tokens, block {}, {} dims",
+                        h.meta.tokens, h.meta.block_size, h.meta.kept_dims
+                    ),
                 ));
             }
         }
@@ -79,12 +114,20 @@ pub fn check_cache(cache: &CompressedCache) -> Result<()> {
 /// strictly ascending, every `(segment, block)` in range.
 pub fn check_selection(cache: &CompressedCache, selection: &Selection) -> Result<()> {
     if selection.per_head.len() != cache.shape.kv_heads {
-        return Err(mismatch("selection", format!("{} heads", cache.shape.kv_heads), format!("{}", selection.per_head.len())));
+        return Err(mismatch(
+            "selection",
+            format!("{} heads", cache.shape.kv_heads),
+            format!("{}", selection.per_head.len()),
+        ));
     }
     for (j, list) in selection.per_head.iter().enumerate() {
         for w in list.windows(2) {
             if w[0] >= w[1] {
-                return Err(mismatch("selection", "strictly ascending blocks".into(), format!("{:?} then {:?}", w[0], w[1])));
+                return Err(mismatch(
+                    "selection",
+                    "strictly ascending blocks".into(),
+                    format!("{:?} then {:?}", w[0], w[1]),
+                ));
             }
         }
         for &(s, b) in list {
@@ -93,7 +136,11 @@ pub fn check_selection(cache: &CompressedCache, selection: &Selection) -> Result
                 .get(s as usize)
                 .is_some_and(|seg| (b as usize) < seg.heads[j].meta.blocks());
             if !ok {
-                return Err(mismatch("selection", "existing (segment, block)".into(), format!("({s}, {b}) for head {j}")));
+                return Err(mismatch(
+                    "selection",
+                    "existing (segment, block)".into(),
+                    format!("({s}, {b}) for head {j}"),
+                ));
             }
         }
     }
@@ -152,7 +199,10 @@ pub fn attend_selected(
         let mut attended: Vec<(f64, AttendedValue)> = Vec::new();
         for t in 0..cache.sink.tokens {
             let z = dense_dot(&q, cache.sink.key(&shape, t, j)) * scale;
-            attended.push((z, AttendedValue::Dense(widen(cache.sink.value(&shape, t, j)))));
+            attended.push((
+                z,
+                AttendedValue::Dense(widen(cache.sink.value(&shape, t, j))),
+            ));
         }
         let mut last_segment = usize::MAX;
         let mut q_rot: Vec<f64> = Vec::new();
@@ -178,10 +228,16 @@ pub fn attend_selected(
         }
         for t in 0..cache.buffer.tokens {
             let z = dense_dot(&q, cache.buffer.key(&shape, t, j)) * scale;
-            attended.push((z, AttendedValue::Dense(widen(cache.buffer.value(&shape, t, j)))));
+            attended.push((
+                z,
+                AttendedValue::Dense(widen(cache.buffer.value(&shape, t, j))),
+            ));
         }
 
-        let z_max = attended.iter().map(|a| a.0).fold(f64::NEG_INFINITY, f64::max);
+        let z_max = attended
+            .iter()
+            .map(|a| a.0)
+            .fold(f64::NEG_INFINITY, f64::max);
         let weights: Vec<f64> = attended.iter().map(|a| (a.0 - z_max).exp()).collect();
         let denom: f64 = weights.iter().sum();
 
@@ -227,7 +283,11 @@ pub fn attend_selected(
 }
 
 /// SPEC.md sections 8 + 9: one decode step's attention.
-pub fn attend(cache: &CompressedCache, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()> {
+pub fn attend(
+    cache: &CompressedCache,
+    queries: ArrayView2<f32>,
+    out: ArrayViewMut2<f32>,
+) -> Result<()> {
     mosaickv_spec::validate::queries(&cache.shape, &queries, out.shape())?;
     if cache.is_empty() {
         return Err(MosaicError::EmptyCache);
@@ -254,5 +314,7 @@ pub fn attended_tokens(cache: &CompressedCache, selection: &Selection) -> Result
         tokens.extend(buffer_start..cache.len());
         per_kv.push(tokens);
     }
-    Ok((0..shape.q_heads).map(|h| per_kv[h / shape.group()].clone()).collect())
+    Ok((0..shape.q_heads)
+        .map(|h| per_kv[h / shape.group()].clone())
+        .collect())
 }

@@ -3,8 +3,8 @@
 
 use crate::{attention, meta, packed, select, strategy};
 use mosaickv_spec::{
-    Availability, Backend, BlockMeta, CompressConfig, CompressedCache, PackedRows, Result, Selection, Side,
-    SideStrategy,
+    Availability, Backend, BlockMeta, CompressConfig, CompressedCache, PackedRows, Result,
+    Selection, Side, SideStrategy,
 };
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
@@ -21,11 +21,21 @@ impl Backend for ReferenceBackend {
         Availability::Available
     }
 
-    fn fit_side(&self, rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+    fn fit_side(
+        &self,
+        rows: ArrayView2<f32>,
+        side: Side,
+        config: &CompressConfig,
+    ) -> Result<SideStrategy> {
         strategy::fit_side(rows, side, config)
     }
 
-    fn fit_block_size(&self, keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+    fn fit_block_size(
+        &self,
+        keys: ArrayView2<f32>,
+        key: &SideStrategy,
+        config: &CompressConfig,
+    ) -> Result<usize> {
         strategy::fit_block_size(keys, key, config)
     }
 
@@ -37,7 +47,12 @@ impl Backend for ReferenceBackend {
         packed::decode_rows(packed, side)
     }
 
-    fn block_meta(&self, keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta> {
+    fn block_meta(
+        &self,
+        keys: &PackedRows,
+        key: &SideStrategy,
+        block_size: usize,
+    ) -> Result<BlockMeta> {
         meta::block_meta(keys, key, block_size)
     }
 
@@ -49,7 +64,12 @@ impl Backend for ReferenceBackend {
         select::score_blocks(meta, rotated_queries)
     }
 
-    fn select_blocks(&self, scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+    fn select_blocks(
+        &self,
+        scores: &[f32],
+        block_lens: &[usize],
+        budget_tokens: usize,
+    ) -> Result<Vec<u32>> {
         select::select_blocks(scores, block_lens, budget_tokens)
     }
 
@@ -67,7 +87,12 @@ impl Backend for ReferenceBackend {
         attention::attend_selected(cache, queries, selection, out)
     }
 
-    fn attend(&self, cache: &CompressedCache, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         attention::attend(cache, queries, out)
     }
 }

@@ -9,8 +9,14 @@ use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 /// Quest's page size (SPEC.md section 12).
 pub const PAGE: usize = 16;
 
-fn check_f16_range<'a>(what: &'static str, values: impl IntoIterator<Item = &'a f32>) -> Result<()> {
-    match values.into_iter().position(|x| f64::from(x.abs()) >= F16_OVERFLOW) {
+fn check_f16_range<'a>(
+    what: &'static str,
+    values: impl IntoIterator<Item = &'a f32>,
+) -> Result<()> {
+    match values
+        .into_iter()
+        .position(|x| f64::from(x.abs()) >= F16_OVERFLOW)
+    {
         Some(index) => Err(MosaicError::NonFinite { what, index }),
         None => Ok(()),
     }
@@ -56,7 +62,12 @@ struct PagedStore {
 }
 
 impl PagedStore {
-    fn new(shape: KvShape, token_rate: f64, key_dims: Vec<Vec<usize>>, value_dims: Vec<Vec<usize>>) -> Self {
+    fn new(
+        shape: KvShape,
+        token_rate: f64,
+        key_dims: Vec<Vec<usize>>,
+        value_dims: Vec<Vec<usize>>,
+    ) -> Self {
         Self {
             shape,
             token_rate,
@@ -74,10 +85,20 @@ impl PagedStore {
     fn push(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) {
         let kvh = self.shape.kv_heads;
         let k: Vec<Vec<f16>> = (0..kvh)
-            .map(|h| self.key_dims[h].iter().map(|&i| f16::from_f32(key[[h, i]])).collect())
+            .map(|h| {
+                self.key_dims[h]
+                    .iter()
+                    .map(|&i| f16::from_f32(key[[h, i]]))
+                    .collect()
+            })
             .collect();
         let v: Vec<Vec<f16>> = (0..kvh)
-            .map(|h| self.value_dims[h].iter().map(|&i| f16::from_f32(value[[h, i]])).collect())
+            .map(|h| {
+                self.value_dims[h]
+                    .iter()
+                    .map(|&i| f16::from_f32(value[[h, i]]))
+                    .collect()
+            })
             .collect();
         if self.tokens % PAGE == 0 {
             self.page_min.push(k.clone());
@@ -141,11 +162,19 @@ impl PagedStore {
     }
 
     fn page_tokens(&self, pages: &[usize]) -> Vec<usize> {
-        pages.iter().flat_map(|&p| p * PAGE..((p + 1) * PAGE).min(self.tokens)).collect()
+        pages
+            .iter()
+            .flat_map(|&p| p * PAGE..((p + 1) * PAGE).min(self.tokens))
+            .collect()
     }
 
     /// Attention of every query head over `tokens_of(kv head)`, f64, rounded to f32.
-    fn attend_over(&self, queries: &ArrayView2<f32>, out: &mut ArrayViewMut2<f32>, tokens_of: impl Fn(usize) -> Vec<usize>) {
+    fn attend_over(
+        &self,
+        queries: &ArrayView2<f32>,
+        out: &mut ArrayViewMut2<f32>,
+        tokens_of: impl Fn(usize) -> Vec<usize>,
+    ) {
         let d = self.shape.head_dim;
         let g = self.shape.group();
         let per_kv: Vec<Vec<usize>> = (0..self.shape.kv_heads).map(&tokens_of).collect();
@@ -174,18 +203,29 @@ impl PagedStore {
     }
 
     fn memory(&self, with_pages: bool) -> MemoryReport {
-        let kept: usize = (0..self.shape.kv_heads).map(|h| self.key_dims[h].len() + self.value_dims[h].len()).sum();
+        let kept: usize = (0..self.shape.kv_heads)
+            .map(|h| self.key_dims[h].len() + self.value_dims[h].len())
+            .sum();
         let key_kept: usize = self.key_dims.iter().map(Vec::len).sum();
         MemoryReport {
             tokens: self.tokens,
             values: 2 * kept * self.tokens,
-            block_meta: if with_pages { 2 * 2 * key_kept * self.pages() } else { 0 },
+            block_meta: if with_pages {
+                2 * 2 * key_kept * self.pages()
+            } else {
+                0
+            },
             ..MemoryReport::default()
         }
     }
 }
 
-fn validate_prompt(shape: &KvShape, keys: &ArrayView3<f32>, values: &ArrayView3<f32>, len: usize) -> Result<()> {
+fn validate_prompt(
+    shape: &KvShape,
+    keys: &ArrayView3<f32>,
+    values: &ArrayView3<f32>,
+    len: usize,
+) -> Result<()> {
     if len > 0 {
         return Err(MosaicError::AlreadyPrefilled(len));
     }
@@ -200,7 +240,12 @@ fn validate_token(shape: &KvShape, key: &ArrayView2<f32>, value: &ArrayView2<f32
     check_f16_range("value (beyond f16 range)", value.iter())
 }
 
-fn validate_attend(shape: &KvShape, queries: &ArrayView2<f32>, out_shape: &[usize], len: usize) -> Result<()> {
+fn validate_attend(
+    shape: &KvShape,
+    queries: &ArrayView2<f32>,
+    out_shape: &[usize],
+    len: usize,
+) -> Result<()> {
     check_queries(shape, queries, out_shape)?;
     if len == 0 {
         return Err(MosaicError::EmptyCache);
@@ -212,7 +257,9 @@ fn check_rate(what: &str, x: f64) -> Result<()> {
     if x > 0.0 && x <= 1.0 {
         Ok(())
     } else {
-        Err(MosaicError::InvalidConfig(format!("{what} {x} not in (0, 1]")))
+        Err(MosaicError::InvalidConfig(format!(
+            "{what} {x} not in (0, 1]"
+        )))
     }
 }
 
@@ -244,7 +291,10 @@ impl KvCache for FullCache {
     fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
         validate_prompt(&self.store.shape, &keys, &values, self.len())?;
         for t in 0..keys.shape()[0] {
-            self.store.push(keys.index_axis(ndarray::Axis(0), t), values.index_axis(ndarray::Axis(0), t));
+            self.store.push(
+                keys.index_axis(ndarray::Axis(0), t),
+                values.index_axis(ndarray::Axis(0), t),
+            );
         }
         Ok(())
     }
@@ -256,7 +306,8 @@ impl KvCache for FullCache {
     fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
         validate_attend(&self.store.shape, &queries, out.shape(), self.len())?;
         let n = self.store.tokens;
-        self.store.attend_over(&queries, &mut out, |_| (0..n).collect());
+        self.store
+            .attend_over(&queries, &mut out, |_| (0..n).collect());
         Ok(())
     }
     /// Dense f16 rows as `values`; no metadata (the page min/max are not needed by Full).
@@ -285,9 +336,17 @@ impl QuestCache {
     /// Token indices attended per query head (SPEC.md section 12's page choice).
     pub fn attended_tokens(&self, queries: ArrayView2<f32>) -> Result<Vec<Vec<usize>>> {
         let shape = self.store.shape;
-        validate_attend(&shape, &queries, &[shape.q_heads, shape.head_dim], self.len())?;
+        validate_attend(
+            &shape,
+            &queries,
+            &[shape.q_heads, shape.head_dim],
+            self.len(),
+        )?;
         Ok((0..shape.q_heads)
-            .map(|qh| self.store.page_tokens(&self.store.select_pages(&queries, qh / shape.group())))
+            .map(|qh| {
+                self.store
+                    .page_tokens(&self.store.select_pages(&queries, qh / shape.group()))
+            })
             .collect())
     }
 }
@@ -302,7 +361,10 @@ impl KvCache for QuestCache {
     fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
         validate_prompt(&self.store.shape, &keys, &values, self.len())?;
         for t in 0..keys.shape()[0] {
-            self.store.push(keys.index_axis(ndarray::Axis(0), t), values.index_axis(ndarray::Axis(0), t));
+            self.store.push(
+                keys.index_axis(ndarray::Axis(0), t),
+                values.index_axis(ndarray::Axis(0), t),
+            );
         }
         Ok(())
     }
@@ -314,7 +376,9 @@ impl KvCache for QuestCache {
     fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
         validate_attend(&self.store.shape, &queries, out.shape(), self.len())?;
         let store = &self.store;
-        store.attend_over(&queries, &mut out, |h| store.page_tokens(&store.select_pages(&queries, h)));
+        store.attend_over(&queries, &mut out, |h| {
+            store.page_tokens(&store.select_pages(&queries, h))
+        });
         Ok(())
     }
     /// Dense f16 rows as `values`, page min/max as `block_meta`.
@@ -368,12 +432,15 @@ impl Naive2dCache {
 
     /// Channels kept per vector: `c = ceil(retention * D)`.
     pub fn kept_channels(&self) -> usize {
-        ((self.retention * self.shape.head_dim as f64).ceil() as usize).clamp(1, self.shape.head_dim)
+        ((self.retention * self.shape.head_dim as f64).ceil() as usize)
+            .clamp(1, self.shape.head_dim)
     }
 
     /// The channel masks (key, value) per KV head, once fixed.
     pub fn masks(&self) -> Option<(&[Vec<usize>], &[Vec<usize>])> {
-        self.store.as_ref().map(|s| (s.key_dims.as_slice(), s.value_dims.as_slice()))
+        self.store
+            .as_ref()
+            .map(|s| (s.key_dims.as_slice(), s.value_dims.as_slice()))
     }
 
     fn fix_masks(&mut self, keys: &ArrayView3<f32>, values: &ArrayView3<f32>) {
@@ -386,12 +453,22 @@ impl Naive2dCache {
         };
         let key_dims = (0..self.shape.kv_heads).map(|h| mask(keys, h)).collect();
         let value_dims = (0..self.shape.kv_heads).map(|h| mask(values, h)).collect();
-        self.store = Some(PagedStore::new(self.shape, self.token_rate, key_dims, value_dims));
+        self.store = Some(PagedStore::new(
+            self.shape,
+            self.token_rate,
+            key_dims,
+            value_dims,
+        ));
     }
 
     /// Token indices attended per query head.
     pub fn attended_tokens(&self, queries: ArrayView2<f32>) -> Result<Vec<Vec<usize>>> {
-        validate_attend(&self.shape, &queries, &[self.shape.q_heads, self.shape.head_dim], self.len())?;
+        validate_attend(
+            &self.shape,
+            &queries,
+            &[self.shape.q_heads, self.shape.head_dim],
+            self.len(),
+        )?;
         let store = self.store.as_ref().expect("non-empty cache has masks");
         Ok((0..self.shape.q_heads)
             .map(|qh| store.page_tokens(&store.select_pages(&queries, qh / self.shape.group())))
@@ -411,7 +488,10 @@ impl KvCache for Naive2dCache {
         self.fix_masks(&keys, &values);
         if let Some(store) = self.store.as_mut() {
             for t in 0..keys.shape()[0] {
-                store.push(keys.index_axis(ndarray::Axis(0), t), values.index_axis(ndarray::Axis(0), t));
+                store.push(
+                    keys.index_axis(ndarray::Axis(0), t),
+                    values.index_axis(ndarray::Axis(0), t),
+                );
             }
         }
         Ok(())
@@ -427,7 +507,9 @@ impl KvCache for Naive2dCache {
     fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
         validate_attend(&self.shape, &queries, out.shape(), self.len())?;
         let store = self.store.as_ref().expect("non-empty cache has masks");
-        store.attend_over(&queries, &mut out, |h| store.page_tokens(&store.select_pages(&queries, h)));
+        store.attend_over(&queries, &mut out, |h| {
+            store.page_tokens(&store.select_pages(&queries, h))
+        });
         Ok(())
     }
     /// Kept f16 channels as `values`, page min/max (kept key channels) as
@@ -437,7 +519,12 @@ impl KvCache for Naive2dCache {
             None => MemoryReport::default(),
             Some(s) => {
                 let mut m = s.memory(true);
-                m.segment_headers = 2 * (s.key_dims.iter().chain(&s.value_dims).map(Vec::len).sum::<usize>());
+                m.segment_headers = 2
+                    * (s.key_dims
+                        .iter()
+                        .chain(&s.value_dims)
+                        .map(Vec::len)
+                        .sum::<usize>());
                 m
             }
         }

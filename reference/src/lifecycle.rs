@@ -10,8 +10,8 @@ use crate::strategy::{fit_strategy, LossSums};
 use half::f16;
 use mosaickv_spec::validate::{finite, prompt_kv, token_kv};
 use mosaickv_spec::{
-    CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport, MosaicError, Result, Segment,
-    SegmentState, Strategy,
+    CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport, MosaicError,
+    Result, Segment, SegmentState, Strategy,
 };
 use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut2};
 
@@ -20,7 +20,11 @@ use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut2};
 /// With `m = n - S`: no segment when `m = 0`; else `c = max(1, floor(m / L_in))`
 /// segments, segment i covering `S + i*L_in .. S + (i+1)*L_in` for `i < c-1`,
 /// the last one the rest.
-pub fn prompt_segments(n: usize, sink_tokens: usize, input_segment_len: usize) -> (usize, Vec<(usize, usize)>) {
+pub fn prompt_segments(
+    n: usize,
+    sink_tokens: usize,
+    input_segment_len: usize,
+) -> (usize, Vec<(usize, usize)>) {
     let sink = sink_tokens.min(n);
     let m = n - sink;
     if m == 0 {
@@ -38,8 +42,14 @@ pub fn prompt_segments(n: usize, sink_tokens: usize, input_segment_len: usize) -
 
 /// Rows that will be stored dense as f16 must fit its range (SPEC.md 14:
 /// a row that would become +-Inf is `NonFinite`).
-fn check_f16_range<'a>(what: &'static str, values: impl IntoIterator<Item = &'a f32>) -> Result<()> {
-    match values.into_iter().position(|x| f64::from(x.abs()) >= F16_OVERFLOW) {
+fn check_f16_range<'a>(
+    what: &'static str,
+    values: impl IntoIterator<Item = &'a f32>,
+) -> Result<()> {
+    match values
+        .into_iter()
+        .position(|x| f64::from(x.abs()) >= F16_OVERFLOW)
+    {
         Some(index) => Err(MosaicError::NonFinite { what, index }),
         None => Ok(()),
     }
@@ -47,7 +57,11 @@ fn check_f16_range<'a>(what: &'static str, values: impl IntoIterator<Item = &'a 
 
 /// One head's segment built from its f32 rows `[n, D]` with `strategy`
 /// (SPEC.md sections 5-7).
-fn build_head(keys: ArrayView2<f32>, values: ArrayView2<f32>, strategy: Strategy) -> Result<HeadSegment> {
+fn build_head(
+    keys: ArrayView2<f32>,
+    values: ArrayView2<f32>,
+    strategy: Strategy,
+) -> Result<HeadSegment> {
     let packed_keys = encode_rows(keys, &strategy.key)?;
     let packed_values = encode_rows(values, &strategy.value)?;
     let decoded = decode_rows(&packed_keys, &strategy.key)?;
@@ -110,9 +124,17 @@ impl MosaicCache {
     }
 
     /// Host rows of head `h` for host tokens `first..first + n`, as `[n, D]`.
-    fn host_head_rows(keys: &[f32], shape: &KvShape, first: usize, n: usize, h: usize) -> Array2<f32> {
+    fn host_head_rows(
+        keys: &[f32],
+        shape: &KvShape,
+        first: usize,
+        n: usize,
+        h: usize,
+    ) -> Array2<f32> {
         let d = shape.head_dim;
-        Array2::from_shape_fn((n, d), |(t, i)| keys[((first + t) * shape.kv_heads + h) * d + i])
+        Array2::from_shape_fn((n, d), |(t, i)| {
+            keys[((first + t) * shape.kv_heads + h) * d + i]
+        })
     }
 
     /// Rebuilds a cache from its parts, validating that they agree: the
@@ -121,18 +143,29 @@ impl MosaicCache {
     /// length that is a multiple of `buffer_capacity` below `max_segment_len`,
     /// host rows of exactly the open segment's and buffer's tokens, finite,
     /// and the buffer's f16 rows equal to the rounded host rows.
-    pub fn from_parts(compressed: CompressedCache, host_keys: Vec<f32>, host_values: Vec<f32>) -> Result<Self> {
+    pub fn from_parts(
+        compressed: CompressedCache,
+        host_keys: Vec<f32>,
+        host_values: Vec<f32>,
+    ) -> Result<Self> {
         check_cache(&compressed)?;
         let shape = compressed.shape;
         let cfg = &compressed.config;
         let bad = |m: String| Err(MosaicError::InvalidConfig(m));
         if compressed.sink.tokens > cfg.sink_tokens
-            || (compressed.sink.tokens < cfg.sink_tokens && compressed.len() > compressed.sink.tokens)
+            || (compressed.sink.tokens < cfg.sink_tokens
+                && compressed.len() > compressed.sink.tokens)
         {
-            return bad(format!("sink holds {} tokens, sink_tokens is {}", compressed.sink.tokens, cfg.sink_tokens));
+            return bad(format!(
+                "sink holds {} tokens, sink_tokens is {}",
+                compressed.sink.tokens, cfg.sink_tokens
+            ));
         }
         if compressed.buffer.tokens >= cfg.buffer_capacity {
-            return bad(format!("buffer holds {} tokens, capacity {}", compressed.buffer.tokens, cfg.buffer_capacity));
+            return bad(format!(
+                "buffer holds {} tokens, capacity {}",
+                compressed.buffer.tokens, cfg.buffer_capacity
+            ));
         }
         let open_len = match compressed.segments.last() {
             Some(seg) if seg.state == SegmentState::Open => seg.len,
@@ -173,14 +206,22 @@ impl MosaicCache {
 
     fn open_strategies(&self) -> Vec<Strategy> {
         match self.compressed.segments.last() {
-            Some(seg) if seg.state == SegmentState::Open => seg.heads.iter().map(|h| h.strategy.clone()).collect(),
+            Some(seg) if seg.state == SegmentState::Open => {
+                seg.heads.iter().map(|h| h.strategy.clone()).collect()
+            }
             _ => Vec::new(),
         }
     }
 
     /// `base` (or zeros) plus the loss terms of host tokens `first..first+n`
     /// under `strategies`, row by row (SPEC.md section 11.1 sums).
-    fn loss_sums_of(&self, first: usize, n: usize, base: &[[LossSums; 2]], strategies: &[Strategy]) -> Vec<[LossSums; 2]> {
+    fn loss_sums_of(
+        &self,
+        first: usize,
+        n: usize,
+        base: &[[LossSums; 2]],
+        strategies: &[Strategy],
+    ) -> Vec<[LossSums; 2]> {
         let shape = self.compressed.shape;
         let mut out = Vec::with_capacity(shape.kv_heads);
         for (h, st) in strategies.iter().enumerate() {
@@ -189,7 +230,10 @@ impl MosaicCache {
             let values = Self::host_head_rows(&self.host_values, &shape, first, n, h);
             for t in 0..n {
                 sums[0].add_row(keys.row(t).as_slice().expect("standard layout"), &st.key);
-                sums[1].add_row(values.row(t).as_slice().expect("standard layout"), &st.value);
+                sums[1].add_row(
+                    values.row(t).as_slice().expect("standard layout"),
+                    &st.value,
+                );
             }
             out.push(sums);
         }
@@ -231,13 +275,18 @@ impl MosaicCache {
             let v = Self::host_head_rows(&self.host_values, &shape, open_len, cap, h);
             new_parts.push(build_head(k.view(), v.view(), st.clone())?);
         }
-        let base = if is_open { self.open_loss.clone() } else { Vec::new() };
+        let base = if is_open {
+            self.open_loss.clone()
+        } else {
+            Vec::new()
+        };
         let sums = self.loss_sums_of(open_len, cap, &base, &strategies);
 
         // Step 3: the close rule of section 10.3.
         let new_len = open_len + cap;
         let drifted = strategies.iter().zip(&sums).any(|(st, s)| {
-            s[0].loss() > st.key.fit_loss + cfg.segment_loss_margin || s[1].loss() > st.value.fit_loss + cfg.segment_loss_margin
+            s[0].loss() > st.key.fit_loss + cfg.segment_loss_margin
+                || s[1].loss() > st.value.fit_loss + cfg.segment_loss_margin
         });
         let close = new_len >= cfg.max_segment_len || drifted;
         let closed_heads = if close {
@@ -278,7 +327,11 @@ impl MosaicCache {
                 heads,
             });
         }
-        let seg = self.compressed.segments.last_mut().expect("an open segment");
+        let seg = self
+            .compressed
+            .segments
+            .last_mut()
+            .expect("an open segment");
         match closed_heads {
             Some(heads) => {
                 seg.heads = heads;
@@ -336,11 +389,20 @@ impl KvCache for MosaicCache {
         let cfg = self.compressed.config.clone();
         let n = keys.shape()[0];
         let (sink_len, bounds) = prompt_segments(n, cfg.sink_tokens, cfg.input_segment_len);
-        check_f16_range("keys (beyond f16 range)", keys.slice(s![..sink_len, .., ..]).iter())?;
-        check_f16_range("values (beyond f16 range)", values.slice(s![..sink_len, .., ..]).iter())?;
+        check_f16_range(
+            "keys (beyond f16 range)",
+            keys.slice(s![..sink_len, .., ..]).iter(),
+        )?;
+        check_f16_range(
+            "values (beyond f16 range)",
+            values.slice(s![..sink_len, .., ..]).iter(),
+        )?;
         let mut sink = mosaickv_spec::DenseRows::default();
         for t in 0..sink_len {
-            sink.push(keys.slice(s![t, .., ..]).iter().copied(), values.slice(s![t, .., ..]).iter().copied());
+            sink.push(
+                keys.slice(s![t, .., ..]).iter().copied(),
+                values.slice(s![t, .., ..]).iter().copied(),
+            );
         }
         let mut segments = Vec::with_capacity(bounds.len());
         for (start, len) in bounds {
@@ -370,10 +432,14 @@ impl KvCache for MosaicCache {
         check_f16_range("key (beyond f16 range)", key.iter())?;
         check_f16_range("value (beyond f16 range)", value.iter())?;
         if self.compressed.len() < self.compressed.config.sink_tokens {
-            self.compressed.sink.push(key.iter().copied(), value.iter().copied());
+            self.compressed
+                .sink
+                .push(key.iter().copied(), value.iter().copied());
             return Ok(());
         }
-        self.compressed.buffer.push(key.iter().copied(), value.iter().copied());
+        self.compressed
+            .buffer
+            .push(key.iter().copied(), value.iter().copied());
         self.host_keys.extend(key.iter().copied());
         self.host_values.extend(value.iter().copied());
         if self.compressed.buffer.tokens == self.compressed.config.buffer_capacity {

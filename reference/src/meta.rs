@@ -40,7 +40,9 @@ pub fn block_meta_of_decoded(decoded: ArrayView2<f32>, block_size: usize) -> Blo
 /// SPEC.md section 7 on packed keys: decode, then [`block_meta_of_decoded`].
 pub fn block_meta(keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta> {
     if block_size == 0 {
-        return Err(MosaicError::InvalidConfig("block size must be positive".into()));
+        return Err(MosaicError::InvalidConfig(
+            "block size must be positive".into(),
+        ));
     }
     let decoded = decode_rows(keys, key)?;
     Ok(block_meta_of_decoded(decoded.view(), block_size))

@@ -58,7 +58,11 @@ pub fn full_attention_probs(keys: ArrayView3<f32>, queries: ArrayView2<f32>) -> 
 }
 
 /// Exact attention output `[q_heads, D]` (f64 on the f32 inputs, rounded to f32).
-pub fn full_attention(keys: ArrayView3<f32>, values: ArrayView3<f32>, queries: ArrayView2<f32>) -> Array2<f32> {
+pub fn full_attention(
+    keys: ArrayView3<f32>,
+    values: ArrayView3<f32>,
+    queries: ArrayView2<f32>,
+) -> Array2<f32> {
     let probs = full_attention_probs(keys, queries);
     let (n, kvh, d) = values.dim();
     let g = queries.nrows() / kvh;
@@ -76,7 +80,11 @@ pub fn full_attention(keys: ArrayView3<f32>, values: ArrayView3<f32>, queries: A
 /// of them in `attended[h]`; the mean over heads. `k` is capped at the token
 /// count; `k = 0` or no heads gives 1.0 (nothing to miss).
 pub fn recall_at_k(attended: &[Vec<usize>], probs: ArrayView2<f64>, k: usize) -> f64 {
-    assert_eq!(attended.len(), probs.nrows(), "recall_at_k: one attended set per query head");
+    assert_eq!(
+        attended.len(),
+        probs.nrows(),
+        "recall_at_k: one attended set per query head"
+    );
     let k = k.min(probs.ncols());
     if k == 0 || attended.is_empty() {
         return 1.0;

@@ -26,7 +26,11 @@ pub fn f16_from_f64(x: f64) -> f16 {
         return f16::from_f64(x);
     }
     if x.abs() >= F16_OVERFLOW {
-        return if x > 0.0 { f16::INFINITY } else { f16::NEG_INFINITY };
+        return if x > 0.0 {
+            f16::INFINITY
+        } else {
+            f16::NEG_INFINITY
+        };
     }
     if x == 0.0 {
         return f16::from_f64(x); // keeps the sign of zero

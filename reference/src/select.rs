@@ -62,7 +62,12 @@ pub fn check_meta(meta: &BlockMeta) -> Result<()> {
         return Err(MosaicError::ShapeMismatch {
             what: "block metadata",
             expected: format!("{want} min and max values (block_size > 0)"),
-            got: format!("{} min, {} max, block_size {}", meta.min.len(), meta.max.len(), meta.block_size),
+            got: format!(
+                "{} min, {} max, block_size {}",
+                meta.min.len(),
+                meta.max.len(),
+                meta.block_size
+            ),
         });
     }
     for (index, v) in meta.min.iter().chain(&meta.max).enumerate() {
@@ -108,7 +113,11 @@ pub fn score_blocks(meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Resul
 /// index), taken in that order while fewer than `budget_tokens` tokens are
 /// taken; returned ascending. With variable block lengths the budget may be
 /// overshot by less than one block.
-pub fn select_blocks(scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+pub fn select_blocks(
+    scores: &[f32],
+    block_lens: &[usize],
+    budget_tokens: usize,
+) -> Result<Vec<u32>> {
     if scores.len() != block_lens.len() {
         return Err(MosaicError::ShapeMismatch {
             what: "block_lens",

@@ -127,7 +127,12 @@ pub fn layout_for(config: &CompressConfig, head_dim: usize, r: usize, g: usize) 
 /// - loss_threshold: the cheapest `record_bytes` whose loss is at most the
 ///   side's threshold (ties: lower loss, then smaller g); if none passes,
 ///   the lowest loss (ties: fewer bytes, then smaller g).
-pub fn choose_layout(rotated: &[Vec<f64>], side: Side, config: &CompressConfig, head_dim: usize) -> (RecordLayout, f64) {
+pub fn choose_layout(
+    rotated: &[Vec<f64>],
+    side: Side,
+    config: &CompressConfig,
+    head_dim: usize,
+) -> (RecordLayout, f64) {
     let threshold = match (&config.channels, side) {
         (ChannelPolicy::Fixed { .. }, _) => f64::INFINITY,
         (ChannelPolicy::LossThreshold { key_loss, .. }, Side::Key) => *key_loss,
@@ -146,9 +151,17 @@ pub fn choose_layout(rotated: &[Vec<f64>], side: Side, config: &CompressConfig, 
     let key_fail = |c: &(RecordLayout, f64)| (c.1, c.0.record_bytes(), c.0.group_size);
     let passing: Vec<&(RecordLayout, f64)> = scored.iter().filter(|c| c.1 <= threshold).collect();
     let best = if passing.is_empty() {
-        scored.iter().min_by(|a, b| key_fail(a).partial_cmp(&key_fail(b)).expect("finite losses"))
+        scored.iter().min_by(|a, b| {
+            key_fail(a)
+                .partial_cmp(&key_fail(b))
+                .expect("finite losses")
+        })
     } else {
-        passing.into_iter().min_by(|a, b| key_pass(a).partial_cmp(&key_pass(b)).expect("finite losses"))
+        passing.into_iter().min_by(|a, b| {
+            key_pass(a)
+                .partial_cmp(&key_pass(b))
+                .expect("finite losses")
+        })
     };
     *best.expect("a validated policy has at least one candidate")
 }
@@ -156,7 +169,11 @@ pub fn choose_layout(rotated: &[Vec<f64>], side: Side, config: &CompressConfig, 
 /// SPEC.md sections 3, 4, 11.1, 11.2: one side's strategy for rows `[n, D]`:
 /// rotation fitted on the rows, then `(r, g)` chosen with that rotation
 /// (the loss uses R as stored, f32); `fit_loss` is the chosen candidate's loss.
-pub fn fit_side(rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+pub fn fit_side(
+    rows: ArrayView2<f32>,
+    side: Side,
+    config: &CompressConfig,
+) -> Result<SideStrategy> {
     let d = rows.ncols();
     config.validate(d)?;
     finite("rows", rows.iter())?;
@@ -223,7 +240,11 @@ pub fn block_variance(decoded: ArrayView2<f32>, block_size: usize) -> f64 {
 
 /// SPEC.md section 11.3: the largest candidate block size with
 /// `V(b) <= variance_threshold`; the smallest candidate if none passes.
-pub fn fit_block_size(keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+pub fn fit_block_size(
+    keys: ArrayView2<f32>,
+    key: &SideStrategy,
+    config: &CompressConfig,
+) -> Result<usize> {
     config.validate(keys.ncols())?;
     let packed = encode_rows(keys, key)?;
     let decoded = decode_rows(&packed, key)?;
@@ -237,9 +258,17 @@ pub fn fit_block_size(keys: ArrayView2<f32>, key: &SideStrategy, config: &Compre
 }
 
 /// SPEC.md section 11: the whole strategy of one head's segment.
-pub fn fit_strategy(keys: ArrayView2<f32>, values: ArrayView2<f32>, config: &CompressConfig) -> Result<Strategy> {
+pub fn fit_strategy(
+    keys: ArrayView2<f32>,
+    values: ArrayView2<f32>,
+    config: &CompressConfig,
+) -> Result<Strategy> {
     let key = fit_side(keys, Side::Key, config)?;
     let value = fit_side(values, Side::Value, config)?;
     let block_size = fit_block_size(keys, &key, config)?;
-    Ok(Strategy { key, value, block_size })
+    Ok(Strategy {
+        key,
+        value,
+        block_size,
+    })
 }

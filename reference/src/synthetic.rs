@@ -61,8 +61,12 @@ impl HeadGen {
     fn new(seed: u64, head: usize, d: usize) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         rng.set_stream(head as u64);
-        let key_dirs = (0..KEY_AMPS.len()).map(|_| unit_vector(&mut rng, d)).collect();
-        let value_dirs = (0..VALUE_AMPS.len()).map(|_| unit_vector(&mut rng, d)).collect();
+        let key_dirs = (0..KEY_AMPS.len())
+            .map(|_| unit_vector(&mut rng, d))
+            .collect();
+        let value_dirs = (0..VALUE_AMPS.len())
+            .map(|_| unit_vector(&mut rng, d))
+            .collect();
         let half = d / 2;
         // Low-frequency pairs are the last ones of each half: dims half-4 .. half.
         let low = half.saturating_sub(4);
@@ -143,13 +147,20 @@ fn rope(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// Deterministic structured keys and values `[tokens, kv_heads, head_dim]`
 /// (see the module doc). Keys are post-RoPE, half-split, theta 10000.
 /// `head_dim` should be even (an odd last dim is left unrotated).
-pub fn structured_kv(tokens: usize, kv_heads: usize, head_dim: usize, seed: u64) -> (Array3<f32>, Array3<f32>) {
+pub fn structured_kv(
+    tokens: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seed: u64,
+) -> (Array3<f32>, Array3<f32>) {
     let d = head_dim;
     let half = d / 2;
     let mut keys = Array3::<f32>::zeros((tokens, kv_heads, d));
     let mut values = Array3::<f32>::zeros((tokens, kv_heads, d));
     let mut heads: Vec<HeadGen> = (0..kv_heads).map(|h| HeadGen::new(seed, h, d)).collect();
-    let inv_freq: Vec<f64> = (0..half).map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64)).collect();
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
+        .collect();
     let mut cos = vec![0.0f32; half];
     let mut sin = vec![0.0f32; half];
     let mut k = vec![0.0f32; d];
@@ -177,14 +188,18 @@ pub fn structured_kv(tokens: usize, kv_heads: usize, head_dim: usize, seed: u64)
 /// real decode step.
 ///
 /// Query head h (KV head `j = h / (q_heads / kv_heads)`) picks 2 needle
-/// tokens uniformly in `1..tokens` and is
+/// tokens (each the token of `1..tokens` most extreme along a random
+/// direction: real heads attend to keys that stand out) and is
 /// `q = sum_needles 11 sqrt(D) (k_n - mean_j) / ||k_n - mean_j||^2 + noise`,
 /// i.e. each needle's logit sits about 11 above the mean key's, the noise adding logits
 /// of standard deviation about 1. Panics if `q_heads` is not a multiple of
 /// `kv_heads` or `keys` is empty (a caller bug).
 pub fn queries(q_heads: usize, head_dim: usize, keys: &Array3<f32>, seed: u64) -> Array2<f32> {
     let (n, kvh, d) = keys.dim();
-    assert!(n > 0 && kvh > 0 && q_heads % kvh == 0 && d == head_dim, "queries: bad shapes");
+    assert!(
+        n > 0 && kvh > 0 && q_heads % kvh == 0 && d == head_dim,
+        "queries: bad shapes"
+    );
     let g = q_heads / kvh;
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
     let mut out = Array2::<f32>::zeros((q_heads, d));
@@ -200,8 +215,24 @@ pub fn queries(q_heads: usize, head_dim: usize, keys: &Array3<f32>, seed: u64) -
         }
         for h in j * g..(j + 1) * g {
             for _ in 0..2 {
-                let needle = if n > 1 { rng.gen_range(1..n) } else { 0 };
-                let dir: Vec<f64> = (0..d).map(|i| f64::from(keys[[needle, j, i]]) - mean[i]).collect();
+                // The needle is the token most extreme along a random direction u:
+                // real heads attend to keys that stand out, not to average ones.
+                let u = unit_vector(&mut rng, d);
+                let mut needle = 0;
+                let mut best = f64::NEG_INFINITY;
+                for t in 1.min(n - 1)..n {
+                    let mut p = 0.0;
+                    for i in 0..d {
+                        p += f64::from(u[i]) * (f64::from(keys[[t, j, i]]) - mean[i]);
+                    }
+                    if p > best {
+                        best = p;
+                        needle = t;
+                    }
+                }
+                let dir: Vec<f64> = (0..d)
+                    .map(|i| f64::from(keys[[needle, j, i]]) - mean[i])
+                    .collect();
                 let norm2 = dir.iter().map(|x| x * x).sum::<f64>().max(1e-12);
                 for i in 0..d {
                     out[[h, i]] += (NEEDLE_LOGIT * (d as f64).sqrt() * dir[i] / norm2) as f32;

@@ -28,7 +28,10 @@ pub fn rotate_row_f64(row: &[f32], rotation: &[f32]) -> Vec<f64> {
 
 /// SPEC.md section 5 step 1: `y_j = f16(x'_j)` for `j < Dt`.
 pub fn round_kept(rotated: &[f64], kept_dims: usize) -> Vec<f16> {
-    rotated[..kept_dims].iter().map(|&v| f16_from_f64(v)).collect()
+    rotated[..kept_dims]
+        .iter()
+        .map(|&v| f16_from_f64(v))
+        .collect()
 }
 
 /// SPEC.md section 5 step 2: `I_k = sum_{j in group k} f32(y_j)^2`, f32, ascending j.

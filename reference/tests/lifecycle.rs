@@ -6,7 +6,9 @@ use common::random_rows;
 use mosaickv_reference::lifecycle::prompt_segments;
 use mosaickv_reference::metrics::rel_l2;
 use mosaickv_reference::synthetic::{queries, structured_kv};
-use mosaickv_reference::{side_loss, FullCache, MosaicCache, Naive2dCache, QuestCache, ReferenceBackend};
+use mosaickv_reference::{
+    side_loss, FullCache, MosaicCache, Naive2dCache, QuestCache, ReferenceBackend,
+};
 use mosaickv_spec::{
     Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, MosaicError, SegmentState,
 };
@@ -44,7 +46,10 @@ fn assert_accounting(cache: &MosaicCache) {
         next += seg.len;
     }
     assert_eq!(next + c.buffer.tokens, cache.len());
-    assert_eq!(c.sink.tokens + c.segment_tokens() + c.buffer.tokens, cache.len());
+    assert_eq!(
+        c.sink.tokens + c.segment_tokens() + c.buffer.tokens,
+        cache.len()
+    );
     let (hk, hv) = cache.host_rows();
     let want = (open + c.buffer.tokens) * shape.kv_heads * shape.head_dim;
     assert_eq!((hk.len(), hv.len()), (want, want));
@@ -89,9 +94,13 @@ fn appends_fill_sink_then_buffer_and_flush() {
     let (k, v) = structured_kv(300, 2, 16, 11);
     for prompt in [0usize, 2, 4, 70] {
         let mut cache = MosaicCache::new(shape, cfg.clone()).unwrap();
-        cache.prefill(k.slice(s![..prompt, .., ..]), v.slice(s![..prompt, .., ..])).unwrap();
+        cache
+            .prefill(k.slice(s![..prompt, .., ..]), v.slice(s![..prompt, .., ..]))
+            .unwrap();
         for t in prompt..300 {
-            cache.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t)).unwrap();
+            cache
+                .append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+                .unwrap();
             assert_eq!(cache.len(), t + 1);
             assert_accounting(&cache);
             let c = cache.compressed();
@@ -138,8 +147,12 @@ fn generated_segment_closes_at_first_drifted_flush() {
     let drift_at = prompt_n + 5 * 16 + 7; // mid-flush: the close waits for a flush
     let total = drift_at + 20 * 16;
     let mut rows_k = Array2::<f32>::zeros((total, d));
-    rows_k.slice_mut(s![..drift_at, ..]).assign(&subspace_rows(drift_at, &basis_a, 10));
-    rows_k.slice_mut(s![drift_at.., ..]).assign(&subspace_rows(total - drift_at, &basis_b, 20));
+    rows_k
+        .slice_mut(s![..drift_at, ..])
+        .assign(&subspace_rows(drift_at, &basis_a, 10));
+    rows_k
+        .slice_mut(s![drift_at.., ..])
+        .assign(&subspace_rows(total - drift_at, &basis_b, 20));
     let rows_v = rows_k.mapv(|x| 0.5 * x);
     let k3 = rows_k.clone().insert_axis(Axis(1));
     let v3 = rows_v.clone().insert_axis(Axis(1));
@@ -148,26 +161,42 @@ fn generated_segment_closes_at_first_drifted_flush() {
     // the prompt segment's (fitted on its rows); flush f covers generated
     // tokens prompt_n .. prompt_n + 16 f.
     let strategy = ReferenceBackend
-        .fit_strategy(rows_k.slice(s![4..prompt_n, ..]), rows_v.slice(s![4..prompt_n, ..]), &cfg)
+        .fit_strategy(
+            rows_k.slice(s![4..prompt_n, ..]),
+            rows_v.slice(s![4..prompt_n, ..]),
+            &cfg,
+        )
         .unwrap();
     let mut expected = None;
     for f in 1..=(total - prompt_n) / 16 {
         let end = prompt_n + 16 * f;
         let lk = side_loss(rows_k.slice(s![prompt_n..end, ..]), &strategy.key);
         let lv = side_loss(rows_v.slice(s![prompt_n..end, ..]), &strategy.value);
-        if lk > strategy.key.fit_loss + cfg.segment_loss_margin || lv > strategy.value.fit_loss + cfg.segment_loss_margin {
+        if lk > strategy.key.fit_loss + cfg.segment_loss_margin
+            || lv > strategy.value.fit_loss + cfg.segment_loss_margin
+        {
             expected = Some(f);
             break;
         }
     }
     let expected = expected.expect("the drift must trigger a close");
-    assert!(prompt_n + 16 * expected > drift_at, "the close must come after the drift");
+    assert!(
+        prompt_n + 16 * expected > drift_at,
+        "the close must come after the drift"
+    );
 
     let mut cache = MosaicCache::new(shape, cfg.clone()).unwrap();
-    cache.prefill(k3.slice(s![..prompt_n, .., ..]), v3.slice(s![..prompt_n, .., ..])).unwrap();
+    cache
+        .prefill(
+            k3.slice(s![..prompt_n, .., ..]),
+            v3.slice(s![..prompt_n, .., ..]),
+        )
+        .unwrap();
     assert_eq!(cache.compressed().segments[0].heads[0].strategy, strategy);
     for t in prompt_n..total {
-        cache.append(k3.index_axis(Axis(0), t), v3.index_axis(Axis(0), t)).unwrap();
+        cache
+            .append(k3.index_axis(Axis(0), t), v3.index_axis(Axis(0), t))
+            .unwrap();
         let generated = t + 1 - prompt_n;
         if generated % 16 != 0 {
             continue;
@@ -175,14 +204,29 @@ fn generated_segment_closes_at_first_drifted_flush() {
         let f = generated / 16;
         let seg = &cache.compressed().segments[1];
         if f < expected {
-            assert_eq!(seg.state, SegmentState::Open, "flush {f} must not close (expected {expected})");
-            assert_eq!(seg.heads[0].strategy, strategy, "open segment uses the temporary strategy");
+            assert_eq!(
+                seg.state,
+                SegmentState::Open,
+                "flush {f} must not close (expected {expected})"
+            );
+            assert_eq!(
+                seg.heads[0].strategy, strategy,
+                "open segment uses the temporary strategy"
+            );
         } else {
-            assert_eq!(seg.state, SegmentState::Closed, "flush {expected} must close");
+            assert_eq!(
+                seg.state,
+                SegmentState::Closed,
+                "flush {expected} must close"
+            );
             assert_eq!(seg.len, 16 * expected);
             // The closed segment has its own strategy, fitted on its rows.
             let own = ReferenceBackend
-                .fit_strategy(rows_k.slice(s![prompt_n..prompt_n + seg.len, ..]), rows_v.slice(s![prompt_n..prompt_n + seg.len, ..]), &cfg)
+                .fit_strategy(
+                    rows_k.slice(s![prompt_n..prompt_n + seg.len, ..]),
+                    rows_v.slice(s![prompt_n..prompt_n + seg.len, ..]),
+                    &cfg,
+                )
                 .unwrap();
             assert_eq!(seg.heads[0].strategy, own);
             if f == expected {
@@ -210,9 +254,13 @@ fn generated_segment_closes_at_max_len() {
     };
     let (k, v) = structured_kv(4 + 64 + 200, 2, 16, 5);
     let mut cache = MosaicCache::new(shape, cfg).unwrap();
-    cache.prefill(k.slice(s![..68, .., ..]), v.slice(s![..68, .., ..])).unwrap();
+    cache
+        .prefill(k.slice(s![..68, .., ..]), v.slice(s![..68, .., ..]))
+        .unwrap();
     for t in 68..268 {
-        cache.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t)).unwrap();
+        cache
+            .append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+            .unwrap();
         assert_accounting(&cache);
         let c = cache.compressed();
         for seg in &c.segments[1..] {
@@ -224,7 +272,8 @@ fn generated_segment_closes_at_max_len() {
     }
     // 200 generated tokens: 4 closed segments of 48 (192), 8 in the buffer.
     let c = cache.compressed();
-    let generated: Vec<(usize, SegmentState)> = c.segments[1..].iter().map(|s| (s.len, s.state)).collect();
+    let generated: Vec<(usize, SegmentState)> =
+        c.segments[1..].iter().map(|s| (s.len, s.state)).collect();
     assert_eq!(generated, vec![(48, SegmentState::Closed); 4]);
     assert_eq!(c.buffer.tokens, 8);
 }
@@ -260,13 +309,26 @@ fn lossless_setting_equals_full_attention_up_to_f16() {
     let q = queries(4, d, &k, 4);
     let mut mosaic = MosaicCache::new(shape, cfg).unwrap();
     let mut full = FullCache::new(shape);
-    mosaic.prefill(k.slice(s![..150, .., ..]), v.slice(s![..150, .., ..])).unwrap();
-    full.prefill(k.slice(s![..150, .., ..]), v.slice(s![..150, .., ..])).unwrap();
+    mosaic
+        .prefill(k.slice(s![..150, .., ..]), v.slice(s![..150, .., ..]))
+        .unwrap();
+    full.prefill(k.slice(s![..150, .., ..]), v.slice(s![..150, .., ..]))
+        .unwrap();
     for t in 150..n {
-        mosaic.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t)).unwrap();
-        full.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t)).unwrap();
+        mosaic
+            .append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+            .unwrap();
+        full.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+            .unwrap();
     }
-    assert!(mosaic.compressed().segments.iter().any(|s| s.state == SegmentState::Open) || mosaic.compressed().segments.len() > 3);
+    assert!(
+        mosaic
+            .compressed()
+            .segments
+            .iter()
+            .any(|s| s.state == SegmentState::Open)
+            || mosaic.compressed().segments.len() > 3
+    );
     let (mut om, mut of) = (Array2::<f32>::zeros((4, d)), Array2::<f32>::zeros((4, d)));
     mosaic.attend(q.view(), om.view_mut()).unwrap();
     full.attend(q.view(), of.view_mut()).unwrap();
@@ -275,16 +337,50 @@ fn lossless_setting_equals_full_attention_up_to_f16() {
     let mut worst_ratio = 0.0f64;
     for h in 0..4 {
         let j = h / 2;
-        let qn = q.row(h).iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-        let max_k = (0..n).map(|t| k.slice(s![t, j, ..]).iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()).fold(0.0, f64::max);
-        let max_v = (0..n).map(|t| v.slice(s![t, j, ..]).iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()).fold(0.0, f64::max);
+        let qn = q
+            .row(h)
+            .iter()
+            .map(|&x| f64::from(x).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let max_k = (0..n)
+            .map(|t| {
+                k.slice(s![t, j, ..])
+                    .iter()
+                    .map(|&x| f64::from(x).powi(2))
+                    .sum::<f64>()
+                    .sqrt()
+            })
+            .fold(0.0, f64::max);
+        let max_v = (0..n)
+            .map(|t| {
+                v.slice(s![t, j, ..])
+                    .iter()
+                    .map(|&x| f64::from(x).powi(2))
+                    .sum::<f64>()
+                    .sqrt()
+            })
+            .fold(0.0, f64::max);
         let eps = (2.0 * u + u_r) * qn * max_k / (d as f64).sqrt();
         let bound = ((2.0 * eps).exp() - 1.0) * max_v + (2.0 * u + u_r) * max_v;
-        let diff = om.row(h).iter().zip(of.row(h)).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum::<f64>().sqrt();
-        assert!(diff <= bound, "head {h}: ||o_m - o_f|| = {diff:e} > bound {bound:e}");
+        let diff = om
+            .row(h)
+            .iter()
+            .zip(of.row(h))
+            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!(
+            diff <= bound,
+            "head {h}: ||o_m - o_f|| = {diff:e} > bound {bound:e}"
+        );
         worst_ratio = worst_ratio.max(diff / bound);
     }
-    println!("lossless: rel_l2 {:.3e}, worst diff/bound {:.3}", rel_l2(om.view(), of.view()), worst_ratio);
+    println!(
+        "lossless: rel_l2 {:.3e}, worst diff/bound {:.3}",
+        rel_l2(om.view(), of.view()),
+        worst_ratio
+    );
 }
 
 fn attend_of(cache: &mut dyn KvCache, q: &Array2<f32>) -> Array2<f32> {
@@ -310,35 +406,66 @@ fn bad_input_is_rejected_and_changes_nothing() {
     for cache in caches.iter_mut() {
         // Empty cache.
         let mut out = Array2::<f32>::zeros((4, d));
-        assert_eq!(cache.attend(q.view(), out.view_mut()), Err(MosaicError::EmptyCache));
-        cache.prefill(k.slice(s![..80, .., ..]), v.slice(s![..80, .., ..])).unwrap();
+        assert_eq!(
+            cache.attend(q.view(), out.view_mut()),
+            Err(MosaicError::EmptyCache)
+        );
+        cache
+            .prefill(k.slice(s![..80, .., ..]), v.slice(s![..80, .., ..]))
+            .unwrap();
         // 15 appends: the next one fills the MosaicKV buffer and flushes.
         for t in 80..95 {
-            cache.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t)).unwrap();
+            cache
+                .append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+                .unwrap();
         }
         let before_mem = cache.memory();
         let before_len = cache.len();
         let before_out = attend_of(cache.as_mut(), &q);
 
-        assert_eq!(cache.prefill(k.view(), v.view()), Err(MosaicError::AlreadyPrefilled(95)));
+        assert_eq!(
+            cache.prefill(k.view(), v.view()),
+            Err(MosaicError::AlreadyPrefilled(95))
+        );
         let mut nan_key = k.index_axis(Axis(0), 95).to_owned();
         nan_key[[1, 3]] = f32::NAN;
-        assert!(matches!(cache.append(nan_key.view(), v.index_axis(Axis(0), 95)), Err(MosaicError::NonFinite { .. })));
+        assert!(matches!(
+            cache.append(nan_key.view(), v.index_axis(Axis(0), 95)),
+            Err(MosaicError::NonFinite { .. })
+        ));
         let mut inf_val = v.index_axis(Axis(0), 95).to_owned();
         inf_val[[0, 0]] = f32::INFINITY;
-        assert!(matches!(cache.append(k.index_axis(Axis(0), 95), inf_val.view()), Err(MosaicError::NonFinite { .. })));
+        assert!(matches!(
+            cache.append(k.index_axis(Axis(0), 95), inf_val.view()),
+            Err(MosaicError::NonFinite { .. })
+        ));
         let huge = k.index_axis(Axis(0), 95).mapv(|x| x * 1e6);
-        assert!(matches!(cache.append(huge.view(), v.index_axis(Axis(0), 95)), Err(MosaicError::NonFinite { .. })));
+        assert!(matches!(
+            cache.append(huge.view(), v.index_axis(Axis(0), 95)),
+            Err(MosaicError::NonFinite { .. })
+        ));
         let wrong = Array2::<f32>::zeros((2, d + 1));
-        assert!(matches!(cache.append(wrong.view(), wrong.view()), Err(MosaicError::ShapeMismatch { .. })));
+        assert!(matches!(
+            cache.append(wrong.view(), wrong.view()),
+            Err(MosaicError::ShapeMismatch { .. })
+        ));
         let mut nan_q = q.clone();
         nan_q[[2, 2]] = f32::NEG_INFINITY;
         let mut out = Array2::<f32>::zeros((4, d));
-        assert!(matches!(cache.attend(nan_q.view(), out.view_mut()), Err(MosaicError::NonFinite { .. })));
+        assert!(matches!(
+            cache.attend(nan_q.view(), out.view_mut()),
+            Err(MosaicError::NonFinite { .. })
+        ));
         let bad_q = Array2::<f32>::zeros((3, d));
-        assert!(matches!(cache.attend(bad_q.view(), out.view_mut()), Err(MosaicError::ShapeMismatch { .. })));
+        assert!(matches!(
+            cache.attend(bad_q.view(), out.view_mut()),
+            Err(MosaicError::ShapeMismatch { .. })
+        ));
         let mut bad_out = Array2::<f32>::zeros((4, d - 1));
-        assert!(matches!(cache.attend(q.view(), bad_out.view_mut()), Err(MosaicError::ShapeMismatch { .. })));
+        assert!(matches!(
+            cache.attend(q.view(), bad_out.view_mut()),
+            Err(MosaicError::ShapeMismatch { .. })
+        ));
 
         assert_eq!(cache.memory(), before_mem);
         assert_eq!(cache.len(), before_len);
@@ -347,10 +474,16 @@ fn bad_input_is_rejected_and_changes_nothing() {
     // Prefill shape errors on a fresh cache.
     let mut cache = MosaicCache::new(shape, cfg.clone()).unwrap();
     let wrong = Array3::<f32>::zeros((10, 3, d));
-    assert!(matches!(cache.prefill(wrong.view(), wrong.view()), Err(MosaicError::ShapeMismatch { .. })));
+    assert!(matches!(
+        cache.prefill(wrong.view(), wrong.view()),
+        Err(MosaicError::ShapeMismatch { .. })
+    ));
     let mut nan_k = k.clone();
     nan_k[[50, 1, 1]] = f32::NAN;
-    assert!(matches!(cache.prefill(nan_k.view(), v.view()), Err(MosaicError::NonFinite { .. })));
+    assert!(matches!(
+        cache.prefill(nan_k.view(), v.view()),
+        Err(MosaicError::NonFinite { .. })
+    ));
     assert!(cache.is_empty());
     // Configuration errors.
     let bad_g = CompressConfig {
@@ -362,9 +495,22 @@ fn bad_input_is_rejected_and_changes_nothing() {
     };
     assert_eq!(
         MosaicCache::new(shape, bad_g).err(),
-        Some(MosaicError::GroupSizeNotDivisor { head_dim: 16, group_size: 3 })
+        Some(MosaicError::GroupSizeNotDivisor {
+            head_dim: 16,
+            group_size: 3
+        })
     );
-    assert!(matches!(MosaicCache::new(KvShape { kv_heads: 2, q_heads: 3, head_dim: 16 }, cfg), Err(MosaicError::GqaMismatch { .. })));
+    assert!(matches!(
+        MosaicCache::new(
+            KvShape {
+                kv_heads: 2,
+                q_heads: 3,
+                head_dim: 16
+            },
+            cfg
+        ),
+        Err(MosaicError::GqaMismatch { .. })
+    ));
     assert!(QuestCache::new(shape, 0.0).is_err());
     assert!(Naive2dCache::new(shape, 0.1, 1.5).is_err());
 }
@@ -375,28 +521,44 @@ fn from_parts_round_trips_and_rejects_inconsistency() {
     let (k, v) = structured_kv(130, 2, 16, 8);
     let q = queries(4, 16, &k, 9);
     let mut cache = MosaicCache::new(shape, small_config()).unwrap();
-    cache.prefill(k.slice(s![..70, .., ..]), v.slice(s![..70, .., ..])).unwrap();
+    cache
+        .prefill(k.slice(s![..70, .., ..]), v.slice(s![..70, .., ..]))
+        .unwrap();
     for t in 70..130 {
-        cache.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t)).unwrap();
+        cache
+            .append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+            .unwrap();
     }
     let (hk, hv) = cache.host_rows();
-    let mut copy = MosaicCache::from_parts(cache.compressed().clone(), hk.to_vec(), hv.to_vec()).unwrap();
+    let mut copy =
+        MosaicCache::from_parts(cache.compressed().clone(), hk.to_vec(), hv.to_vec()).unwrap();
     assert_eq!(attend_of(&mut copy, &q), attend_of(&mut cache, &q));
     assert_eq!(copy.memory(), cache.memory());
     // Appending the same token to both keeps them identical (the open segment's loss sums were rebuilt).
     for t in 0..40 {
-        let (kt, vt) = (k.index_axis(Axis(0), t % 130), v.index_axis(Axis(0), (t * 7) % 130));
+        let (kt, vt) = (
+            k.index_axis(Axis(0), t % 130),
+            v.index_axis(Axis(0), (t * 7) % 130),
+        );
         cache.append(kt, vt).unwrap();
         copy.append(kt, vt).unwrap();
     }
     assert_eq!(copy.compressed(), cache.compressed());
     // Inconsistent parts.
     let (hk, hv) = cache.host_rows();
-    assert!(MosaicCache::from_parts(cache.compressed().clone(), hk[1..].to_vec(), hv.to_vec()).is_err());
+    assert!(
+        MosaicCache::from_parts(cache.compressed().clone(), hk[1..].to_vec(), hv.to_vec()).is_err()
+    );
     let mut corrupt = cache.compressed().clone();
     corrupt.segments[0].heads[1].keys.bytes[0] ^= 0xff;
-    assert!(matches!(MosaicCache::from_parts(corrupt, hk.to_vec(), hv.to_vec()), Err(MosaicError::CorruptPacked(_))));
+    assert!(matches!(
+        MosaicCache::from_parts(corrupt, hk.to_vec(), hv.to_vec()),
+        Err(MosaicError::CorruptPacked(_))
+    ));
     let mut gap = cache.compressed().clone();
     gap.segments[1].start += 1;
-    assert!(matches!(MosaicCache::from_parts(gap, hk.to_vec(), hv.to_vec()), Err(MosaicError::ShapeMismatch { .. })));
+    assert!(matches!(
+        MosaicCache::from_parts(gap, hk.to_vec(), hv.to_vec()),
+        Err(MosaicError::ShapeMismatch { .. })
+    ));
 }

@@ -40,7 +40,11 @@ fn assert_sign_rule(r: &Array2<f64>) {
                 lead = i;
             }
         }
-        assert!(r[[lead, j]] > 0.0, "column {j}: leading component {} not positive", r[[lead, j]]);
+        assert!(
+            r[[lead, j]] > 0.0,
+            "column {j}: leading component {} not positive",
+            r[[lead, j]]
+        );
     }
 }
 
@@ -70,7 +74,10 @@ fn rotations_are_orthogonal_sorted_and_signed() {
                 })
                 .collect();
             for j in 1..d {
-                assert!(energy[j] <= energy[j - 1] * (1.0 + 1e-9) + 1e-9, "D={d}: energies not descending at {j}");
+                assert!(
+                    energy[j] <= energy[j - 1] * (1.0 + 1e-9) + 1e-9,
+                    "D={d}: energies not descending at {j}"
+                );
             }
         }
     }
@@ -91,7 +98,12 @@ fn zero_and_empty_rows_give_identity() {
 #[test]
 fn records_have_popcount_r_over_g_and_round_trip() {
     let b = ReferenceBackend;
-    for &(d, g, retention, trunc) in &[(64usize, 1usize, 0.25, 0.25), (80, 2, 0.375, 0.25), (128, 4, 0.5, 0.0), (256, 1, 0.125, 0.25)] {
+    for &(d, g, retention, trunc) in &[
+        (64usize, 1usize, 0.25, 0.25),
+        (80, 2, 0.375, 0.25),
+        (128, 4, 0.5, 0.0),
+        (256, 1, 0.125, 0.25),
+    ] {
         let cfg = CompressConfig {
             truncate_fraction: trunc,
             channels: ChannelPolicy::Fixed {
@@ -110,7 +122,9 @@ fn records_have_popcount_r_over_g_and_round_trip() {
         assert_eq!(decoded.shape(), &[100, l.kept_dims]);
         for t in 0..100 {
             let rec = packed.record(&l, t);
-            let ones: u32 = (0..l.bitmap_words()).map(|w| bitmap_word(rec, w).count_ones()).sum();
+            let ones: u32 = (0..l.bitmap_words())
+                .map(|w| bitmap_word(rec, w).count_ones())
+                .sum();
             assert_eq!(ones as usize, l.r / g, "popcount");
             let x: Vec<f32> = rows.row(t).to_vec();
             let rotated = rotate_row_f64(&x, &side.rotation);
@@ -131,7 +145,11 @@ fn records_have_popcount_r_over_g_and_round_trip() {
             }
             assert_eq!(next, l.r);
             // Kept groups have importance >= every dropped group's.
-            let imp = |grp: usize| -> f32 { (grp * g..(grp + 1) * g).map(|j| f16_from_f64(rotated[j]).to_f32().powi(2)).sum() };
+            let imp = |grp: usize| -> f32 {
+                (grp * g..(grp + 1) * g)
+                    .map(|j| f16_from_f64(rotated[j]).to_f32().powi(2))
+                    .sum()
+            };
             let (mut lo_kept, mut hi_dropped) = (f32::INFINITY, f32::NEG_INFINITY);
             for grp in 0..l.groups() {
                 if (bitmap_word(rec, grp / 64) >> (grp % 64)) & 1 == 1 {
@@ -151,16 +169,20 @@ fn top_r_ties_keep_the_lower_group() {
     // Group importances: g0 = 1+1 = 2, g1 = 0, g2 = 1+1 = 2, g3 = 4.
     // g3 is kept; g0 and g2 tie, the lower index g0 wins.
     let side = identity_side(8, 8, 4, 2);
-    let rows = Array2::from_shape_vec((1, 8), vec![1.0, 1.0, 0.0, 0.0, 1.0, -1.0, 2.0, 0.0]).unwrap();
+    let rows =
+        Array2::from_shape_vec((1, 8), vec![1.0, 1.0, 0.0, 0.0, 1.0, -1.0, 2.0, 0.0]).unwrap();
     let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
     let rec = packed.record(&side.layout, 0);
     assert_eq!(bitmap_word(rec, 0), 0b1001);
-    let vals: Vec<f32> = (0..4).map(|i| record_value(&side.layout, rec, i).to_f32()).collect();
+    let vals: Vec<f32> = (0..4)
+        .map(|i| record_value(&side.layout, rec, i).to_f32())
+        .collect();
     assert_eq!(vals, vec![1.0, 1.0, 2.0, 0.0]);
     assert_eq!(rec.len(), 16); // 8 B bitmap + 8 B values
-    // g = 1, all equal magnitudes: the lowest r dims are kept.
+                               // g = 1, all equal magnitudes: the lowest r dims are kept.
     let side = identity_side(8, 8, 3, 1);
-    let rows = Array2::from_shape_vec((1, 8), vec![-2.0, 2.0, 2.0, -2.0, 2.0, 2.0, 2.0, 2.0]).unwrap();
+    let rows =
+        Array2::from_shape_vec((1, 8), vec![-2.0, 2.0, 2.0, -2.0, 2.0, 2.0, 2.0, 2.0]).unwrap();
     let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
     assert_eq!(bitmap_word(packed.record(&side.layout, 0), 0), 0b111);
 }
@@ -184,7 +206,8 @@ fn corrupted_records_are_rejected() {
     let rows = random_rows(4, 64, 1.0, 9);
     let good = b.encode(rows.view(), &side).unwrap();
     assert!(b.decode(&good, &side).is_ok());
-    let is_corrupt = |r: mosaickv_spec::Result<Array2<f32>>| matches!(r, Err(MosaicError::CorruptPacked(_)));
+    let is_corrupt =
+        |r: mosaickv_spec::Result<Array2<f32>>| matches!(r, Err(MosaicError::CorruptPacked(_)));
     // A cleared bitmap bit: popcount 15.
     let mut bad = good.clone();
     let word = bitmap_word(bad.record(&side.layout, 1), 0);
@@ -204,7 +227,10 @@ fn corrupted_records_are_rejected() {
     let inf = f16::INFINITY.to_le_bytes();
     bad.bytes[8] = inf[0];
     bad.bytes[9] = inf[1];
-    assert!(matches!(b.decode(&bad, &side), Err(MosaicError::NonFinite { .. })));
+    assert!(matches!(
+        b.decode(&bad, &side),
+        Err(MosaicError::NonFinite { .. })
+    ));
     // With padding: D = 80, Dt = 60, r = 10 -> 4 bytes of padding.
     let side = identity_side(80, 60, 10, 1);
     let mut bad = b.encode(random_rows(2, 80, 1.0, 3).view(), &side).unwrap();
@@ -222,7 +248,11 @@ fn block_score_bounds_every_key_of_its_block() {
         let block = [1usize, 16, 32, 7][case % 4];
         let cfg = CompressConfig::default();
         let (k, _) = structured_kv(n, 1, d, case as u64);
-        let rows = if case % 2 == 0 { k.slice(s![.., 0, ..]).to_owned() } else { random_rows(n, d, 3.0, case as u64) };
+        let rows = if case % 2 == 0 {
+            k.slice(s![.., 0, ..]).to_owned()
+        } else {
+            random_rows(n, d, 3.0, case as u64)
+        };
         let side = b.fit_side(rows.view(), Side::Key, &cfg).unwrap();
         let packed = b.encode(rows.view(), &side).unwrap();
         let meta: BlockMeta = b.block_meta(&packed, &side, block).unwrap();
@@ -242,7 +272,10 @@ fn block_score_bounds_every_key_of_its_block() {
                         mag += p.abs();
                     }
                     // f32 rounding of the score: allow 1e-6 of the terms' magnitude.
-                    assert!(dot <= f64::from(score) + 1e-6 * mag + 1e-30, "case {case} block {blk} token {t}: {dot} > {score}");
+                    assert!(
+                        dot <= f64::from(score) + 1e-6 * mag + 1e-30,
+                        "case {case} block {blk} token {t}: {dot} > {score}"
+                    );
                 }
             }
         }
@@ -254,26 +287,61 @@ fn top_k_ties_and_budget() {
     let b = ReferenceBackend;
     let lens = [16usize; 4];
     // Blocks 1 and 2 tie at 3.0: block 1 (lower index) is taken first.
-    assert_eq!(b.select_blocks(&[1.0, 3.0, 3.0, 2.0], &lens, 16).unwrap(), vec![1]);
-    assert_eq!(b.select_blocks(&[1.0, 3.0, 3.0, 2.0], &lens, 17).unwrap(), vec![1, 2]);
-    assert_eq!(b.select_blocks(&[1.0, 3.0, 3.0, 2.0], &lens, 33).unwrap(), vec![1, 2, 3]);
+    assert_eq!(
+        b.select_blocks(&[1.0, 3.0, 3.0, 2.0], &lens, 16).unwrap(),
+        vec![1]
+    );
+    assert_eq!(
+        b.select_blocks(&[1.0, 3.0, 3.0, 2.0], &lens, 17).unwrap(),
+        vec![1, 2]
+    );
+    assert_eq!(
+        b.select_blocks(&[1.0, 3.0, 3.0, 2.0], &lens, 33).unwrap(),
+        vec![1, 2, 3]
+    );
     assert_eq!(b.select_blocks(&[5.0; 4], &lens, 20).unwrap(), vec![0, 1]);
-    assert_eq!(b.select_blocks(&[5.0; 4], &lens, 0).unwrap(), Vec::<u32>::new());
+    assert_eq!(
+        b.select_blocks(&[5.0; 4], &lens, 0).unwrap(),
+        Vec::<u32>::new()
+    );
     // Variable block lengths: taken while fewer than B tokens are taken (overshoot < one block).
-    assert_eq!(b.select_blocks(&[5.0, 4.0, 3.0, 2.0], &[16, 64, 32, 16], 20).unwrap(), vec![0, 1]);
-    assert_eq!(b.select_blocks(&[2.0, 4.0, 3.0, 5.0], &[16, 64, 32, 16], 16).unwrap(), vec![3]);
-    assert_eq!(b.select_blocks(&[2.0, 4.0, 3.0, 5.0], &[16, 64, 32, 16], 17).unwrap(), vec![1, 3]);
+    assert_eq!(
+        b.select_blocks(&[5.0, 4.0, 3.0, 2.0], &[16, 64, 32, 16], 20)
+            .unwrap(),
+        vec![0, 1]
+    );
+    assert_eq!(
+        b.select_blocks(&[2.0, 4.0, 3.0, 5.0], &[16, 64, 32, 16], 16)
+            .unwrap(),
+        vec![3]
+    );
+    assert_eq!(
+        b.select_blocks(&[2.0, 4.0, 3.0, 5.0], &[16, 64, 32, 16], 17)
+            .unwrap(),
+        vec![1, 3]
+    );
     // A budget above the total takes everything.
-    assert_eq!(b.select_blocks(&[1.0, 2.0], &[3, 5], 100).unwrap(), vec![0, 1]);
+    assert_eq!(
+        b.select_blocks(&[1.0, 2.0], &[3, 5], 100).unwrap(),
+        vec![0, 1]
+    );
     // Bad input.
-    assert!(matches!(b.select_blocks(&[1.0], &[1, 2], 1), Err(MosaicError::ShapeMismatch { .. })));
-    assert!(matches!(b.select_blocks(&[f32::NAN], &[1], 1), Err(MosaicError::NonFinite { .. })));
+    assert!(matches!(
+        b.select_blocks(&[1.0], &[1, 2], 1),
+        Err(MosaicError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        b.select_blocks(&[f32::NAN], &[1], 1),
+        Err(MosaicError::NonFinite { .. })
+    ));
     // Property: taken >= min(B, total), and dropping the last-taken block leaves < B.
     let mut r = rng(3);
     for _ in 0..200 {
         let nb = 1 + r.gen_range(0..20);
         let scores: Vec<f32> = (0..nb).map(|_| r.gen_range(0..4) as f32).collect();
-        let lens: Vec<usize> = (0..nb).map(|_| [16, 32, 64, 5][r.gen_range(0..4)]).collect();
+        let lens: Vec<usize> = (0..nb)
+            .map(|_| [16, 32, 64, 5][r.gen_range(0..4)])
+            .collect();
         let total: usize = lens.iter().sum();
         let budget = r.gen_range(0..total + 10);
         let chosen = b.select_blocks(&scores, &lens, budget).unwrap();
@@ -282,8 +350,15 @@ fn top_k_ties_and_budget() {
         assert!(chosen.windows(2).all(|w| w[0] < w[1]));
         // The last block taken (lowest score, highest index among equals) was
         // taken while fewer than B tokens were taken: overshoot < one block.
-        if let Some(&last) = chosen.iter().min_by(|&&a, &&b| scores[a as usize].total_cmp(&scores[b as usize]).then(b.cmp(&a))) {
-            assert!(taken - lens[last as usize] < budget, "taken {taken}, last block {last}, budget {budget}");
+        if let Some(&last) = chosen.iter().min_by(|&&a, &&b| {
+            scores[a as usize]
+                .total_cmp(&scores[b as usize])
+                .then(b.cmp(&a))
+        }) {
+            assert!(
+                taken - lens[last as usize] < budget,
+                "taken {taken}, last block {last}, budget {budget}"
+            );
         }
         // Every unchosen block scores <= every chosen block (ties: unchosen has the higher index).
         for u in 0..nb as u32 {
@@ -292,7 +367,10 @@ fn top_k_ties_and_budget() {
             }
             for &c in &chosen {
                 let (su, sc) = (scores[u as usize], scores[c as usize]);
-                assert!(su < sc || (su == sc && u > c), "unchosen {u} beats chosen {c}");
+                assert!(
+                    su < sc || (su == sc && u > c),
+                    "unchosen {u} beats chosen {c}"
+                );
             }
         }
     }
