@@ -101,7 +101,7 @@ impl Default for CompressConfig {
             block_sizes: vec![16, 32, 64],
             variance_threshold: 0.25,
             sink_tokens: 4,
-            input_segment_len: 4096,
+            input_segment_len: 16_384,
             max_segment_len: 65_536,
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
