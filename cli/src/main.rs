@@ -1,1 +1,48 @@
-fn main() { eprintln!("mosaickv: not built yet"); std::process::exit(2); }
+//! `mosaickv`: the command-line tool (SPEC.md section 15 for its files).
+//!
+//! Each subcommand lives in its own module (`cmd_*.rs`) with an `Args`
+//! struct and a `run(args) -> Result<(), CliError>`; add a subcommand by
+//! adding a module and a variant of [`Command`].
+
+mod cachedir;
+mod cmd_attend;
+mod cmd_compress;
+mod cmd_inspect;
+mod error;
+mod npy;
+
+use clap::{Parser, Subcommand};
+use error::CliError;
+
+#[derive(Parser)]
+#[command(name = "mosaickv", version, about = "MosaicKV: 2-D KV-cache compression", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compress keys/values [tokens, kv_heads, head_dim] (.npy, f32 or f16) into a cache directory.
+    Compress(cmd_compress::Args),
+    /// Decode attention for queries [q_heads, head_dim] over a saved cache, with MosaicKV or a baseline.
+    Attend(cmd_attend::Args),
+    /// Print a saved cache's memory breakdown and per-segment strategies.
+    Inspect(cmd_inspect::Args),
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Compress(a) => cmd_compress::run(a),
+        Command::Attend(a) => cmd_attend::run(a),
+        Command::Inspect(a) => cmd_inspect::run(a),
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("mosaickv: error: {}", e.one_line());
+        std::process::exit(1);
+    }
+}

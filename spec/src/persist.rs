@@ -146,7 +146,9 @@ impl Buf {
 }
 
 fn small(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x).map_err(|_| MosaicError::InvalidConfig(format!("{what} {x} does not fit the format's u32 field")))
+    u32::try_from(x).map_err(|_| {
+        MosaicError::InvalidConfig(format!("{what} {x} does not fit the format's u32 field"))
+    })
 }
 
 fn section_crc(kind: u32, payload: &[u8]) -> u32 {
@@ -166,14 +168,17 @@ fn write_file(w: &mut impl Write, sections: &[(u32, Vec<u8>)]) -> Result<()> {
     let crc = crc32fast::hash(&head);
     head.extend_from_slice(&crc.to_le_bytes());
     head.extend_from_slice(&0u32.to_le_bytes());
-    w.write_all(&head).map_err(|e| io_err("writing the file header", e))?;
+    w.write_all(&head)
+        .map_err(|e| io_err("writing the file header", e))?;
     for (k, payload) in sections {
         let mut sh = Vec::with_capacity(SECTION_HEADER_BYTES);
         sh.extend_from_slice(&k.to_le_bytes());
         sh.extend_from_slice(&section_crc(*k, payload).to_le_bytes());
         sh.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        w.write_all(&sh).map_err(|e| io_err("writing a section header", e))?;
-        w.write_all(payload).map_err(|e| io_err("writing a section", e))?;
+        w.write_all(&sh)
+            .map_err(|e| io_err("writing a section header", e))?;
+        w.write_all(payload)
+            .map_err(|e| io_err("writing a section", e))?;
     }
     w.flush().map_err(|e| io_err("flushing", e))
 }
@@ -223,7 +228,8 @@ fn head_payload(seg: usize, head: usize, h: &HeadSegment) -> Result<Vec<u8>> {
 }
 
 fn json<T: Serialize>(x: &T) -> Result<Vec<u8>> {
-    serde_json::to_vec(x).map_err(|e| MosaicError::InvalidConfig(format!("manifest does not serialize: {e}")))
+    serde_json::to_vec(x)
+        .map_err(|e| MosaicError::InvalidConfig(format!("manifest does not serialize: {e}")))
 }
 
 /// Writes `cache` and its host rows in the format of SPEC.md section 15.
@@ -232,7 +238,12 @@ fn json<T: Serialize>(x: &T) -> Result<Vec<u8>> {
 /// of the open segment followed by the buffer; both empty, or exactly that
 /// many tokens. The cache is validated first (the same checks as
 /// [`read_cache`]), so a file this writes always loads.
-pub fn write_cache(w: &mut impl Write, cache: &CompressedCache, host_keys: &[f32], host_values: &[f32]) -> Result<()> {
+pub fn write_cache(
+    w: &mut impl Write,
+    cache: &CompressedCache,
+    host_keys: &[f32],
+    host_values: &[f32],
+) -> Result<()> {
     validate_structure(cache, host_keys, host_values)?;
     let manifest = Manifest {
         shape: cache.shape,
@@ -275,7 +286,13 @@ pub fn write_dense(w: &mut impl Write, shape: &KvShape, rows: &DenseRows) -> Res
         shape: *shape,
         role: DENSE_ROLE.to_string(),
     };
-    write_file(w, &[(kind::DENSE_MANIFEST, json(&manifest)?), (kind::DENSE_ROWS, dense_payload(rows))])
+    write_file(
+        w,
+        &[
+            (kind::DENSE_MANIFEST, json(&manifest)?),
+            (kind::DENSE_ROWS, dense_payload(rows)),
+        ],
+    )
 }
 
 // ---------------------------------------------------------------- reading
@@ -289,7 +306,11 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn new(bytes: &'a [u8], what: &'a str) -> Self {
-        Self { bytes, pos: 0, what }
+        Self {
+            bytes,
+            pos: 0,
+            what,
+        }
     }
     fn remaining(&self) -> usize {
         self.bytes.len() - self.pos
@@ -308,18 +329,25 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     /// A u64 count or length as usize.
     fn size(&mut self, field: &str) -> Result<usize> {
         let x = self.u64()?;
-        usize::try_from(x).map_err(|_| bad(format!("{}: {field} {x} does not fit in memory", self.what)))
+        usize::try_from(x)
+            .map_err(|_| bad(format!("{}: {field} {x} does not fit in memory", self.what)))
     }
     fn f64(&mut self) -> Result<f64> {
-        Ok(f64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(f64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     /// `n` elements of `size` bytes, checked against the remaining bytes before allocating.
     fn array(&mut self, n: usize, size: usize, field: &str) -> Result<&'a [u8]> {
@@ -337,11 +365,18 @@ impl<'a> Cursor<'a> {
     }
     fn f16s(&mut self, n: usize, field: &str) -> Result<Vec<f16>> {
         let raw = self.array(n, 2, field)?;
-        Ok(raw.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
+        Ok(raw
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect())
     }
     fn finish(&self) -> Result<()> {
         if self.remaining() != 0 {
-            return Err(bad(format!("{}: {} unexpected trailing bytes", self.what, self.remaining())));
+            return Err(bad(format!(
+                "{}: {} unexpected trailing bytes",
+                self.what,
+                self.remaining()
+            )));
         }
         Ok(())
     }
@@ -350,13 +385,17 @@ impl<'a> Cursor<'a> {
 /// Splits a file into verified `(kind, payload)` sections.
 fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
     if bytes.len() < 8 || bytes[..8] != MAGIC {
-        return Err(bad("not a MosaicKV file (the magic bytes `MOSAICKV` are missing)"));
+        return Err(bad(
+            "not a MosaicKV file (the magic bytes `MOSAICKV` are missing)",
+        ));
     }
     let mut c = Cursor::new(bytes, "file header");
     c.take(8)?;
     let version = c.u32()?;
     if version != FORMAT_VERSION {
-        return Err(bad(format!("unsupported format version {version} (this build reads version {FORMAT_VERSION})")));
+        return Err(bad(format!(
+            "unsupported format version {version} (this build reads version {FORMAT_VERSION})"
+        )));
     }
     let count = c.u32()?;
     let crc = c.u32()?;
@@ -377,13 +416,24 @@ fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
     }
     let mut out = Vec::with_capacity(count);
     for i in 0..count {
-        let k = c.u32().map_err(|_| bad(format!("truncated in the header of section {i}")))?;
-        let crc = c.u32().map_err(|_| bad(format!("truncated in the header of section {i}")))?;
-        let len = c.u64().map_err(|_| bad(format!("truncated in the header of section {i}")))?;
+        let k = c
+            .u32()
+            .map_err(|_| bad(format!("truncated in the header of section {i}")))?;
+        let crc = c
+            .u32()
+            .map_err(|_| bad(format!("truncated in the header of section {i}")))?;
+        let len = c
+            .u64()
+            .map_err(|_| bad(format!("truncated in the header of section {i}")))?;
         let len = usize::try_from(len)
             .ok()
             .filter(|&l| l <= c.remaining())
-            .ok_or_else(|| bad(format!("truncated: section {i} announces {len} bytes, {} remain", c.remaining())))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "truncated: section {i} announces {len} bytes, {} remain",
+                    c.remaining()
+                ))
+            })?;
         let payload = c.take(len)?;
         if section_crc(k, payload) != crc {
             return Err(bad(format!("checksum mismatch in section {i} (kind {k})")));
@@ -391,7 +441,10 @@ fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
         out.push((k, payload));
     }
     if c.remaining() != 0 {
-        return Err(bad(format!("{} trailing bytes after the last section", c.remaining())));
+        return Err(bad(format!(
+            "{} trailing bytes after the last section",
+            c.remaining()
+        )));
     }
     Ok(out)
 }
@@ -399,7 +452,9 @@ fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
 fn expect_kind(sections: &[(u32, &[u8])], i: usize, want: u32, name: &str) -> Result<()> {
     match sections.get(i) {
         None => Err(bad(format!("missing {name} section (section {i})"))),
-        Some((k, _)) if *k != want => Err(bad(format!("section {i} is kind {k}, expected {name} (kind {want})"))),
+        Some((k, _)) if *k != want => Err(bad(format!(
+            "section {i} is kind {k}, expected {name} (kind {want})"
+        ))),
         Some(_) => Ok(()),
     }
 }
@@ -418,7 +473,11 @@ fn parse_dense(payload: &[u8], shape: &KvShape, what: &str) -> Result<DenseRows>
     let keys = c.f16s(n, "keys")?;
     let values = c.f16s(n, "values")?;
     c.finish()?;
-    Ok(DenseRows { tokens, keys, values })
+    Ok(DenseRows {
+        tokens,
+        keys,
+        values,
+    })
 }
 
 fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
@@ -429,15 +488,22 @@ fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
     let tag = c.u32()?;
     let dtype = u8::try_from(tag)
         .map_err(|_| bad(format!("unknown value dtype tag {tag}")))
-        .and_then(|t| ValueDtype::from_tag(t).map_err(|_| bad(format!("unknown value dtype tag {tag}"))))?;
+        .and_then(|t| {
+            ValueDtype::from_tag(t).map_err(|_| bad(format!("unknown value dtype tag {tag}")))
+        })?;
     if c.u32()? != 0 {
         return Err(bad(format!("{}: reserved field is not zero", c.what)));
     }
     let fit_loss = c.f64()?;
     if head_dim != shape.head_dim {
-        return Err(bad(format!("{}: head_dim {head_dim}, the manifest says {}", c.what, shape.head_dim)));
+        return Err(bad(format!(
+            "{}: head_dim {head_dim}, the manifest says {}",
+            c.what, shape.head_dim
+        )));
     }
-    let n = head_dim.checked_mul(head_dim).ok_or_else(|| bad("rotation size overflows"))?;
+    let n = head_dim
+        .checked_mul(head_dim)
+        .ok_or_else(|| bad("rotation size overflows"))?;
     let rotation = c.f32s(n, "rotation")?;
     Ok(SideStrategy {
         layout: RecordLayout {
@@ -457,7 +523,9 @@ fn parse_head(payload: &[u8], shape: &KvShape, seg: usize, head: usize) -> Resul
     let mut c = Cursor::new(payload, &what);
     let (s, h) = (c.u32()? as usize, c.u32()? as usize);
     if (s, h) != (seg, head) {
-        return Err(bad(format!("{what}: section is labelled segment {s} head {h}")));
+        return Err(bad(format!(
+            "{what}: section is labelled segment {s} head {h}"
+        )));
     }
     let block_size = c.size("block_size")?;
     let key = parse_side(&mut c, shape)?;
@@ -510,11 +578,14 @@ fn as_format_error(e: MosaicError) -> MosaicError {
 pub fn read_cache(bytes: &[u8]) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)> {
     let sections = read_sections(bytes)?;
     if let Some((kind::DENSE_MANIFEST, _)) = sections.first() {
-        return Err(bad("this is a dense baseline file (dense.mkv), not a compressed cache"));
+        return Err(bad(
+            "this is a dense baseline file (dense.mkv), not a compressed cache",
+        ));
     }
     expect_kind(&sections, 0, kind::MANIFEST, "manifest")?;
     let m: Manifest = parse_json(sections[0].1, "manifest")?;
-    let shape = KvShape::new(m.shape.kv_heads, m.shape.q_heads, m.shape.head_dim).map_err(as_format_error)?;
+    let shape = KvShape::new(m.shape.kv_heads, m.shape.q_heads, m.shape.head_dim)
+        .map_err(as_format_error)?;
     if shape != m.shape {
         return Err(bad("manifest shape does not validate"));
     }
@@ -578,13 +649,19 @@ pub fn read_cache(bytes: &[u8]) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)>
 pub fn read_dense(bytes: &[u8]) -> Result<(KvShape, DenseRows)> {
     let sections = read_sections(bytes)?;
     if let Some((kind::MANIFEST, _)) = sections.first() {
-        return Err(bad("this is a compressed cache (cache.mkv), not a dense baseline file"));
+        return Err(bad(
+            "this is a compressed cache (cache.mkv), not a dense baseline file",
+        ));
     }
     expect_kind(&sections, 0, kind::DENSE_MANIFEST, "dense manifest")?;
     let m: DenseManifest = parse_json(sections[0].1, "dense manifest")?;
-    let shape = KvShape::new(m.shape.kv_heads, m.shape.q_heads, m.shape.head_dim).map_err(as_format_error)?;
+    let shape = KvShape::new(m.shape.kv_heads, m.shape.q_heads, m.shape.head_dim)
+        .map_err(as_format_error)?;
     if sections.len() != 2 {
-        return Err(bad(format!("dense file has {} sections, expected 2", sections.len())));
+        return Err(bad(format!(
+            "dense file has {} sections, expected 2",
+            sections.len()
+        )));
     }
     expect_kind(&sections, 1, kind::DENSE_ROWS, "dense rows")?;
     let rows = parse_dense(sections[1].1, &shape, "dense rows")?;
@@ -594,7 +671,10 @@ pub fn read_dense(bytes: &[u8]) -> Result<(KvShape, DenseRows)> {
 // ---------------------------------------------------------------- structure
 
 fn validate_dense(shape: &KvShape, rows: &DenseRows, what: &'static str) -> Result<()> {
-    let n = rows.tokens.checked_mul(shape.kv_heads).and_then(|x| x.checked_mul(shape.head_dim));
+    let n = rows
+        .tokens
+        .checked_mul(shape.kv_heads)
+        .and_then(|x| x.checked_mul(shape.head_dim));
     if n.is_none() || rows.keys.len() != n.unwrap_or(0) || rows.values.len() != n.unwrap_or(0) {
         let n = n.map_or("too many".to_string(), |n| n.to_string());
         return Err(MosaicError::ShapeMismatch {
@@ -606,7 +686,11 @@ fn validate_dense(shape: &KvShape, rows: &DenseRows, what: &'static str) -> Resu
     Ok(())
 }
 
-fn shape_err(what: &'static str, expected: impl std::fmt::Display, got: impl std::fmt::Display) -> MosaicError {
+fn shape_err(
+    what: &'static str,
+    expected: impl std::fmt::Display,
+    got: impl std::fmt::Display,
+) -> MosaicError {
     MosaicError::ShapeMismatch {
         what,
         expected: expected.to_string(),
@@ -614,13 +698,26 @@ fn shape_err(what: &'static str, expected: impl std::fmt::Display, got: impl std
     }
 }
 
-fn validate_side(shape: &KvShape, s: &SideStrategy, rows: &PackedRows, tokens: usize, what: &'static str) -> Result<()> {
+fn validate_side(
+    shape: &KvShape,
+    s: &SideStrategy,
+    rows: &PackedRows,
+    tokens: usize,
+    what: &'static str,
+) -> Result<()> {
     s.validate()?;
     if s.layout.head_dim != shape.head_dim {
-        return Err(shape_err(what, format!("head_dim {}", shape.head_dim), s.layout.head_dim));
+        return Err(shape_err(
+            what,
+            format!("head_dim {}", shape.head_dim),
+            s.layout.head_dim,
+        ));
     }
     if !(s.fit_loss.is_finite() && s.fit_loss >= 0.0) {
-        return Err(MosaicError::InvalidConfig(format!("{what}: fit_loss {} is not a finite value >= 0", s.fit_loss)));
+        return Err(MosaicError::InvalidConfig(format!(
+            "{what}: fit_loss {} is not a finite value >= 0",
+            s.fit_loss
+        )));
     }
     if rows.count != tokens {
         return Err(shape_err(what, format!("{tokens} records"), rows.count));
@@ -641,7 +738,11 @@ fn validate_side(shape: &KvShape, s: &SideStrategy, rows: &PackedRows, tokens: u
 /// boundaries and states, each head's layouts, packed records (SPEC.md
 /// section 6) and block metadata (section 7), and the host rows' token count
 /// (SPEC.md section 15.4). Called by [`write_cache`] and [`read_cache`].
-pub fn validate_structure(cache: &CompressedCache, host_keys: &[f32], host_values: &[f32]) -> Result<()> {
+pub fn validate_structure(
+    cache: &CompressedCache,
+    host_keys: &[f32],
+    host_values: &[f32],
+) -> Result<()> {
     let shape = &cache.shape;
     KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
     let cfg = &cache.config;
@@ -649,26 +750,45 @@ pub fn validate_structure(cache: &CompressedCache, host_keys: &[f32], host_value
     validate_dense(shape, &cache.sink, "sink rows")?;
     validate_dense(shape, &cache.buffer, "buffer rows")?;
     if cache.sink.tokens > cfg.sink_tokens {
-        return Err(shape_err("sink rows", format!("at most {} tokens", cfg.sink_tokens), cache.sink.tokens));
-    }
-    if cache.sink.tokens < cfg.sink_tokens && (!cache.segments.is_empty() || cache.buffer.tokens > 0) {
         return Err(shape_err(
             "sink rows",
-            format!("{} tokens before any segment or buffer token", cfg.sink_tokens),
+            format!("at most {} tokens", cfg.sink_tokens),
             cache.sink.tokens,
         ));
     }
-    if cache.buffer.tokens > cfg.buffer_capacity {
-        return Err(shape_err("buffer rows", format!("at most {} tokens", cfg.buffer_capacity), cache.buffer.tokens));
+    if cache.sink.tokens < cfg.sink_tokens
+        && (!cache.segments.is_empty() || cache.buffer.tokens > 0)
+    {
+        return Err(shape_err(
+            "sink rows",
+            format!(
+                "{} tokens before any segment or buffer token",
+                cfg.sink_tokens
+            ),
+            cache.sink.tokens,
+        ));
+    }
+    if cache.buffer.tokens >= cfg.buffer_capacity {
+        return Err(shape_err(
+            "buffer rows",
+            format!("fewer than {} tokens", cfg.buffer_capacity),
+            cache.buffer.tokens,
+        ));
     }
     let mut next = cache.sink.tokens;
     let last = cache.segments.len().saturating_sub(1);
     for (si, seg) in cache.segments.iter().enumerate() {
         if seg.start != next || seg.len == 0 {
-            return Err(shape_err("segment", format!("segment {si} starting at token {next}, non-empty"), format!("start {}, len {}", seg.start, seg.len)));
+            return Err(shape_err(
+                "segment",
+                format!("segment {si} starting at token {next}, non-empty"),
+                format!("start {}, len {}", seg.start, seg.len),
+            ));
         }
         if seg.state == SegmentState::Open && si != last {
-            return Err(MosaicError::InvalidConfig(format!("segment {si} is open but is not the last segment")));
+            return Err(MosaicError::InvalidConfig(format!(
+                "segment {si} is open but is not the last segment"
+            )));
         }
         if seg.heads.len() != shape.kv_heads {
             return Err(shape_err("segment heads", shape.kv_heads, seg.heads.len()));
@@ -678,16 +798,30 @@ pub fn validate_structure(cache: &CompressedCache, host_keys: &[f32], host_value
             validate_side(shape, &st.key, &h.keys, seg.len, "packed keys")?;
             validate_side(shape, &st.value, &h.values, seg.len, "packed values")?;
             let m = &h.meta;
-            if st.block_size == 0 || m.block_size != st.block_size || m.kept_dims != st.key.layout.kept_dims || m.tokens != seg.len {
+            if st.block_size == 0
+                || m.block_size != st.block_size
+                || m.kept_dims != st.key.layout.kept_dims
+                || m.tokens != seg.len
+            {
                 return Err(shape_err(
                     "block metadata",
-                    format!("block size {}, {} dims, {} tokens", st.block_size, st.key.layout.kept_dims, seg.len),
-                    format!("block size {}, {} dims, {} tokens", m.block_size, m.kept_dims, m.tokens),
+                    format!(
+                        "block size {}, {} dims, {} tokens",
+                        st.block_size, st.key.layout.kept_dims, seg.len
+                    ),
+                    format!(
+                        "block size {}, {} dims, {} tokens",
+                        m.block_size, m.kept_dims, m.tokens
+                    ),
                 ));
             }
             let n = m.blocks() * m.kept_dims;
             if m.min.len() != n || m.max.len() != n {
-                return Err(shape_err("block metadata", format!("{n} min and max values"), format!("{} min, {} max", m.min.len(), m.max.len())));
+                return Err(shape_err(
+                    "block metadata",
+                    format!("{n} min and max values"),
+                    format!("{} min, {} max", m.min.len(), m.max.len()),
+                ));
             }
         }
         next += seg.len;
@@ -697,11 +831,16 @@ pub fn validate_structure(cache: &CompressedCache, host_keys: &[f32], host_value
         _ => 0,
     };
     let row = shape.kv_heads * shape.head_dim;
-    let expected = (open + cache.buffer.tokens).checked_mul(row).unwrap_or(usize::MAX);
-    if host_keys.len() != host_values.len() || !(host_keys.is_empty() || host_keys.len() == expected) {
+    let expected = (open + cache.buffer.tokens).saturating_mul(row);
+    if host_keys.len() != host_values.len()
+        || !(host_keys.is_empty() || host_keys.len() == expected)
+    {
         return Err(shape_err(
             "host rows",
-            format!("none, or {} open-segment + buffer tokens ({expected} keys and values)", open + cache.buffer.tokens),
+            format!(
+                "none, or {} open-segment + buffer tokens ({expected} keys and values)",
+                open + cache.buffer.tokens
+            ),
             format!("{} keys, {} values", host_keys.len(), host_values.len()),
         ));
     }
@@ -711,7 +850,12 @@ pub fn validate_structure(cache: &CompressedCache, host_keys: &[f32], host_value
 // ---------------------------------------------------------------- paths
 
 /// Writes a cache file at `path` (see [`write_cache`]); I/O errors name the path.
-pub fn save_cache(path: &Path, cache: &CompressedCache, host_keys: &[f32], host_values: &[f32]) -> Result<()> {
+pub fn save_cache(
+    path: &Path,
+    cache: &CompressedCache,
+    host_keys: &[f32],
+    host_values: &[f32],
+) -> Result<()> {
     let mut buf = Vec::new();
     write_cache(&mut buf, cache, host_keys, host_values)?;
     std::fs::write(path, buf).map_err(|e| io_err(&path.display().to_string(), e))
@@ -739,7 +883,9 @@ pub fn load_dense(path: &Path) -> Result<(KvShape, DenseRows)> {
 fn with_path(path: &Path, e: MosaicError) -> MosaicError {
     match e {
         MosaicError::BadFormat(m) => MosaicError::BadFormat(format!("{}: {m}", path.display())),
-        MosaicError::CorruptPacked(m) => MosaicError::CorruptPacked(format!("{}: {m}", path.display())),
+        MosaicError::CorruptPacked(m) => {
+            MosaicError::CorruptPacked(format!("{}: {m}", path.display()))
+        }
         other => other,
     }
 }

@@ -3,7 +3,9 @@
 
 use mosaickv_spec::cache::{CompressedCache, DenseRows, HeadSegment, Segment, SegmentState};
 use mosaickv_spec::config::{ChannelPolicy, CompressConfig, KvShape};
-use mosaickv_spec::layout::{BlockMeta, PackedRows, RecordLayout, SideStrategy, Strategy, ValueDtype};
+use mosaickv_spec::layout::{
+    BlockMeta, PackedRows, RecordLayout, SideStrategy, Strategy, ValueDtype,
+};
 use mosaickv_spec::persist::{read_cache, read_dense, write_cache, write_dense, FORMAT_VERSION};
 use mosaickv_spec::{f16, MosaicError};
 
@@ -90,7 +92,11 @@ fn head(rng: &mut Rng, tokens: usize, block_size: usize) -> HeadSegment {
         max: (0..n).map(|_| f16::from_f32(rng.f32().abs())).collect(),
     };
     HeadSegment {
-        strategy: Strategy { key, value, block_size },
+        strategy: Strategy {
+            key,
+            value,
+            block_size,
+        },
         keys,
         values,
         meta,
@@ -151,12 +157,21 @@ fn round_trip_is_exact() {
     let bytes = save(&cache, &hk, &hv);
     let (c2, hk2, hv2) = read_cache(&bytes).expect("read");
     assert_eq!(c2, cache);
-    assert_eq!(hk2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), hk.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
-    assert_eq!(hv2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), hv.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert_eq!(
+        hk2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        hk.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        hv2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        hv.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
     // Bit-exact: writing what was read gives the same bytes.
     assert_eq!(save(&c2, &hk2, &hv2), bytes);
     assert_eq!(&bytes[..8], b"MOSAICKV");
-    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), FORMAT_VERSION);
+    assert_eq!(
+        u32::from_le_bytes(bytes[8..12].try_into().unwrap()),
+        FORMAT_VERSION
+    );
 }
 
 #[test]
@@ -177,8 +192,23 @@ fn write_refuses_inconsistent_caches() {
     let (cache, hk, hv) = sample();
     // Host rows for the wrong number of tokens.
     let mut out = Vec::new();
-    let e = write_cache(&mut out, &cache, &hk[..hk.len() - KV * D], &hv[..hv.len() - KV * D]).unwrap_err();
-    assert!(matches!(e, MosaicError::ShapeMismatch { what: "host rows", .. }), "{e}");
+    let e = write_cache(
+        &mut out,
+        &cache,
+        &hk[..hk.len() - KV * D],
+        &hv[..hv.len() - KV * D],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            MosaicError::ShapeMismatch {
+                what: "host rows",
+                ..
+            }
+        ),
+        "{e}"
+    );
     // An open segment that is not the last one.
     let mut c = cache.clone();
     c.segments[0].state = SegmentState::Open;
@@ -231,7 +261,10 @@ fn random_byte_flips_are_bad_format() {
         match read_cache(&b) {
             Err(e) => assert!(is_format_error(&e), "flip at {pos}: {e}"),
             Ok((c, k, v)) => {
-                assert!(c == cache && k == hk && v == hv, "flip at {pos} loaded different content");
+                assert!(
+                    c == cache && k == hk && v == hv,
+                    "flip at {pos} loaded different content"
+                );
                 panic!("flip at {pos} went unnoticed");
             }
         }
@@ -298,7 +331,10 @@ fn other_version_is_named() {
     b[8..12].copy_from_slice(&2u32.to_le_bytes());
     resign(&mut b);
     let e = read_cache(&b).unwrap_err();
-    assert!(matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 2")), "{e}");
+    assert!(
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 2")),
+        "{e}"
+    );
     let e = read_cache(b"NOTMOSAIC and more bytes").unwrap_err();
     assert!(e.to_string().contains("magic"), "{e}");
 }
@@ -308,8 +344,14 @@ fn resigned_bad_bitmap_is_corrupt_packed() {
     let (cache, hk, hv) = sample();
     let clean = save(&cache, &hk, &hv);
     // Find the first key record of segment 0 head 0 by its bytes.
-    let rec = cache.segments[0].heads[0].keys.record(&cache.segments[0].heads[0].strategy.key.layout, 0).to_vec();
-    let pos = clean.windows(rec.len()).position(|w| w == rec.as_slice()).unwrap();
+    let rec = cache.segments[0].heads[0]
+        .keys
+        .record(&cache.segments[0].heads[0].strategy.key.layout, 0)
+        .to_vec();
+    let pos = clean
+        .windows(rec.len())
+        .position(|w| w == rec.as_slice())
+        .unwrap();
     let mut b = clean.clone();
     b[pos] = 0xff; // popcount 8, r/g = 2
     resign(&mut b);

@@ -1,0 +1,44 @@
+//! The CLI's error: a library error or a problem with an input file.
+
+use mosaickv_spec::MosaicError;
+use std::fmt;
+use std::path::Path;
+
+/// Everything a subcommand can fail with; printed as one line by `main`.
+#[derive(Debug)]
+pub enum CliError {
+    /// A MosaicKV error (bad input values, bad configuration, bad cache file, ...).
+    Mosaic(MosaicError),
+    /// An input file that is not what the command needs (dtype, ndim, .npy syntax).
+    Input(String),
+}
+
+impl CliError {
+    /// The message on one line (newlines folded to spaces).
+    pub fn one_line(&self) -> String {
+        self.to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CliError::Mosaic(e) => write!(f, "{e}"),
+            CliError::Input(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl From<MosaicError> for CliError {
+    fn from(e: MosaicError) -> Self {
+        CliError::Mosaic(e)
+    }
+}
+
+/// An I/O error on `path` as a `MosaicError::Io`.
+pub fn io(path: &Path, e: std::io::Error) -> CliError {
+    CliError::Mosaic(MosaicError::Io(format!("{}: {e}", path.display())))
+}
