@@ -195,8 +195,8 @@ pub fn fit_side(
 }
 
 /// SPEC.md section 11.3: `V(b) = mean over blocks of sum_{j<Dt}
-/// var_block(k^_j) / mean_t ||k^_t||^2` for decoded keys `[n, Dt]`
-/// (population variance, f64; 0/0 counts as 0).
+/// var_block(k^_j) / sum_{j<Dt} var_segment(k^_j)` for decoded keys
+/// `[n, Dt]` (population variances, f64; 0/0 counts as 0).
 pub fn block_variance(decoded: ArrayView2<f32>, block_size: usize) -> f64 {
     let (n, dt) = (decoded.nrows(), decoded.ncols());
     if n == 0 {
@@ -223,18 +223,26 @@ pub fn block_variance(decoded: ArrayView2<f32>, block_size: usize) -> f64 {
         }
     }
     let mean_var = sum_var / blocks as f64;
-    let mut sum_norm = 0.0;
-    for t in 0..n {
-        for j in 0..dt {
-            let v = f64::from(decoded[[t, j]]);
-            sum_norm += v * v;
+    // Denominator: the whole segment's variance, sum over dims of the
+    // population variance of k^_j over all n tokens.
+    let mut total_var = 0.0;
+    for j in 0..dt {
+        let mut mean = 0.0;
+        for t in 0..n {
+            mean += f64::from(decoded[[t, j]]);
         }
+        mean /= n as f64;
+        let mut var = 0.0;
+        for t in 0..n {
+            let dev = f64::from(decoded[[t, j]]) - mean;
+            var += dev * dev;
+        }
+        total_var += var / n as f64;
     }
-    let mean_norm = sum_norm / n as f64;
-    if mean_norm == 0.0 {
+    if total_var == 0.0 {
         0.0
     } else {
-        mean_var / mean_norm
+        mean_var / total_var
     }
 }
 

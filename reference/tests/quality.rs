@@ -112,14 +112,15 @@ fn channel_compression_beats_naive_2d_at_equal_bytes_d128() {
     compare(128, 1.0, 0.7);
 }
 
-// Default token rate 0.10: token selection dominates both errors on this data
-// (recall@32 well below 1 for both), so only "no worse" is asserted.
+// Default configuration (token rate 0.10, loss-threshold channels, variance
+// rule for b). Measured 2026-11-29: D=64 mosaic 0.35 vs naive 0.62 (0.56x);
+// D=128 mosaic 0.15 vs naive 0.55 (0.26x). Asserted: below 0.7x naive.
 #[test]
-fn default_mosaic_no_worse_than_naive_2d_d64() {
-    compare(64, 0.10, 1.0);
+fn default_mosaic_beats_naive_2d_d64() {
+    compare(64, 0.10, 0.7);
 }
 
 #[test]
-fn default_mosaic_no_worse_than_naive_2d_d128() {
-    compare(128, 0.10, 1.0);
+fn default_mosaic_beats_naive_2d_d128() {
+    compare(128, 0.10, 0.7);
 }
