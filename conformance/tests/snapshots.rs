@@ -1,0 +1,43 @@
+//! insta snapshots of the reference's packed bytes and small outputs for fixed
+//! seeds. CI never updates them (`INSTA_UPDATE=no` in .ci/run): a change here is
+//! a format or semantics change and must be reviewed as one.
+
+use mosaickv_conformance::{queries, structured_rows};
+use mosaickv_reference::{MosaicCache, ReferenceBackend};
+use mosaickv_spec::{Backend, CompressConfig, KvCache, KvShape, Side};
+use ndarray::Array2;
+
+fn hex(bytes: &[u8], record: usize) -> String {
+    bytes
+        .chunks(record)
+        .map(|r| r.iter().map(|b| format!("{b:02x}")).collect::<String>())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn packed_records_fixed_seed() {
+    let mut out = String::new();
+    for (d, cfg) in [(32usize, CompressConfig::default()), (80, CompressConfig::paper_fixed())] {
+        let rows = structured_rows(6, d, 42);
+        let side = ReferenceBackend.fit_side(rows.view(), Side::Key, &cfg).unwrap();
+        let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
+        out += &format!("D={d} layout={:?}\n{}\n", side.layout, hex(&packed.bytes, side.layout.record_bytes()));
+    }
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn small_attention_output_fixed_seed() {
+    let shape = KvShape::new(2, 4, 32).unwrap();
+    let mut cfg = CompressConfig::default();
+    cfg.input_segment_len = 40;
+    let mut cache = MosaicCache::new(shape, cfg).unwrap();
+    let (k, v) = mosaickv_conformance::structured_kv(100, 2, 32, 9);
+    cache.prefill(k.view(), v.view()).unwrap();
+    let q = queries(4, 32, 9);
+    let mut o = Array2::<f32>::zeros((4, 32));
+    cache.attend(q.view(), o.view_mut()).unwrap();
+    let text: Vec<String> = o.rows().into_iter().map(|r| r.iter().map(|x| format!("{x:.5}")).collect::<Vec<_>>().join(" ")).collect();
+    insta::assert_snapshot!(text.join("\n"));
+}
