@@ -6,6 +6,8 @@
 //! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
+//!
+//! Set `MOSAICKV_PROFILE=1` to print prefill timings (total and attention) to stderr.
 
 mod fetch;
 mod kv;
@@ -62,3 +64,15 @@ pub enum EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn model_is_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<crate::Model>();
+        assert_send_sync::<crate::Prefill>();
+        fn assert_send<T: Send>() {}
+        assert_send::<Box<dyn crate::LayerKv>>();
+    }
+}
