@@ -57,33 +57,84 @@ pub fn with_tiles<R>(dp: usize, g: usize, f: impl FnOnce(&mut [f32], &mut [f32],
 /// probabilities relative to the new running max; `st` is rescaled; values accumulated.
 #[inline]
 pub fn online_update(path: Path, st: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize, vtile: &[f32]) {
-    let (ml, acc) = st.split_at_mut(2 * g);
+    let (m, rest) = st.split_at_mut(g);
+    let (l, acc) = rest.split_at_mut(g);
+    online_softmax(m, l, acc, g, dp, logits, n);
+    path.tile_accumulate(logits, g, dp, vtile, n, acc);
+}
+
+/// The softmax half of [`online_update`] for `g` heads with running max `m`, sum `l`,
+/// accumulators `acc` (`[g][dp]`): logits become probabilities, the state is rescaled.
+#[inline]
+pub fn online_softmax(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2_available() {
+        assert!(m.len() >= g && l.len() >= g && acc.len() >= g * dp && logits.len() >= g * TILE && n <= TILE);
+        // SAFETY: avx2/fma/f16c detected; logits hold g * TILE floats (asserted), other accesses are checked.
+        unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n) };
+        return;
+    }
+    online_softmax_body(m, l, acc, g, dp, logits, n)
+}
+
+/// Written over fixed 16-wide arrays so the compiler vectorizes the max, the exps and the sum.
+#[inline(always)]
+fn online_softmax_body(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
     for h in 0..g {
-        let lg = &mut logits[h * TILE..h * TILE + n];
-        let mt = lg.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let m_old = ml[h];
+        let lg: &mut [f32; TILE] = (&mut logits[h * TILE..(h + 1) * TILE]).try_into().expect("TILE logits");
+        for x in lg[n..].iter_mut() {
+            *x = f32::NEG_INFINITY;
+        }
+        let mut mx = [f32::NEG_INFINITY; 8];
+        for i in 0..TILE {
+            mx[i % 8] = if lg[i] > mx[i % 8] { lg[i] } else { mx[i % 8] };
+        }
+        let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let m_old = m[h];
         let m_new = m_old.max(mt);
         let corr = if m_old == f32::NEG_INFINITY { 0.0 } else { fast_exp(m_old - m_new) };
-        let mut sum = 0f32;
-        for x in lg.iter_mut() {
-            *x = fast_exp(*x - m_new);
-            sum += *x;
+        let mut sums = [0f32; 8];
+        for i in 0..TILE {
+            let p = if lg[i] == f32::NEG_INFINITY { 0.0 } else { fast_exp(lg[i] - m_new) };
+            lg[i] = p;
+            sums[i % 8] += p;
         }
-        ml[g + h] = ml[g + h] * corr + sum;
+        let sum: f32 = sums.iter().sum();
+        l[h] = l[h] * corr + sum;
         if corr != 1.0 {
             for a in &mut acc[h * dp..(h + 1) * dp] {
                 *a *= corr;
             }
         }
-        ml[h] = m_new;
+        m[h] = m_new;
     }
-    path.tile_accumulate(logits, g, dp, vtile, n, acc);
 }
 
 /// Attends dense f16 rows `t0..t1` (row t's key at `keys[t * stride ..][..d]`) into partial `st`.
 /// `q` is `[g][dp]` (zero-padded past d).
 #[allow(clippy::too_many_arguments)]
 pub fn dense_rows_update(path: Path, q: &[f32], g: usize, d: usize, dp: usize, keys: &[f16], values: &[f16], stride: usize, t0: usize, t1: usize, scale: f32, st: &mut [f32]) {
+    if path.fused_f16(d) {
+        // f16 rows read directly by the kernels; heads in groups of up to 8.
+        let mut lg = [0f32; 8 * TILE];
+        let (m, rest) = st.split_at_mut(g);
+        let (l, acc) = rest.split_at_mut(g);
+        let mut h0 = 0;
+        while h0 < g {
+            let gn = (g - h0).min(8);
+            let (mg, lgs, ag) = (&mut m[h0..h0 + gn], &mut l[h0..h0 + gn], &mut acc[h0 * dp..(h0 + gn) * dp]);
+            let mut t = t0;
+            while t < t1 {
+                let n = (t1 - t).min(TILE);
+                path.tile_logits_f16(&q[h0 * dp..], gn, dp, &keys[t * stride..], stride, n, scale, &mut lg);
+                online_softmax(mg, lgs, ag, gn, dp, &mut lg, n);
+                path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
+                t += n;
+            }
+            h0 += gn;
+        }
+        return;
+    }
     with_tiles(dp, g, |kt, vt, lg| {
         if d != dp {
             kt[..TILE * dp].fill(0.0);

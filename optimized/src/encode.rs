@@ -13,6 +13,37 @@ use rayon::prelude::*;
 /// Rows per rayon task when encoding.
 const ROWS_PER_TASK: usize = 256;
 
+/// f64 -> f16 rounded once, to nearest, ties to even (SPEC 5 step 1). `half::f16::from_f64`
+/// goes through f32 on F16C machines (two roundings), so this is done on the bits.
+/// Zeros keep their sign, |x| >= 65520 gives +-Inf, NaN stays NaN.
+#[inline]
+pub fn f16_from_f64(x: f64) -> f16 {
+    let b = x.to_bits();
+    let sign = ((b >> 48) & 0x8000) as u16;
+    let a = b & 0x7fff_ffff_ffff_ffff;
+    if a >= 0x7ff0_0000_0000_0000 {
+        return f16::from_f64(x); // Inf / NaN: no rounding involved
+    }
+    if f64::from_bits(a) >= 65520.0 {
+        return f16::from_bits(sign | 0x7c00);
+    }
+    let e = (a >> 52) as i32 - 1023;
+    if e >= -14 {
+        let mant = a & ((1u64 << 52) - 1);
+        let mut h = (((e + 15) as u64) << 10) | (mant >> 42);
+        let rem = mant & ((1u64 << 42) - 1);
+        let half = 1u64 << 41;
+        if rem > half || (rem == half && h & 1 == 1) {
+            h += 1; // a carry into the exponent is the correct next binade
+        }
+        f16::from_bits(sign | h as u16)
+    } else {
+        // Subnormal f16 range: multiples of 2^-24 (the scaling is exact).
+        let m = (f64::from_bits(a) * 16_777_216.0).round_ties_even();
+        f16::from_bits(sign | m as u16)
+    }
+}
+
 /// SPEC 3 step 1: `C = sum_i x_i x_i^T` in f64, ascending i, `d x d` row-major.
 pub fn covariance(rows: &[f32], d: usize) -> Vec<f64> {
     let mut c = vec![0f64; d * d];
@@ -161,7 +192,7 @@ fn pack_record(x: &[f64], layout: &RecordLayout, out: &mut [u8], y: &mut [f16], 
     let dt = layout.kept_dims;
     let g = layout.group_size;
     for j in 0..dt {
-        y[j] = f16::from_f64(x[j]);
+        y[j] = f16_from_f64(x[j]);
     }
     select_groups(&y[..dt], g, layout.kept_groups(), imp, order, keep);
     out.fill(0);
@@ -250,7 +281,7 @@ pub fn loss_rotated(rot_rows: &[f64], d: usize, layout: &RecordLayout) -> f64 {
             let (mut num, mut den) = (0f64, 0f64);
             for row in x.chunks_exact(d) {
                 for j in 0..dt {
-                    b.y[j] = f16::from_f64(row[j]);
+                    b.y[j] = f16_from_f64(row[j]);
                 }
                 select_groups(&b.y[..dt], g, layout.kept_groups(), &mut b.imp, &mut b.order, &mut b.keep);
                 for (j, &v) in row.iter().enumerate() {
@@ -417,8 +448,9 @@ pub fn block_meta_dense(keys: &[f32], dt: usize, block_size: usize) -> BlockMeta
                 lo = lo.min(row[j]);
                 hi = hi.max(row[j]);
             }
-            min[b * dt + j] = f16::from_f32(lo);
-            max[b * dt + j] = f16::from_f32(hi);
+            // A zero bound is stored as +0 (SPEC 7), whatever the sign of the zeros it came from.
+            min[b * dt + j] = f16::from_f32(if lo == 0.0 { 0.0 } else { lo });
+            max[b * dt + j] = f16::from_f32(if hi == 0.0 { 0.0 } else { hi });
         }
     }
     BlockMeta {
@@ -430,32 +462,39 @@ pub fn block_meta_dense(keys: &[f32], dt: usize, block_size: usize) -> BlockMeta
     }
 }
 
-/// SPEC 11.3: the block size from dense decoded keys `[n][dt]`.
+/// SPEC 11.3: the block size from dense decoded keys `[n][dt]`:
+/// `V(b) = (mean over blocks of sum_j var_block(k_j)) / sum_j var_segment(k_j)` (population, f64).
 pub fn block_size_dense(keys: &[f32], dt: usize, config: &CompressConfig) -> usize {
     let sizes = &config.block_sizes;
     if sizes.len() == 1 {
         return sizes[0];
     }
     let n = keys.len() / dt.max(1);
-    let mean_norm = if n == 0 {
-        0.0
-    } else {
-        keys.chunks_exact(dt).map(|r| r.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum::<f64>() / n as f64
+    // Sum over dims of the population variance of `rows` (`[m][dt]`).
+    let var_sum = |rows: &[f32]| -> f64 {
+        let m = (rows.len() / dt) as f64;
+        let mut total = 0f64;
+        for j in 0..dt {
+            let mean = rows.chunks_exact(dt).map(|r| r[j] as f64).sum::<f64>() / m;
+            total += rows.chunks_exact(dt).map(|r| (r[j] as f64 - mean).powi(2)).sum::<f64>() / m;
+        }
+        total
     };
+    let den = if n == 0 { 0.0 } else { var_sum(keys) };
     let mut chosen = sizes[0];
     for &b in sizes {
         let blocks = n.div_ceil(b);
-        let mut total = 0f64;
-        for k in 0..blocks {
-            let rows = &keys[k * b * dt..((k + 1) * b).min(n) * dt];
-            let m = (rows.len() / dt) as f64;
-            for j in 0..dt {
-                let mean = rows.chunks_exact(dt).map(|r| r[j] as f64).sum::<f64>() / m;
-                total += rows.chunks_exact(dt).map(|r| (r[j] as f64 - mean).powi(2)).sum::<f64>() / m;
-            }
-        }
+        let total: f64 = (0..blocks).map(|k| var_sum(&keys[k * b * dt..((k + 1) * b).min(n) * dt])).sum();
         let num = if blocks == 0 { 0.0 } else { total / blocks as f64 };
-        let v = if mean_norm == 0.0 { 0.0 } else { num / mean_norm };
+        let v = if den == 0.0 {
+            if num == 0.0 {
+                0.0
+            } else {
+                f64::INFINITY
+            }
+        } else {
+            num / den
+        };
         if v <= config.variance_threshold {
             chosen = b;
         }

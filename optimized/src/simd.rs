@@ -126,6 +126,37 @@ impl Path {
         }
     }
 
+    /// Whether the fused f16-row tile kernels apply (AVX2 path, `d` a multiple of 8).
+    #[inline]
+    pub fn fused_f16(self, d: usize) -> bool {
+        self == Path::Avx2 && d % 8 == 0
+    }
+
+    /// [`Path::tile_logits`] reading f16 rows `rows[t * stride ..][..dp]` directly. Only when
+    /// [`Path::fused_f16`] holds.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn tile_logits_f16(self, q: &[f32], g: usize, dp: usize, rows: &[f16], stride: usize, n: usize, scale: f32, out: &mut [f32]) {
+        assert!(self.fused_f16(dp) && n <= TILE && (n == 0 || rows.len() >= (n - 1) * stride + dp) && q.len() >= g * dp && out.len() >= g * TILE);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: avx2/fma/f16c detected (fused_f16); every row read lies inside `rows` (asserted).
+        unsafe {
+            x86::tile_logits_f16(q, g, dp, rows.as_ptr(), stride, n, scale, out)
+        }
+    }
+
+    /// [`Path::tile_accumulate`] reading f16 rows directly. Only when [`Path::fused_f16`] holds.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn tile_accumulate_f16(self, p: &[f32], g: usize, dp: usize, rows: &[f16], stride: usize, n: usize, acc: &mut [f32]) {
+        assert!(self.fused_f16(dp) && n <= TILE && (n == 0 || rows.len() >= (n - 1) * stride + dp) && acc.len() >= g * dp && p.len() >= g * TILE);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in tile_logits_f16.
+        unsafe {
+            x86::tile_accumulate_f16(p, g, dp, rows.as_ptr(), stride, n, acc)
+        }
+    }
+
     /// `sum_i a_i b_i` (f32; FMA on the AVX2 path).
     #[inline]
     pub fn dot(self, a: &[f32], b: &[f32]) -> f32 {
@@ -277,18 +308,23 @@ fn portable_score_blocks(q: &[f32], g: usize, stride: usize, dt: usize, min: &[f
     }
 }
 
-/// Fast `exp` (Cephes-style polynomial, ~2 ulp), branch-free so loops over it vectorize.
+/// Fast `exp` (Cephes-style polynomial, ~2 ulp), branch- and cast-free so loops over it vectorize.
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
+    // Round to nearest integer: n is integral and |n| <= 127.
     let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
     let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
     let r2 = r * r;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
     let y = p * r2 + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    y * scale
+    // 2^n: n + 127 + 2^23 holds the integer n + 127 in its mantissa bits.
+    let e = ((n + (127.0 + 8_388_608.0)).to_bits() & 0x7f_ffff) << 23;
+    y * f32::from_bits(e)
 }
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::online_softmax as x86_online_softmax;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -404,52 +440,199 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn tile_logits(q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
-        let mut h0 = 0;
-        while h0 < g {
-            let hn = (g - h0).min(4);
-            for t in 0..n {
-                let row = rows.as_ptr().add(t * dp);
-                let mut acc = [_mm256_setzero_ps(); 4];
+    #[inline]
+    unsafe fn ld_f32(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+
+    macro_rules! tile_kernels {
+        ($logits:ident, $accum:ident, $logits_n:ident, $accum_n:ident, $t:ty, $load:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $logits_n<const N: usize>(q: *const f32, dp: usize, rows: *const $t, stride: usize, n: usize, scale: f32, out: *mut f32) {
+                // Two tokens per pass: 2N independent FMA chains hide the FMA latency.
+                let mut t = 0;
+                while t + 2 <= n {
+                    let (r0, r1) = (rows.add(t * stride), rows.add((t + 1) * stride));
+                    let mut a0 = [_mm256_setzero_ps(); N];
+                    let mut a1 = [_mm256_setzero_ps(); N];
+                    let mut c = 0;
+                    while c < dp {
+                        let k0 = $load(r0.add(c));
+                        let k1 = $load(r1.add(c));
+                        for h in 0..N {
+                            let qv = _mm256_loadu_ps(q.add(h * dp + c));
+                            a0[h] = _mm256_fmadd_ps(qv, k0, a0[h]);
+                            a1[h] = _mm256_fmadd_ps(qv, k1, a1[h]);
+                        }
+                        c += 8;
+                    }
+                    for h in 0..N {
+                        *out.add(h * TILE + t) = scale * hsum(a0[h]);
+                        *out.add(h * TILE + t + 1) = scale * hsum(a1[h]);
+                    }
+                    t += 2;
+                }
+                if t < n {
+                    let row = rows.add(t * stride);
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    let mut c = 0;
+                    while c < dp {
+                        let k = $load(row.add(c));
+                        for h in 0..N {
+                            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * dp + c)), k, acc[h]);
+                        }
+                        c += 8;
+                    }
+                    for h in 0..N {
+                        *out.add(h * TILE + t) = scale * hsum(acc[h]);
+                    }
+                }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $accum_n<const N: usize>(p: *const f32, dp: usize, rows: *const $t, stride: usize, n: usize, acc: *mut f32) {
+                // Two 8-wide column chunks per pass: 2N independent FMA chains.
                 let mut c = 0;
+                while c + 16 <= dp {
+                    let mut a = [_mm256_setzero_ps(); N];
+                    let mut b = [_mm256_setzero_ps(); N];
+                    for h in 0..N {
+                        a[h] = _mm256_loadu_ps(acc.add(h * dp + c));
+                        b[h] = _mm256_loadu_ps(acc.add(h * dp + c + 8));
+                    }
+                    for t in 0..n {
+                        let v0 = $load(rows.add(t * stride + c));
+                        let v1 = $load(rows.add(t * stride + c + 8));
+                        for h in 0..N {
+                            let pv = _mm256_set1_ps(*p.add(h * TILE + t));
+                            a[h] = _mm256_fmadd_ps(pv, v0, a[h]);
+                            b[h] = _mm256_fmadd_ps(pv, v1, b[h]);
+                        }
+                    }
+                    for h in 0..N {
+                        _mm256_storeu_ps(acc.add(h * dp + c), a[h]);
+                        _mm256_storeu_ps(acc.add(h * dp + c + 8), b[h]);
+                    }
+                    c += 16;
+                }
                 while c < dp {
-                    let k = _mm256_loadu_ps(row.add(c));
-                    for (kk, a) in acc.iter_mut().enumerate().take(hn) {
-                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add((h0 + kk) * dp + c)), k, *a);
+                    let mut a = [_mm256_setzero_ps(); N];
+                    for h in 0..N {
+                        a[h] = _mm256_loadu_ps(acc.add(h * dp + c));
+                    }
+                    for t in 0..n {
+                        let v = $load(rows.add(t * stride + c));
+                        for h in 0..N {
+                            a[h] = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(h * TILE + t)), v, a[h]);
+                        }
+                    }
+                    for h in 0..N {
+                        _mm256_storeu_ps(acc.add(h * dp + c), a[h]);
                     }
                     c += 8;
                 }
-                for (kk, a) in acc.iter().enumerate().take(hn) {
-                    out[(h0 + kk) * TILE + t] = scale * hsum(*a);
+            }
+
+            /// Logits of `g` heads (`q` `[g][dp]`) against `n` rows at `rows + t * stride` (dp elements each).
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $logits(q: &[f32], g: usize, dp: usize, rows: *const $t, stride: usize, n: usize, scale: f32, out: &mut [f32]) {
+                let mut h0 = 0;
+                while h0 < g {
+                    let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE));
+                    match g - h0 {
+                        1 => $logits_n::<1>(qp, dp, rows, stride, n, scale, op),
+                        2 => $logits_n::<2>(qp, dp, rows, stride, n, scale, op),
+                        3 => $logits_n::<3>(qp, dp, rows, stride, n, scale, op),
+                        _ => $logits_n::<4>(qp, dp, rows, stride, n, scale, op),
+                    }
+                    h0 += 4;
                 }
             }
-            h0 += 4;
-        }
+
+            /// `acc_h += sum_t p[h][t] row_t` for `g` heads.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $accum(p: &[f32], g: usize, dp: usize, rows: *const $t, stride: usize, n: usize, acc: &mut [f32]) {
+                let mut h0 = 0;
+                while h0 < g {
+                    let (pp, ap) = (p.as_ptr().add(h0 * TILE), acc.as_mut_ptr().add(h0 * dp));
+                    match g - h0 {
+                        1 => $accum_n::<1>(pp, dp, rows, stride, n, ap),
+                        2 => $accum_n::<2>(pp, dp, rows, stride, n, ap),
+                        3 => $accum_n::<3>(pp, dp, rows, stride, n, ap),
+                        _ => $accum_n::<4>(pp, dp, rows, stride, n, ap),
+                    }
+                    h0 += 4;
+                }
+            }
+        };
+    }
+
+    tile_kernels!(tile_logits_p, tile_accumulate_p, tl_f32, ta_f32, f32, ld_f32);
+    tile_kernels!(tile_logits_f16, tile_accumulate_f16, tl_f16, ta_f16, f16, load_ph);
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_logits(q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
+        tile_logits_p(q, g, dp, rows.as_ptr(), dp, n, scale, out)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn tile_accumulate(p: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, acc: &mut [f32]) {
-        let mut h0 = 0;
-        while h0 < g {
-            let hn = (g - h0).min(4);
-            let mut c = 0;
-            while c < dp {
-                let mut a = [_mm256_setzero_ps(); 4];
-                for (k, x) in a.iter_mut().enumerate().take(hn) {
-                    *x = _mm256_loadu_ps(acc.as_ptr().add((h0 + k) * dp + c));
+        tile_accumulate_p(p, g, dp, rows.as_ptr(), dp, n, acc)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn exp256(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
+        let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3f32, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+    }
+
+    /// Online softmax over one tile of `g` heads (see `attend::online_softmax`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn online_softmax(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
+        let nn = _mm256_set1_ps(n as f32);
+        let mask0 = _mm256_cmp_ps(_mm256_setr_ps(0., 1., 2., 3., 4., 5., 6., 7.), nn, _CMP_LT_OQ);
+        let mask1 = _mm256_cmp_ps(_mm256_setr_ps(8., 9., 10., 11., 12., 13., 14., 15.), nn, _CMP_LT_OQ);
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        for h in 0..g {
+            let lp = logits.as_mut_ptr().add(h * TILE);
+            let a0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(lp), mask0);
+            let a1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(lp.add(8)), mask1);
+            let mx = _mm256_max_ps(a0, a1);
+            let mx = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            let mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            let mt = _mm_cvtss_f32(_mm_max_ss(mx, _mm_shuffle_ps(mx, mx, 1)));
+            let m_old = m[h];
+            let m_new = m_old.max(mt);
+            let corr = if m_old == f32::NEG_INFINITY { 0.0 } else { super::fast_exp(m_old - m_new) };
+            let mv = _mm256_set1_ps(m_new);
+            let p0 = _mm256_and_ps(exp256(_mm256_sub_ps(a0, mv)), mask0);
+            let p1 = _mm256_and_ps(exp256(_mm256_sub_ps(a1, mv)), mask1);
+            _mm256_storeu_ps(lp, p0);
+            _mm256_storeu_ps(lp.add(8), p1);
+            l[h] = l[h] * corr + hsum(_mm256_add_ps(p0, p1));
+            if corr != 1.0 {
+                let cv = _mm256_set1_ps(corr);
+                let a = &mut acc[h * dp..(h + 1) * dp];
+                let mut c = 0;
+                while c + 8 <= dp {
+                    _mm256_storeu_ps(a.as_mut_ptr().add(c), _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(c)), cv));
+                    c += 8;
                 }
-                for t in 0..n {
-                    let v = _mm256_loadu_ps(rows.as_ptr().add(t * dp + c));
-                    for (k, x) in a.iter_mut().enumerate().take(hn) {
-                        *x = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked((h0 + k) * TILE + t)), v, *x);
-                    }
+                for x in a[c..].iter_mut() {
+                    *x *= corr;
                 }
-                for (k, x) in a.iter().enumerate().take(hn) {
-                    _mm256_storeu_ps(acc.as_mut_ptr().add((h0 + k) * dp + c), *x);
-                }
-                c += 8;
             }
-            h0 += 4;
+            m[h] = m_new;
         }
     }
 

@@ -75,6 +75,16 @@ fn lossless_config() -> CompressConfig {
     }
 }
 
+/// Naive single rounding to f16: scale to the binade's quantum, round ties-even, scale back.
+fn round_once(x: f64) -> f16 {
+    if x == 0.0 {
+        return f16::from_f32(x as f32);
+    }
+    let e = (x.abs().log2().floor() as i32).max(-14);
+    let q = 2f64.powi(e - 10);
+    f16::from_f32(((x / q).round_ties_even() * q) as f32)
+}
+
 #[test]
 fn decode_of_encode_is_f16_of_naive_rotation_top_r() {
     let d = 64;
@@ -91,7 +101,7 @@ fn decode_of_encode_is_f16_of_naive_rotation_top_r() {
     for t in 0..200 {
         // Naive: rotate in f64, round to f16, keep the 16 largest magnitudes (ties: lower dim).
         let y: Vec<f16> = (0..l.kept_dims)
-            .map(|j| f16::from_f64((0..d).map(|i| st.rotation[i * d + j] as f64 * rows[[t, i]] as f64).sum()))
+            .map(|j| round_once((0..d).map(|i| st.rotation[i * d + j] as f64 * rows[[t, i]] as f64).sum()))
             .collect();
         let mut idx: Vec<usize> = (0..l.kept_dims).collect();
         idx.sort_by(|&a, &b| (y[b].to_f32().powi(2)).partial_cmp(&y[a].to_f32().powi(2)).unwrap().then(a.cmp(&b)));
@@ -329,4 +339,24 @@ fn scratch_size_is_reported_and_names_say_path() {
     let b = mosaickv_optimized::attend_scratch_bytes(&shape, &CompressConfig::paper_fixed(), 131072);
     assert!(b > 0 && b < 64 << 20, "{b}");
     assert_eq!(CpuBackend::portable().name(), "cpu-portable");
+}
+
+#[test]
+fn f64_to_f16_rounds_once_ties_to_even() {
+    use mosaickv_optimized::encode::f16_from_f64;
+    for bits in (0u16..0x7bff).step_by(3) {
+        let (a, b) = (f16::from_bits(bits), f16::from_bits(bits + 1));
+        let (fa, fb) = (a.to_f64(), b.to_f64());
+        let mid = 0.5 * (fa + fb);
+        let even = if bits % 2 == 0 { a } else { b };
+        assert_eq!(f16_from_f64(mid).to_bits(), even.to_bits(), "tie {mid}");
+        let eps = (fb - fa) * 1e-9;
+        assert_eq!(f16_from_f64(mid - eps).to_bits(), a.to_bits());
+        assert_eq!(f16_from_f64(mid + eps).to_bits(), b.to_bits());
+        assert_eq!(f16_from_f64(-(mid + eps)).to_bits(), (-b).to_bits());
+        assert_eq!(f16_from_f64(fa).to_bits(), a.to_bits());
+    }
+    assert_eq!(f16_from_f64(-1e-30).to_bits(), 0x8000);
+    assert_eq!(f16_from_f64(65519.99), f16::MAX);
+    assert!(f16_from_f64(65520.0).is_infinite());
 }

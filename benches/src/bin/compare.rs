@@ -1,0 +1,263 @@
+//! Side-by-side decode attention: full (dense f16), Quest (10 % tokens) and MosaicKV
+//! (paper_fixed: 10 % tokens, 25 % channels) on one layer of Llama-3.1-8B shape, plus the
+//! reference's packed attention at the largest context, and the machine's read bandwidth.
+//!
+//! `cargo run --release -p mosaickv-benches --bin compare -- [--contexts 8192,32768,131072] [--json]`
+
+use clap::Parser;
+use mosaickv_benches::{exact_full_attention, median, read_bandwidth_gbps, rel_l2};
+use mosaickv_optimized::{CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
+use mosaickv_reference::{synthetic, ReferenceBackend};
+use mosaickv_spec::{Backend, CompressConfig, KvCache, KvShape, SegmentState};
+use ndarray::{Array2, Array3};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(about = "MosaicKV vs full vs Quest decode attention, one layer of Llama-3.1-8B shape")]
+struct Args {
+    /// Context lengths (tokens), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
+    contexts: Vec<usize>,
+    /// Print one JSON object per (method, context) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Timed decode steps per method (after warm-up).
+    #[arg(long, default_value_t = 41)]
+    steps: usize,
+    /// Warm-up steps per method.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Timed steps of the reference's packed attention (largest context only; 0 = skip).
+    #[arg(long, default_value_t = 3)]
+    reference_steps: usize,
+    /// Query samples used for the error against exact f64 full attention.
+    #[arg(long, default_value_t = 3)]
+    error_samples: usize,
+    /// Methods to run (full,quest,mosaic); the speedup columns need full and quest.
+    #[arg(long, value_delimiter = ',', default_value = "full,quest,mosaic")]
+    methods: Vec<String>,
+    /// Bytes of the bandwidth probe buffer.
+    #[arg(long, default_value_t = 1 << 30)]
+    bandwidth_bytes: usize,
+}
+
+struct Row {
+    method: String,
+    context: usize,
+    median_us: f64,
+    bytes_read: usize,
+    kv_bytes_per_token: f64,
+    rel_error: f64,
+    build_s: f64,
+    steps: usize,
+}
+
+/// Times `steps` decode steps after `warmup`, with a fresh perturbed query per step.
+fn time_steps(mut step: impl FnMut(&Array2<f32>), base: &[Array2<f32>], warmup: usize, steps: usize, seed: u64) -> f64 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut samples = Vec::with_capacity(steps);
+    let mut q = base[0].clone();
+    for i in 0..warmup + steps {
+        let b = &base[i % base.len()];
+        for (x, &y) in q.iter_mut().zip(b.iter()) {
+            *x = y + 0.01 * rng.gen_range(-1.0f32..1.0);
+        }
+        let t = Instant::now();
+        step(&q);
+        let dt = t.elapsed().as_secs_f64();
+        if i >= warmup {
+            samples.push(dt * 1e6);
+        }
+    }
+    median(&samples)
+}
+
+/// Bytes a MosaicKV step reads: all block metadata, K rotations of every segment
+/// (queries are rotated per segment), V rotations of segments with a selected block,
+/// the selected K and V records, and the dense sink + buffer rows.
+fn mosaic_bytes(cache: &OptimizedMosaicCache, q: &Array2<f32>) -> usize {
+    let c = cache.compressed();
+    let d = c.shape.head_dim;
+    let sel = CpuBackend::new().select(c, q.view()).expect("select");
+    let mut bytes = c.sink.bytes() + c.buffer.bytes();
+    for (h, blocks) in sel.per_head.iter().enumerate() {
+        let mut touched = vec![false; c.segments.len()];
+        for &(s, b) in blocks {
+            let seg = &c.segments[s as usize];
+            let hs = &seg.heads[h];
+            let bs = hs.strategy.block_size;
+            let n = (seg.len - b as usize * bs).min(bs);
+            bytes += n * (hs.strategy.key.layout.record_bytes() + hs.strategy.value.layout.record_bytes());
+            touched[s as usize] = true;
+        }
+        for (s, seg) in c.segments.iter().enumerate() {
+            let hs = &seg.heads[h];
+            bytes += hs.meta.bytes() + 4 * d * hs.strategy.key.layout.kept_dims;
+            if touched[s] {
+                bytes += 4 * d * hs.strategy.value.layout.kept_dims;
+            }
+        }
+    }
+    bytes
+}
+
+fn main() {
+    let args = Args::parse();
+    let shape = KvShape::new(8, 32, 128).expect("shape");
+    let backend = CpuBackend::new();
+    eprintln!(
+        "backend {}, {} rayon threads; measuring read bandwidth ({} MiB buffer)...",
+        backend.name(),
+        rayon::current_num_threads(),
+        args.bandwidth_bytes >> 20
+    );
+    let bw = read_bandwidth_gbps(args.bandwidth_bytes, 7);
+    eprintln!("read bandwidth: {bw:.2} GB/s");
+    let largest = args.contexts.iter().copied().max().unwrap_or(0);
+    let mut rows: Vec<Row> = Vec::new();
+    for &ctx in &args.contexts {
+        let t = Instant::now();
+        let (keys, values) = synthetic::structured_kv(ctx, shape.kv_heads, shape.head_dim, 42);
+        let nbase = 8;
+        let base: Vec<Array2<f32>> = (0..nbase).map(|i| synthetic::queries(shape.q_heads, shape.head_dim, &keys, 1000 + i as u64)).collect();
+        let ns = args.error_samples.min(nbase);
+        let exact: Vec<Array2<f32>> = base[..ns].iter().map(|q| exact_full_attention(keys.view(), values.view(), q.view())).collect();
+        eprintln!("[{ctx}] data + {ns} exact references: {:.1} s", t.elapsed().as_secs_f64());
+        let err = |c: &mut dyn KvCache| -> f64 {
+            let mut s = 0.0;
+            for (q, e) in base[..ns].iter().zip(&exact) {
+                let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
+                c.attend(q.view(), out.view_mut()).expect("attend");
+                s += rel_l2(out.view(), e.view());
+            }
+            s / ns.max(1) as f64
+        };
+        let run = |name: &str, c: &mut dyn KvCache, build_s: f64, bytes: usize, rows: &mut Vec<Row>| {
+            let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
+            let us = time_steps(|q| c.attend(q.view(), out.view_mut()).expect("attend"), &base, args.warmup, args.steps, 7);
+            let m = c.memory();
+            let e = err(c);
+            eprintln!("[{ctx}] {name}: {us:.0} us/step, err {e:.4}");
+            rows.push(Row {
+                method: name.into(),
+                context: ctx,
+                median_us: us,
+                bytes_read: bytes,
+                kv_bytes_per_token: m.bytes_per_token(),
+                rel_error: e,
+                build_s,
+                steps: args.steps,
+            });
+        };
+        let want = |m: &str| args.methods.iter().any(|x| x == m);
+        if want("full") {
+            let t = Instant::now();
+            let mut full = DenseF16Cache::new(shape).expect("cache");
+            full.prefill(keys.view(), values.view()).expect("prefill");
+            let b = full.bytes_per_step();
+            run("full", &mut full, t.elapsed().as_secs_f64(), b, &mut rows);
+        }
+        if want("quest") {
+            let t = Instant::now();
+            let mut quest = QuestF16Cache::new(shape, 0.10).expect("cache");
+            quest.prefill(keys.view(), values.view()).expect("prefill");
+            let b = quest.bytes_per_step();
+            run("quest", &mut quest, t.elapsed().as_secs_f64(), b, &mut rows);
+        }
+        if !want("mosaic") {
+            continue;
+        }
+        let t = Instant::now();
+        let mut mosaic = OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).expect("cache");
+        mosaic.prefill(keys.view(), values.view()).expect("prefill");
+        let build = t.elapsed().as_secs_f64();
+        eprintln!(
+            "[{ctx}] mosaic prefill: {build:.1} s, {} segments ({} closed)",
+            mosaic.compressed().segments.len(),
+            mosaic.compressed().segments.iter().filter(|s| s.state == SegmentState::Closed).count()
+        );
+        let b = mosaic_bytes(&mosaic, &base[0]);
+        run("mosaic", &mut mosaic, build, b, &mut rows);
+        if ctx == largest && args.reference_steps > 0 {
+            let rb = ReferenceBackend;
+            let c = mosaic.compressed();
+            let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
+            let us = time_steps(|q| rb.attend(c, q.view(), out.view_mut()).expect("reference attend"), &base, 1, args.reference_steps, 9);
+            let mut e = 0.0;
+            for (q, ex) in base[..ns].iter().zip(&exact) {
+                rb.attend(c, q.view(), out.view_mut()).expect("reference attend");
+                e += rel_l2(out.view(), ex.view());
+            }
+            eprintln!("[{ctx}] mosaic-reference: {us:.0} us/step");
+            rows.push(Row {
+                method: "mosaic-reference".into(),
+                context: ctx,
+                median_us: us,
+                bytes_read: b,
+                kv_bytes_per_token: c.memory().bytes_per_token(),
+                rel_error: e / ns.max(1) as f64,
+                build_s: 0.0,
+                steps: args.reference_steps,
+            });
+        }
+        drop::<(Array3<f32>, Array3<f32>)>((keys, values));
+    }
+    // Report.
+    let find = |m: &str, ctx: usize| rows.iter().find(|r| r.method == m && r.context == ctx).map(|r| r.median_us);
+    // The table goes to stdout, or to stderr under --json (so one run yields both).
+    let table = |line: String| {
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    {
+        table(format!("backend {} | threads {} | measured read bandwidth {:.2} GB/s", backend.name(), rayon::current_num_threads(), bw));
+        table(format!(
+            "{:<17} {:>8} {:>11} {:>10} {:>7} {:>7} {:>9} {:>8} {:>8} {:>9} {:>8}",
+            "method", "context", "median_us", "MB_read", "GB/s", "bw_frac", "B/token", "x_full", "x_quest", "rel_err", "build_s"
+        ));
+    }
+    for r in &rows {
+        let gbps = r.bytes_read as f64 / (r.median_us * 1e-6) / 1e9;
+        let vs_full = find("full", r.context).map(|f| f / r.median_us);
+        let vs_quest = find("quest", r.context).map(|f| f / r.median_us);
+        let vs_mosaic = find("mosaic", r.context).map(|f| r.median_us / f);
+        if args.json {
+            let mut o = json!({
+                "method": r.method, "context": r.context, "median_us": r.median_us, "bytes_read": r.bytes_read,
+                "gbps": gbps, "bandwidth_fraction": gbps / bw, "measured_bandwidth_gbps": bw,
+                "kv_bytes_per_token": r.kv_bytes_per_token, "speedup_vs_full": vs_full, "speedup_vs_quest": vs_quest,
+                "rel_error_vs_full": r.rel_error, "build_s": r.build_s, "steps": r.steps, "backend": backend.name(),
+                "threads": rayon::current_num_threads(),
+            });
+            if r.method == "mosaic-reference" {
+                o["optimized_speedup_over_reference"] = json!(vs_mosaic);
+            }
+            println!("{o}");
+        }
+        {
+            table(format!(
+                "{:<17} {:>8} {:>11.0} {:>10.1} {:>7.2} {:>7.2} {:>9.1} {:>8.2} {:>8.2} {:>9.4} {:>8.1}",
+                r.method,
+                r.context,
+                r.median_us,
+                r.bytes_read as f64 / 1e6,
+                gbps,
+                gbps / bw,
+                r.kv_bytes_per_token,
+                vs_full.unwrap_or(f64::NAN),
+                vs_quest.unwrap_or(f64::NAN),
+                r.rel_error,
+                r.build_s
+            ));
+            if r.method == "mosaic-reference" {
+                table(format!("  optimized packed attention is {:.1}x faster than the reference's", vs_mosaic.unwrap_or(f64::NAN)));
+            }
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! Repeats one method's decode step for profiling: `profile_step <full|quest|mosaic> <context> <steps>`.
+//! Uses cheap pseudo-random data (not the structured generator) so setup is fast.
+
+use mosaickv_optimized::{DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
+use mosaickv_spec::{CompressConfig, KvCache, KvShape};
+use ndarray::{Array2, Array3};
+use std::time::Instant;
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let method = a.get(1).map(String::as_str).unwrap_or("full");
+    let ctx: usize = a.get(2).and_then(|s| s.parse().ok()).unwrap_or(32768);
+    let steps: usize = a.get(3).and_then(|s| s.parse().ok()).unwrap_or(100);
+    let shape = KvShape::new(8, 32, 128).unwrap();
+    let mut x = 0x1234_5678u64;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let k = Array3::from_shape_fn((ctx, 8, 128), |(_, _, j)| rnd() * if j < 16 { 4.0 } else { 1.0 });
+    let v = Array3::from_shape_fn((ctx, 8, 128), |_| rnd());
+    let q = Array2::from_shape_fn((32, 128), |_| rnd());
+    let mut c: Box<dyn KvCache> = match method {
+        "full" => Box::new(DenseF16Cache::new(shape).unwrap()),
+        "quest" => Box::new(QuestF16Cache::new(shape, 0.1).unwrap()),
+        _ => Box::new(OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).unwrap()),
+    };
+    c.prefill(k.view(), v.view()).unwrap();
+    let mut out = Array2::zeros((32, 128));
+    let t = Instant::now();
+    for _ in 0..steps {
+        c.attend(q.view(), out.view_mut()).unwrap();
+    }
+    println!("{method} {ctx}: {:.0} us/step", t.elapsed().as_secs_f64() * 1e6 / steps as f64);
+}
