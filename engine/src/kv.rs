@@ -95,63 +95,68 @@ impl LayerKv for FullKv {
         }
         let group = qh / self.kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
-        const CHUNK: usize = 256;
         let n = self.len;
-        let results: Vec<Vec<f32>> = {
+        // Work items: (kv head, token span). Each returns a partial softmax (max, sum, weighted
+        // values) per query head of the group; partials are merged below (flash-decoding).
+        const SPAN: usize = 512;
+        let spans = n.div_ceil(SPAN);
+        // ndarray iterates in logical (row-major) order whatever the memory layout
+        let q: Vec<f32> = queries.iter().map(|&x| x * scale).collect();
+        let partials: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = {
             use rayon::prelude::*;
-            (0..self.kv_heads)
+            (0..self.kv_heads * spans)
                 .into_par_iter()
-                .map(|kh| {
-                    let q: Vec<f32> = (0..group)
-                        .flat_map(|g| queries.row(kh * group + g).iter().map(|&x| x * scale).collect::<Vec<_>>())
-                        .collect();
-                    let mut scores = vec![0f32; group * n];
-                    let mut buf = vec![0f32; CHUNK * d];
-                    let keys = &self.keys[kh];
-                    for c0 in (0..n).step_by(CHUNK) {
-                        let c1 = (c0 + CHUNK).min(n);
-                        let kb = &mut buf[..(c1 - c0) * d];
-                        keys[c0 * d..c1 * d].convert_to_f32_slice(kb);
-                        for (i, krow) in kb.chunks_exact(d).enumerate() {
-                            for g in 0..group {
-                                scores[g * n + c0 + i] = dot(&q[g * d..(g + 1) * d], krow);
-                            }
+                .map(|task| {
+                    let (kh, sp) = (task / spans, task % spans);
+                    let (t0, t1) = (sp * SPAN, ((sp + 1) * SPAN).min(n));
+                    let m = t1 - t0;
+                    let qg = &q[kh * group * d..(kh + 1) * group * d];
+                    let mut buf = vec![0f32; m * d];
+                    self.keys[kh][t0 * d..t1 * d].convert_to_f32_slice(&mut buf);
+                    let mut scores = vec![0f32; group * m];
+                    for (i, krow) in buf.chunks_exact(d).enumerate() {
+                        for g in 0..group {
+                            scores[g * m + i] = dot(&qg[g * d..(g + 1) * d], krow);
                         }
                     }
-                    let mut acc = vec![0f32; group * d];
+                    let mut mx = vec![0f32; group];
+                    let mut sum = vec![0f32; group];
                     for g in 0..group {
-                        let s = &mut scores[g * n..(g + 1) * n];
-                        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let mut sum = 0f32;
-                        for x in s.iter_mut() {
-                            *x = (*x - m).exp();
-                            sum += *x;
-                        }
-                        let inv = 1.0 / sum;
-                        s.iter_mut().for_each(|x| *x *= inv);
+                        let s = &mut scores[g * m..(g + 1) * m];
+                        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        s.iter_mut().for_each(|x| *x = (*x - mg).exp());
+                        mx[g] = mg;
+                        sum[g] = s.iter().sum();
                     }
-                    let vals = &self.values[kh];
-                    for c0 in (0..n).step_by(CHUNK) {
-                        let c1 = (c0 + CHUNK).min(n);
-                        let vb = &mut buf[..(c1 - c0) * d];
-                        vals[c0 * d..c1 * d].convert_to_f32_slice(vb);
-                        for (i, vrow) in vb.chunks_exact(d).enumerate() {
-                            for g in 0..group {
-                                let p = scores[g * n + c0 + i];
-                                let a = &mut acc[g * d..(g + 1) * d];
-                                for (a, &v) in a.iter_mut().zip(vrow) {
-                                    *a += p * v;
-                                }
+                    self.values[kh][t0 * d..t1 * d].convert_to_f32_slice(&mut buf);
+                    let mut acc = vec![0f32; group * d];
+                    for (i, vrow) in buf.chunks_exact(d).enumerate() {
+                        for g in 0..group {
+                            let p = scores[g * m + i];
+                            for (a, &v) in acc[g * d..(g + 1) * d].iter_mut().zip(vrow) {
+                                *a += p * v;
                             }
                         }
                     }
-                    acc
+                    (mx, sum, acc)
                 })
                 .collect()
         };
-        for (kh, acc) in results.into_iter().enumerate() {
+        for kh in 0..self.kv_heads {
+            let parts = &partials[kh * spans..(kh + 1) * spans];
             for g in 0..group {
-                out.row_mut(kh * group + g).iter_mut().zip(&acc[g * d..(g + 1) * d]).for_each(|(o, &a)| *o = a);
+                let m = parts.iter().map(|p| p.0[g]).fold(f32::NEG_INFINITY, f32::max);
+                let mut z = 0f32;
+                let mut o = vec![0f32; d];
+                for p in parts {
+                    let w = (p.0[g] - m).exp();
+                    z += w * p.1[g];
+                    for (x, &a) in o.iter_mut().zip(&p.2[g * d..(g + 1) * d]) {
+                        *x += w * a;
+                    }
+                }
+                let inv = 1.0 / z;
+                out.row_mut(kh * group + g).iter_mut().zip(&o).for_each(|(y, &x)| *y = x * inv);
             }
         }
         Ok(())
@@ -211,7 +216,7 @@ mod tests {
 
     #[test]
     fn full_kv_matches_naive_attention() {
-        let (n, kh, qh, d) = (300, 3, 9, 64);
+        let (n, kh, qh, d) = (1300, 3, 9, 64);
         let mut seed = 1u64;
         let mut rnd = || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
