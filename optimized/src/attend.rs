@@ -470,7 +470,15 @@ pub fn packed_attention(
             let dpmax = gm.dpk.max(gm.dpv);
             partial_init(&mut st[..partial_len(g, gm.dpv)], g);
             with_tiles(dpmax, g, |kt, vt, lg| {
-                for &gi in &sel[u.head][u.s0..u.s1] {
+                let blocks = &sel[u.head][u.s0..u.s1];
+                for (bi, &gi) in blocks.iter().enumerate() {
+                    if let Some(&next) = blocks.get(bi + 1) {
+                        // Prefetch the next selected block's records while this one is computed.
+                        let t0 = (next as usize - gm.first) * gm.block;
+                        let t1 = (t0 + gm.block).min(seg_len);
+                        path.prefetch(&hs.keys.bytes[t0 * krb..t1 * krb]);
+                        path.prefetch(&hs.values.bytes[t0 * vrb..t1 * vrb]);
+                    }
                     let b = gi as usize - gm.first;
                     let t0 = b * gm.block;
                     let t1 = (t0 + gm.block).min(seg_len);

@@ -126,6 +126,16 @@ impl Path {
         }
     }
 
+    /// Software prefetch of `bytes` (AVX2 path only; a no-op otherwise).
+    #[inline]
+    pub fn prefetch(self, bytes: &[u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Path::Avx2 {
+            // SAFETY: prefetch hints never fault; only addresses inside `bytes` are named.
+            unsafe { x86::prefetch(bytes) }
+        }
+    }
+
     /// Whether the fused f16-row tile kernels apply (AVX2 path, `d` a multiple of 8).
     #[inline]
     pub fn fused_f16(self, d: usize) -> bool {
@@ -215,11 +225,11 @@ impl Path {
     }
 }
 
-/// Whether AVX2, FMA and F16C are all available on this CPU.
+/// Whether AVX2, FMA, F16C and POPCNT are all available on this CPU.
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("popcnt")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -332,7 +342,7 @@ mod x86 {
     use half::f16;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -340,13 +350,13 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)))
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
     unsafe fn load_ph(p: *const f16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
         let n = src.len();
         let n8 = n / 8 * 8;
@@ -360,7 +370,7 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn rotate_query(rot: &[f32], d: usize, q: &[f32], out: &mut [f32]) {
         let dt = out.len();
         let d8 = dt / 8 * 8;
@@ -381,7 +391,29 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    /// Lane sums of the Quest bound for N heads over the first `d8` dims of one block.
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[inline]
+    unsafe fn score_heads<const N: usize>(q: *const f32, stride: usize, d8: usize, mxp: *const f16, mnp: *const f16, out: &mut [f32; 4]) {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut c = 0;
+        while c < d8 {
+            let mx = load_ph(mxp.add(c));
+            let mn = load_ph(mnp.add(c));
+            for k in 0..N {
+                let qv = _mm256_loadu_ps(q.add(k * stride + c));
+                // mul, mul, max, add (no FMA): bit-identical to the portable path.
+                let t = _mm256_max_ps(_mm256_mul_ps(qv, mx), _mm256_mul_ps(qv, mn));
+                acc[k] = _mm256_add_ps(acc[k], t);
+            }
+            c += 8;
+        }
+        for k in 0..N {
+            out[k] = hsum(acc[k]);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn score_blocks(q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
         let d8 = dt / 8 * 8;
         for (b, o) in out.iter_mut().enumerate() {
@@ -391,21 +423,17 @@ mod x86 {
             let mut h0 = 0;
             while h0 < g {
                 let hn = (g - h0).min(4);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let mut c = 0;
-                while c < d8 {
-                    let mx = load_ph(mxp.add(c));
-                    let mn = load_ph(mnp.add(c));
-                    for (k, a) in acc.iter_mut().enumerate().take(hn) {
-                        let qv = _mm256_loadu_ps(q.as_ptr().add((h0 + k) * stride + c));
-                        let t = _mm256_max_ps(_mm256_mul_ps(qv, mx), _mm256_mul_ps(qv, mn));
-                        *a = _mm256_add_ps(*a, t);
-                    }
-                    c += 8;
+                let mut sums = [0f32; 4];
+                let qp = q.as_ptr().add(h0 * stride);
+                match hn {
+                    1 => score_heads::<1>(qp, stride, d8, mxp, mnp, &mut sums),
+                    2 => score_heads::<2>(qp, stride, d8, mxp, mnp, &mut sums),
+                    3 => score_heads::<3>(qp, stride, d8, mxp, mnp, &mut sums),
+                    _ => score_heads::<4>(qp, stride, d8, mxp, mnp, &mut sums),
                 }
-                for (k, a) in acc.iter().enumerate().take(hn) {
+                for (k, &s0) in sums.iter().enumerate().take(hn) {
                     let h = h0 + k;
-                    let mut s = hsum(*a);
+                    let mut s = s0;
                     for j in d8..dt {
                         let qj = q[h * stride + j];
                         let x = qj * super::f16_bits_to_f32((*mxp.add(j)).to_bits());
@@ -422,7 +450,7 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len();
         let n8 = n / 8 * 8;
@@ -439,7 +467,7 @@ mod x86 {
         s
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
     unsafe fn ld_f32(p: *const f32) -> __m256 {
         _mm256_loadu_ps(p)
@@ -447,7 +475,7 @@ mod x86 {
 
     macro_rules! tile_kernels {
         ($logits:ident, $accum:ident, $logits_n:ident, $accum_n:ident, $t:ty, $load:ident) => {
-            #[target_feature(enable = "avx2,fma,f16c")]
+            #[target_feature(enable = "avx2,fma,f16c,popcnt")]
             unsafe fn $logits_n<const N: usize>(q: *const f32, dp: usize, rows: *const $t, stride: usize, n: usize, scale: f32, out: *mut f32) {
                 // Two tokens per pass: 2N independent FMA chains hide the FMA latency.
                 let mut t = 0;
@@ -489,7 +517,7 @@ mod x86 {
                 }
             }
 
-            #[target_feature(enable = "avx2,fma,f16c")]
+            #[target_feature(enable = "avx2,fma,f16c,popcnt")]
             unsafe fn $accum_n<const N: usize>(p: *const f32, dp: usize, rows: *const $t, stride: usize, n: usize, acc: *mut f32) {
                 // Two 8-wide column chunks per pass: 2N independent FMA chains.
                 let mut c = 0;
@@ -534,7 +562,7 @@ mod x86 {
             }
 
             /// Logits of `g` heads (`q` `[g][dp]`) against `n` rows at `rows + t * stride` (dp elements each).
-            #[target_feature(enable = "avx2,fma,f16c")]
+            #[target_feature(enable = "avx2,fma,f16c,popcnt")]
             pub unsafe fn $logits(q: &[f32], g: usize, dp: usize, rows: *const $t, stride: usize, n: usize, scale: f32, out: &mut [f32]) {
                 let mut h0 = 0;
                 while h0 < g {
@@ -550,7 +578,7 @@ mod x86 {
             }
 
             /// `acc_h += sum_t p[h][t] row_t` for `g` heads.
-            #[target_feature(enable = "avx2,fma,f16c")]
+            #[target_feature(enable = "avx2,fma,f16c,popcnt")]
             pub unsafe fn $accum(p: &[f32], g: usize, dp: usize, rows: *const $t, stride: usize, n: usize, acc: &mut [f32]) {
                 let mut h0 = 0;
                 while h0 < g {
@@ -570,17 +598,17 @@ mod x86 {
     tile_kernels!(tile_logits_p, tile_accumulate_p, tl_f32, ta_f32, f32, ld_f32);
     tile_kernels!(tile_logits_f16, tile_accumulate_f16, tl_f16, ta_f16, f16, load_ph);
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn tile_logits(q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
         tile_logits_p(q, g, dp, rows.as_ptr(), dp, n, scale, out)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn tile_accumulate(p: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, acc: &mut [f32]) {
         tile_accumulate_p(p, g, dp, rows.as_ptr(), dp, n, acc)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
     unsafe fn exp256(x: __m256) -> __m256 {
         let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
@@ -597,7 +625,7 @@ mod x86 {
     }
 
     /// Online softmax over one tile of `g` heads (see `attend::online_softmax`).
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn online_softmax(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
         let nn = _mm256_set1_ps(n as f32);
         let mask0 = _mm256_cmp_ps(_mm256_setr_ps(0., 1., 2., 3., 4., 5., 6., 7.), nn, _CMP_LT_OQ);
@@ -658,30 +686,18 @@ mod x86 {
 
     /// g = 1 record expansion: per bitmap byte, one 16-byte load, pshufb, cvtph2ps.
     /// `after` = readable bytes after the record's values (in the same allocation).
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn expand_g1(rec: &[u8], words: usize, r: usize, dt: usize, after: usize, out: &mut [f32]) {
-        let chunks = dt.div_ceil(8);
-        let vals = rec.as_ptr().add(8 * words);
-        let mut local = [0u8; 16 + 2 * 256];
-        let src: *const u8 = if after >= 16 || 2 * r + 16 > local.len() {
-            vals
-        } else {
-            std::ptr::copy_nonoverlapping(vals, local.as_mut_ptr(), 2 * r);
-            local.as_ptr()
-        };
-        if after < 16 && 2 * r + 16 > local.len() {
-            // Too large for the local copy: scalar, bounds-checked.
-            out.fill(0.0);
-            let mut k = 0;
-            for dim in 0..dt {
-                let w = u64::from_le_bytes(rec[8 * (dim / 64)..8 * (dim / 64) + 8].try_into().expect("8"));
-                if (w >> (dim % 64)) & 1 == 1 && k < r {
-                    out[dim] = super::f16_bits_to_f32(u16::from_le_bytes([rec[8 * words + 2 * k], rec[8 * words + 2 * k + 1]]));
-                    k += 1;
-                }
-            }
-            return;
+        if after < 16 {
+            return expand_g1_tail(rec, words, r, dt, out);
         }
+        expand_g1_from(rec, rec.as_ptr().add(8 * words), r, dt, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[inline]
+    unsafe fn expand_g1_from(rec: &[u8], src: *const u8, r: usize, dt: usize, out: &mut [f32]) {
+        let chunks = dt.div_ceil(8);
         let mut off = 0usize;
         for c in 0..chunks {
             let byte = *rec.get_unchecked(c) as usize; // bitmap bytes are little-endian words: byte c = dims 8c..8c+8
@@ -695,6 +711,37 @@ mod x86 {
         }
         for x in out.iter_mut().skip(8 * chunks) {
             *x = 0.0;
+        }
+    }
+
+    /// The last records of a buffer: the values are copied to a padded local first.
+    #[cold]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    unsafe fn expand_g1_tail(rec: &[u8], words: usize, r: usize, dt: usize, out: &mut [f32]) {
+        let mut local = [0u8; 16 + 2 * 256];
+        if 2 * r + 16 <= local.len() {
+            local[..2 * r].copy_from_slice(&rec[8 * words..8 * words + 2 * r]);
+            return expand_g1_from(rec, local.as_ptr(), r, dt, out);
+        }
+        // Too large for the local copy: scalar, bounds-checked.
+        out.fill(0.0);
+        let mut k = 0;
+        for dim in 0..dt {
+            let w = u64::from_le_bytes(rec[8 * (dim / 64)..8 * (dim / 64) + 8].try_into().expect("8"));
+            if (w >> (dim % 64)) & 1 == 1 && k < r {
+                out[dim] = super::f16_bits_to_f32(u16::from_le_bytes([rec[8 * words + 2 * k], rec[8 * words + 2 * k + 1]]));
+                k += 1;
+            }
+        }
+    }
+
+    /// Hints the cache lines of `bytes` into L1/L2.
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    pub unsafe fn prefetch(bytes: &[u8]) {
+        let mut o = 0;
+        while o < bytes.len() {
+            _mm_prefetch(bytes.as_ptr().add(o) as *const i8, _MM_HINT_T0);
+            o += 64;
         }
     }
 }
