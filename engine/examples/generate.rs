@@ -9,6 +9,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
+type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
 #[derive(Parser)]
 struct Args {
     /// User prompt (chat-templated unless --raw).
@@ -27,7 +29,7 @@ struct Args {
     haystack: Option<usize>,
 }
 
-fn haystack(model: &Model, target: usize) -> anyhow_free::Result<String> {
+fn haystack(model: &Model, target: usize) -> BoxResult<String> {
     let filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
     let per = model.encode_raw(filler)?.len();
     let reps = target.saturating_sub(90) / per;
@@ -44,11 +46,7 @@ fn haystack(model: &Model, target: usize) -> anyhow_free::Result<String> {
     ))
 }
 
-mod anyhow_free {
-    pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
-}
-
-fn main() -> anyhow_free::Result<()> {
+fn main() -> BoxResult<()> {
     let args = Args::parse();
     let t = Instant::now();
     let model = Model::load(&model_path(args.model.as_deref())?)?;

@@ -373,7 +373,10 @@ impl Model {
     }
 
     /// Runs token `token` at position `pos` through all layers: appends its K/V to each layer's
-    /// cache, then calls `attend`. Returns the logits.
+    /// cache, then calls `attend`. Returns the logits. `pos` is the RoPE position (normally the
+    /// number of tokens before this one); it is not checked against the caches' `len()`, so caches
+    /// that drop tokens keep working. No position cap is applied (prefill refuses prompts longer
+    /// than the GGUF context length, 8192; decode does not check).
     pub fn decode_step(&self, token: u32, pos: usize, caches: &mut [Box<dyn LayerKv>]) -> Result<Vec<f32>> {
         let c = &self.cfg;
         if caches.len() != c.n_layers {
