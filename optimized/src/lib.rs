@@ -4,6 +4,8 @@
 //!   encode, exact selection rules, f32 attention with online softmax.
 //! - [`OptimizedMosaicCache`]: the MosaicKV [`mosaickv_spec::KvCache`] with the section 10 lifecycle,
 //!   parallel prefill encoding and allocation-free flash-decoding attention.
+//! - [`LiveCache`]: the production cache manager: the same lifecycle with strategy fitting and
+//!   re-encoding on a background worker (SPEC.md section 10.4), chunked prefill, host/device memory.
 //! - [`DenseF16Cache`], [`QuestF16Cache`]: the section 12 baselines on the same kernels.
 //!
 //! Kernels: AVX2 + FMA + F16C via `std::arch`, detected at run time, or a portable
@@ -15,10 +17,12 @@ pub mod baselines;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod encode;
+pub mod live;
 pub mod mosaic;
 pub mod simd;
 
 pub use backend::CpuBackend;
 pub use baselines::{DenseF16Cache, QuestF16Cache, QUEST_PAGE};
+pub use live::{Coverage, Holder, HostMemory, LiveCache, LiveStats, Mode, PrefillRule, WorkerHold};
 pub use mosaic::{attend_scratch_bytes, OptimizedMosaicCache};
 pub use simd::Path;
