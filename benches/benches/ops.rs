@@ -15,35 +15,56 @@ fn ops(c: &mut Criterion) {
     let q = synthetic::queries(32, 128, &k, 7);
     let cfg = CompressConfig::paper_fixed();
     let mut g = c.benchmark_group("ops");
-    g.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    let backends: Vec<Box<dyn Backend>> = vec![Box::new(CpuBackend::new()), Box::new(CpuBackend::portable())];
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let backends: Vec<Box<dyn Backend>> = vec![
+        Box::new(CpuBackend::new()),
+        Box::new(CpuBackend::portable()),
+    ];
     let rows = k.slice(s![..4096, 0, ..]).to_owned();
     let mut mosaic = OptimizedMosaicCache::new(shape, cfg.clone()).unwrap();
     mosaic.prefill(k.view(), v.view()).unwrap();
     for be in &backends {
         let name = be.name();
         let side = be.fit_side(rows.view(), Side::Key, &cfg).unwrap();
-        g.bench_function(format!("{name}/encode/4096"), |b| b.iter(|| be.encode(rows.view(), &side).unwrap()));
-        g.bench_function(format!("{name}/score_select/{ctx}"), |b| b.iter(|| be.select(mosaic.compressed(), q.view()).unwrap()));
+        g.bench_function(format!("{name}/encode/4096"), |b| {
+            b.iter(|| be.encode(rows.view(), &side).unwrap())
+        });
+        g.bench_function(format!("{name}/score_select/{ctx}"), |b| {
+            b.iter(|| be.select(mosaic.compressed(), q.view()).unwrap())
+        });
         let sel = be.select(mosaic.compressed(), q.view()).unwrap();
         let mut out = Array2::zeros((32, 128));
         g.bench_function(format!("{name}/packed_attention/{ctx}"), |b| {
-            b.iter(|| be.attend_selected(mosaic.compressed(), q.view(), &sel, out.view_mut()).unwrap())
+            b.iter(|| {
+                be.attend_selected(mosaic.compressed(), q.view(), &sel, out.view_mut())
+                    .unwrap()
+            })
         });
     }
     let rb = ReferenceBackend;
     let sel = rb.select(mosaic.compressed(), q.view()).unwrap();
     let mut out = Array2::zeros((32, 128));
     g.bench_function(format!("reference/packed_attention/{ctx}"), |b| {
-        b.iter(|| rb.attend_selected(mosaic.compressed(), q.view(), &sel, out.view_mut()).unwrap())
+        b.iter(|| {
+            rb.attend_selected(mosaic.compressed(), q.view(), &sel, out.view_mut())
+                .unwrap()
+        })
     });
-    g.bench_function(format!("cpu/mosaic_cache_attend/{ctx}"), |b| b.iter(|| mosaic.attend(q.view(), out.view_mut()).unwrap()));
+    g.bench_function(format!("cpu/mosaic_cache_attend/{ctx}"), |b| {
+        b.iter(|| mosaic.attend(q.view(), out.view_mut()).unwrap())
+    });
     let mut full = DenseF16Cache::new(shape).unwrap();
     full.prefill(k.view(), v.view()).unwrap();
-    g.bench_function(format!("cpu/full_attention/{ctx}"), |b| b.iter(|| full.attend(q.view(), out.view_mut()).unwrap()));
+    g.bench_function(format!("cpu/full_attention/{ctx}"), |b| {
+        b.iter(|| full.attend(q.view(), out.view_mut()).unwrap())
+    });
     let mut quest = QuestF16Cache::new(shape, 0.1).unwrap();
     quest.prefill(k.view(), v.view()).unwrap();
-    g.bench_function(format!("cpu/quest/{ctx}"), |b| b.iter(|| quest.attend(q.view(), out.view_mut()).unwrap()));
+    g.bench_function(format!("cpu/quest/{ctx}"), |b| {
+        b.iter(|| quest.attend(q.view(), out.view_mut()).unwrap())
+    });
     g.finish();
 }
 

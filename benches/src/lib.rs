@@ -8,7 +8,10 @@ use std::time::Instant;
 /// passes summing a buffer of `bytes` bytes (u64 words, 4 accumulators per thread).
 pub fn read_bandwidth_gbps(bytes: usize, reps: usize) -> f64 {
     let n = bytes / 8;
-    let buf: Vec<u64> = (0..n as u64).into_par_iter().map(|i| i.wrapping_mul(0x9e37_79b9)).collect();
+    let buf: Vec<u64> = (0..n as u64)
+        .into_par_iter()
+        .map(|i| i.wrapping_mul(0x9e37_79b9))
+        .collect();
     let mut best = 0f64;
     for _ in 0..reps {
         let t = Instant::now();
@@ -33,7 +36,11 @@ pub fn read_bandwidth_gbps(bytes: usize, reps: usize) -> f64 {
 
 /// Exact attention in f64 over every token of f32 K/V `[n, kv, d]` for queries `[q_heads, d]`
 /// (parallel over query heads), rounded to f32.
-pub fn exact_full_attention(keys: ArrayView3<f32>, values: ArrayView3<f32>, q: ArrayView2<f32>) -> Array2<f32> {
+pub fn exact_full_attention(
+    keys: ArrayView3<f32>,
+    values: ArrayView3<f32>,
+    q: ArrayView2<f32>,
+) -> Array2<f32> {
     let (n, kv, d) = keys.dim();
     let qh = q.nrows();
     let g = qh / kv;
@@ -44,7 +51,11 @@ pub fn exact_full_attention(keys: ArrayView3<f32>, values: ArrayView3<f32>, q: A
             let z: Vec<f64> = (0..n)
                 .map(|t| {
                     let k = keys.slice(ndarray::s![t, j, ..]);
-                    k.iter().zip(q.row(h)).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() / (d as f64).sqrt()
+                    k.iter()
+                        .zip(q.row(h))
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
                 })
                 .collect();
             let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -53,7 +64,10 @@ pub fn exact_full_attention(keys: ArrayView3<f32>, values: ArrayView3<f32>, q: A
             for (t, &zt) in z.iter().enumerate() {
                 let p = (zt - m).exp();
                 s += p;
-                for (a, &v) in acc.iter_mut().zip(values.slice(ndarray::s![t, j, ..]).iter()) {
+                for (a, &v) in acc
+                    .iter_mut()
+                    .zip(values.slice(ndarray::s![t, j, ..]).iter())
+                {
                     *a += p * v as f64;
                 }
             }
@@ -65,7 +79,11 @@ pub fn exact_full_attention(keys: ArrayView3<f32>, values: ArrayView3<f32>, q: A
 
 /// `||a - b|| / ||b||` over all elements (0 when both are 0).
 pub fn rel_l2(a: ArrayView2<f32>, b: ArrayView2<f32>) -> f64 {
-    let num: f64 = a.iter().zip(b.iter()).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(b.iter())
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     if den == 0.0 {
         if num == 0.0 {

@@ -12,18 +12,32 @@ fn encode_meta_select_and_attend_agree() {
     let shape = KvShape::new(2, 8, 64).unwrap();
     let (k, v) = synthetic::structured_kv(1500, 2, 64, 3);
     let rb = ReferenceBackend;
-    for cfg in [CompressConfig::paper_fixed(), CompressConfig { input_segment_len: 512, ..CompressConfig::default() }] {
+    for cfg in [
+        CompressConfig::paper_fixed(),
+        CompressConfig {
+            input_segment_len: 512,
+            ..CompressConfig::default()
+        },
+    ] {
         for be in [CpuBackend::new(), CpuBackend::portable()] {
             let rows = k.slice(s![4..700, 1, ..]).to_owned();
             let a = be.fit_side(rows.view(), Side::Key, &cfg).unwrap();
             let b = rb.fit_side(rows.view(), Side::Key, &cfg).unwrap();
             assert_eq!(a.layout, b.layout);
             assert_eq!(a.rotation, b.rotation, "rotation bits");
-            assert!((a.fit_loss - b.fit_loss).abs() < 1e-9, "{} vs {}", a.fit_loss, b.fit_loss);
+            assert!(
+                (a.fit_loss - b.fit_loss).abs() < 1e-9,
+                "{} vs {}",
+                a.fit_loss,
+                b.fit_loss
+            );
             let pa = be.encode(rows.view(), &b).unwrap();
             let pb = rb.encode(rows.view(), &b).unwrap();
             assert_eq!(pa, pb, "packed bytes");
-            assert_eq!(be.block_meta(&pb, &b, 16).unwrap(), rb.block_meta(&pb, &b, 16).unwrap());
+            assert_eq!(
+                be.block_meta(&pb, &b, 16).unwrap(),
+                rb.block_meta(&pb, &b, 16).unwrap()
+            );
             assert_eq!(
                 be.fit_block_size(rows.view(), &b, &cfg).unwrap(),
                 rb.fit_block_size(rows.view(), &b, &cfg).unwrap()
@@ -31,23 +45,45 @@ fn encode_meta_select_and_attend_agree() {
         }
         let mut ours = OptimizedMosaicCache::new(shape, cfg.clone()).unwrap();
         let mut theirs = MosaicCache::new(shape, cfg.clone()).unwrap();
-        ours.prefill(k.slice(s![..1200, .., ..]), v.slice(s![..1200, .., ..])).unwrap();
-        theirs.prefill(k.slice(s![..1200, .., ..]), v.slice(s![..1200, .., ..])).unwrap();
+        ours.prefill(k.slice(s![..1200, .., ..]), v.slice(s![..1200, .., ..]))
+            .unwrap();
+        theirs
+            .prefill(k.slice(s![..1200, .., ..]), v.slice(s![..1200, .., ..]))
+            .unwrap();
         for t in 1200..1500 {
-            ours.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..])).unwrap();
-            theirs.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..])).unwrap();
+            ours.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..]))
+                .unwrap();
+            theirs
+                .append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..]))
+                .unwrap();
         }
         let (a, b) = (ours.compressed(), theirs.compressed());
         assert_eq!(a.sink, b.sink, "sink");
         assert_eq!(a.buffer, b.buffer, "buffer");
         assert_eq!(a.segments.len(), b.segments.len(), "segment count");
         for (i, (x, y)) in a.segments.iter().zip(&b.segments).enumerate() {
-            assert_eq!((x.start, x.len, x.state), (y.start, y.len, y.state), "segment {i}");
+            assert_eq!(
+                (x.start, x.len, x.state),
+                (y.start, y.len, y.state),
+                "segment {i}"
+            );
             for (h, (p, q)) in x.heads.iter().zip(&y.heads).enumerate() {
-                assert_eq!(p.strategy.key.layout, q.strategy.key.layout, "seg {i} head {h} key layout");
-                assert_eq!(p.strategy.key.rotation, q.strategy.key.rotation, "seg {i} head {h} key rotation");
-                assert_eq!(p.strategy.value.rotation, q.strategy.value.rotation, "seg {i} head {h} value rotation");
-                assert_eq!(p.strategy.block_size, q.strategy.block_size, "seg {i} head {h} block");
+                assert_eq!(
+                    p.strategy.key.layout, q.strategy.key.layout,
+                    "seg {i} head {h} key layout"
+                );
+                assert_eq!(
+                    p.strategy.key.rotation, q.strategy.key.rotation,
+                    "seg {i} head {h} key rotation"
+                );
+                assert_eq!(
+                    p.strategy.value.rotation, q.strategy.value.rotation,
+                    "seg {i} head {h} value rotation"
+                );
+                assert_eq!(
+                    p.strategy.block_size, q.strategy.block_size,
+                    "seg {i} head {h} block"
+                );
                 assert!((p.strategy.key.fit_loss - q.strategy.key.fit_loss).abs() < 1e-9);
                 assert_eq!(p.keys, q.keys, "seg {i} head {h} keys");
                 assert_eq!(p.values, q.values, "seg {i} head {h} values");
@@ -59,11 +95,16 @@ fn encode_meta_select_and_attend_agree() {
             let sel = rb.select(theirs.compressed(), q.view()).unwrap();
             let mut o1 = Array2::zeros((8, 64));
             let mut o2 = Array2::zeros((8, 64));
-            CpuBackend::new().attend_selected(theirs.compressed(), q.view(), &sel, o1.view_mut()).unwrap();
-            rb.attend_selected(theirs.compressed(), q.view(), &sel, o2.view_mut()).unwrap();
+            CpuBackend::new()
+                .attend_selected(theirs.compressed(), q.view(), &sel, o1.view_mut())
+                .unwrap();
+            rb.attend_selected(theirs.compressed(), q.view(), &sel, o2.view_mut())
+                .unwrap();
             let e = mosaickv_benches::rel_l2(o1.view(), o2.view());
             assert!(e < 1e-4, "attention rel error {e}");
-            let ours_sel = CpuBackend::new().select(theirs.compressed(), q.view()).unwrap();
+            let ours_sel = CpuBackend::new()
+                .select(theirs.compressed(), q.view())
+                .unwrap();
             if ours_sel != sel {
                 eprintln!("seed {seed}: selection differs (f32 vs f64 query rotation near a tie)");
             }

@@ -16,6 +16,9 @@ use std::cell::RefCell;
 /// Selected blocks per work unit (flash-decoding split inside a segment).
 pub const UNIT_BLOCKS: usize = 32;
 
+/// Selected blocks prefetched ahead of the one being attended.
+pub const PREFETCH_AHEAD: usize = 3;
+
 /// Rounds up to a multiple of 8 (SIMD width).
 #[inline]
 pub fn pad8(x: usize) -> usize {
@@ -40,7 +43,11 @@ thread_local! {
 }
 
 /// Runs `f(ktile, vtile, logits)` with this thread's tile buffers (grown once, then reused).
-pub fn with_tiles<R>(dp: usize, g: usize, f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R {
+pub fn with_tiles<R>(
+    dp: usize,
+    g: usize,
+    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
+) -> R {
     TILES.with(|t| {
         let mut t = t.borrow_mut();
         let need = 2 * TILE * dp + g * TILE;
@@ -56,7 +63,15 @@ pub fn with_tiles<R>(dp: usize, g: usize, f: impl FnOnce(&mut [f32], &mut [f32],
 /// Tile-local online softmax step: `logits` (`[g][TILE]`, first `n` valid) become
 /// probabilities relative to the new running max; `st` is rescaled; values accumulated.
 #[inline]
-pub fn online_update(path: Path, st: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize, vtile: &[f32]) {
+pub fn online_update(
+    path: Path,
+    st: &mut [f32],
+    g: usize,
+    dp: usize,
+    logits: &mut [f32],
+    n: usize,
+    vtile: &[f32],
+) {
     let (m, rest) = st.split_at_mut(g);
     let (l, acc) = rest.split_at_mut(g);
     online_softmax(m, l, acc, g, dp, logits, n);
@@ -66,10 +81,24 @@ pub fn online_update(path: Path, st: &mut [f32], g: usize, dp: usize, logits: &m
 /// The softmax half of [`online_update`] for `g` heads with running max `m`, sum `l`,
 /// accumulators `acc` (`[g][dp]`): logits become probabilities, the state is rescaled.
 #[inline]
-pub fn online_softmax(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
+pub fn online_softmax(
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    g: usize,
+    dp: usize,
+    logits: &mut [f32],
+    n: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::avx2_available() {
-        assert!(m.len() >= g && l.len() >= g && acc.len() >= g * dp && logits.len() >= g * TILE && n <= TILE);
+        assert!(
+            m.len() >= g
+                && l.len() >= g
+                && acc.len() >= g * dp
+                && logits.len() >= g * TILE
+                && n <= TILE
+        );
         // SAFETY: avx2/fma/f16c detected; logits hold g * TILE floats (asserted), other accesses are checked.
         unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n) };
         return;
@@ -79,9 +108,19 @@ pub fn online_softmax(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, d
 
 /// Written over fixed 16-wide arrays so the compiler vectorizes the max, the exps and the sum.
 #[inline(always)]
-fn online_softmax_body(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
+fn online_softmax_body(
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    g: usize,
+    dp: usize,
+    logits: &mut [f32],
+    n: usize,
+) {
     for h in 0..g {
-        let lg: &mut [f32; TILE] = (&mut logits[h * TILE..(h + 1) * TILE]).try_into().expect("TILE logits");
+        let lg: &mut [f32; TILE] = (&mut logits[h * TILE..(h + 1) * TILE])
+            .try_into()
+            .expect("TILE logits");
         for x in lg[n..].iter_mut() {
             *x = f32::NEG_INFINITY;
         }
@@ -92,10 +131,18 @@ fn online_softmax_body(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, 
         let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let m_old = m[h];
         let m_new = m_old.max(mt);
-        let corr = if m_old == f32::NEG_INFINITY { 0.0 } else { fast_exp(m_old - m_new) };
+        let corr = if m_old == f32::NEG_INFINITY {
+            0.0
+        } else {
+            fast_exp(m_old - m_new)
+        };
         let mut sums = [0f32; 8];
         for i in 0..TILE {
-            let p = if lg[i] == f32::NEG_INFINITY { 0.0 } else { fast_exp(lg[i] - m_new) };
+            let p = if lg[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                fast_exp(lg[i] - m_new)
+            };
             lg[i] = p;
             sums[i % 8] += p;
         }
@@ -113,7 +160,20 @@ fn online_softmax_body(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, 
 /// Attends dense f16 rows `t0..t1` (row t's key at `keys[t * stride ..][..d]`) into partial `st`.
 /// `q` is `[g][dp]` (zero-padded past d).
 #[allow(clippy::too_many_arguments)]
-pub fn dense_rows_update(path: Path, q: &[f32], g: usize, d: usize, dp: usize, keys: &[f16], values: &[f16], stride: usize, t0: usize, t1: usize, scale: f32, st: &mut [f32]) {
+pub fn dense_rows_update(
+    path: Path,
+    q: &[f32],
+    g: usize,
+    d: usize,
+    dp: usize,
+    keys: &[f16],
+    values: &[f16],
+    stride: usize,
+    t0: usize,
+    t1: usize,
+    scale: f32,
+    st: &mut [f32],
+) {
     if path.fused_f16(d) {
         // f16 rows read directly by the kernels; heads in groups of up to 8.
         let mut lg = [0f32; 8 * TILE];
@@ -122,11 +182,24 @@ pub fn dense_rows_update(path: Path, q: &[f32], g: usize, d: usize, dp: usize, k
         let mut h0 = 0;
         while h0 < g {
             let gn = (g - h0).min(8);
-            let (mg, lgs, ag) = (&mut m[h0..h0 + gn], &mut l[h0..h0 + gn], &mut acc[h0 * dp..(h0 + gn) * dp]);
+            let (mg, lgs, ag) = (
+                &mut m[h0..h0 + gn],
+                &mut l[h0..h0 + gn],
+                &mut acc[h0 * dp..(h0 + gn) * dp],
+            );
             let mut t = t0;
             while t < t1 {
                 let n = (t1 - t).min(TILE);
-                path.tile_logits_f16(&q[h0 * dp..], gn, dp, &keys[t * stride..], stride, n, scale, &mut lg);
+                path.tile_logits_f16(
+                    &q[h0 * dp..],
+                    gn,
+                    dp,
+                    &keys[t * stride..],
+                    stride,
+                    n,
+                    scale,
+                    &mut lg,
+                );
                 online_softmax(mg, lgs, ag, gn, dp, &mut lg, n);
                 path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
                 t += n;
@@ -170,19 +243,35 @@ pub fn rank_key(score: f32, index: u32) -> u64 {
     };
     let b = s.to_bits();
     // Monotone map f32 -> u32 (increasing), then invert for descending.
-    let mono = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
+    let mono = if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    };
     ((!mono as u64) << 32) | index as u64
 }
 
 /// SPEC 8.3: blocks taken in (score desc, index asc) order while fewer than `budget` tokens are taken;
 /// written ascending into `out`. `keys` is scratch. `max_take` bounds how many blocks can be needed.
-pub fn top_blocks(scores: &[f32], lens: impl Fn(usize) -> usize, budget: usize, max_take: usize, keys: &mut Vec<u64>, out: &mut Vec<u32>) {
+pub fn top_blocks(
+    scores: &[f32],
+    lens: impl Fn(usize) -> usize,
+    budget: usize,
+    max_take: usize,
+    keys: &mut Vec<u64>,
+    out: &mut Vec<u32>,
+) {
     out.clear();
     keys.clear();
     if budget == 0 || scores.is_empty() {
         return;
     }
-    keys.extend(scores.iter().enumerate().map(|(i, &s)| rank_key(s, i as u32)));
+    keys.extend(
+        scores
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| rank_key(s, i as u32)),
+    );
     let k = max_take.clamp(1, keys.len());
     if k < keys.len() {
         keys.select_nth_unstable(k - 1);
@@ -277,7 +366,14 @@ fn dims(cache: &CompressedCache) -> Dims {
 
 /// Scratch bytes packed attention needs for a cache of this geometry (excluding
 /// per-thread tile buffers of `2 * TILE * dp + g * TILE` floats and the unit list).
-pub fn scratch_bytes_for(kv: usize, g: usize, d: usize, nseg: usize, blocks_per_head: usize, selected_per_head: usize) -> usize {
+pub fn scratch_bytes_for(
+    kv: usize,
+    g: usize,
+    d: usize,
+    nseg: usize,
+    blocks_per_head: usize,
+    selected_per_head: usize,
+) -> usize {
     let dp = pad8(d);
     let units = kv * (nseg + selected_per_head.div_ceil(UNIT_BLOCKS));
     4 * (kv * nseg * g * dp) // rotated queries
@@ -364,7 +460,15 @@ pub fn packed_attention(
                         path.rotate_query(&hs.strategy.key.rotation, d, qh, &mut o[..gm.dtk]);
                     }
                     if compute {
-                        path.score_blocks(q, g, gm.dpk, gm.dtk, &hs.meta.min, &hs.meta.max, &mut scores[gm.first..gm.first + gm.blocks]);
+                        path.score_blocks(
+                            q,
+                            g,
+                            gm.dpk,
+                            gm.dtk,
+                            &hs.meta.min,
+                            &hs.meta.max,
+                            &mut scores[gm.first..gm.first + gm.blocks],
+                        );
                         bmin = bmin.min(gm.block);
                     }
                     total_blocks += gm.blocks;
@@ -449,7 +553,12 @@ pub fn packed_attention(
             while j < sel.len() && sel[j] < end_block && j - i < UNIT_BLOCKS {
                 j += 1;
             }
-            sc.units.push(Unit { head: h, seg: s, s0: i, s1: j });
+            sc.units.push(Unit {
+                head: h,
+                seg: s,
+                s0: i,
+                s1: j,
+            });
             i = j;
         }
     }
@@ -460,42 +569,82 @@ pub fn packed_attention(
     // Phase B: flash-decoding over the selected packed blocks.
     {
         let (units, geom, sel, qrot) = (&sc.units, &sc.geom, &sc.sel, &sc.qrot);
-        sc.partials.par_chunks_mut(plen).zip(units.par_iter()).for_each(|(st, u)| {
-            let gm = geom[u.head * nseg + u.seg];
-            let hs = &cache.segments[u.seg].heads[u.head];
-            let seg_len = cache.segments[u.seg].len;
-            let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
-            let (krb, vrb) = (kl.record_bytes(), vl.record_bytes());
-            let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
-            let dpmax = gm.dpk.max(gm.dpv);
-            partial_init(&mut st[..partial_len(g, gm.dpv)], g);
-            with_tiles(dpmax, g, |kt, vt, lg| {
-                let blocks = &sel[u.head][u.s0..u.s1];
-                for (bi, &gi) in blocks.iter().enumerate() {
-                    if let Some(&next) = blocks.get(bi + 1) {
-                        // Prefetch the next selected block's records while this one is computed.
-                        let t0 = (next as usize - gm.first) * gm.block;
+        sc.partials
+            .par_chunks_mut(plen)
+            .zip(units.par_iter())
+            .for_each(|(st, u)| {
+                let gm = geom[u.head * nseg + u.seg];
+                let hs = &cache.segments[u.seg].heads[u.head];
+                let seg_len = cache.segments[u.seg].len;
+                let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
+                let (krb, vrb) = (kl.record_bytes(), vl.record_bytes());
+                let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
+                let dpmax = gm.dpk.max(gm.dpv);
+                partial_init(&mut st[..partial_len(g, gm.dpv)], g);
+                with_tiles(dpmax, g, |kt, vt, lg| {
+                    let blocks = &sel[u.head][u.s0..u.s1];
+                    // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
+                    // scattered, so the hardware prefetcher cannot guess them).
+                    let prefetch = |i: usize| {
+                        if let Some(&next) = blocks.get(i) {
+                            let t0 = (next as usize - gm.first) * gm.block;
+                            let t1 = (t0 + gm.block).min(seg_len);
+                            path.prefetch(&hs.keys.bytes[t0 * krb..t1 * krb]);
+                            path.prefetch(&hs.values.bytes[t0 * vrb..t1 * vrb]);
+                        }
+                    };
+                    for i in 0..PREFETCH_AHEAD {
+                        prefetch(i);
+                    }
+                    for (bi, &gi) in blocks.iter().enumerate() {
+                        prefetch(bi + PREFETCH_AHEAD);
+                        let b = gi as usize - gm.first;
+                        let t0 = b * gm.block;
                         let t1 = (t0 + gm.block).min(seg_len);
-                        path.prefetch(&hs.keys.bytes[t0 * krb..t1 * krb]);
-                        path.prefetch(&hs.values.bytes[t0 * vrb..t1 * vrb]);
+                        let mut t = t0;
+                        while t < t1 {
+                            let n = (t1 - t).min(TILE);
+                            let kb = &hs.keys.bytes[t * krb..];
+                            path.expand_records(
+                                kb,
+                                kb.len() - n * krb,
+                                n,
+                                krb,
+                                kl.bitmap_words(),
+                                kl.group_size,
+                                kl.kept_dims,
+                                kl.r,
+                                gm.dpk,
+                                kt,
+                            );
+                            path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
+                            let vb = &hs.values.bytes[t * vrb..];
+                            path.expand_records(
+                                vb,
+                                vb.len() - n * vrb,
+                                n,
+                                vrb,
+                                vl.bitmap_words(),
+                                vl.group_size,
+                                vl.kept_dims,
+                                vl.r,
+                                gm.dpv,
+                                vt,
+                            );
+                            online_update(
+                                path,
+                                &mut st[..partial_len(g, gm.dpv)],
+                                g,
+                                gm.dpv,
+                                lg,
+                                n,
+                                vt,
+                            );
+                            t += n;
+                        }
                     }
-                    let b = gi as usize - gm.first;
-                    let t0 = b * gm.block;
-                    let t1 = (t0 + gm.block).min(seg_len);
-                    let mut t = t0;
-                    while t < t1 {
-                        let n = (t1 - t).min(TILE);
-                        let kb = &hs.keys.bytes[t * krb..];
-                        path.expand_records(kb, kb.len() - n * krb, n, krb, kl.bitmap_words(), kl.group_size, kl.kept_dims, kl.r, gm.dpk, kt);
-                        path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
-                        let vb = &hs.values.bytes[t * vrb..];
-                        path.expand_records(vb, vb.len() - n * vrb, n, vrb, vl.bitmap_words(), vl.group_size, vl.kept_dims, vl.r, gm.dpv, vt);
-                        online_update(path, &mut st[..partial_len(g, gm.dpv)], g, gm.dpv, lg, n, vt);
-                        t += n;
-                    }
-                }
+                });
             });
-        });
     }
 
     // Phase C: per KV head, the dense part (sink + buffer), then merge units of each
@@ -504,87 +653,114 @@ pub fn packed_attention(
     sc.head_out.resize(kv * hlen, 0.0);
     {
         let (units, geom, partials) = (&sc.units, &sc.geom, &sc.partials);
-        sc.head_out.par_chunks_mut(hlen).enumerate().for_each(|(h, buf)| {
-            let (dense, rest) = buf.split_at_mut(partial_len(g, dp));
-            let (qd, rest) = rest.split_at_mut(g * dp);
-            let (acc, mx) = rest.split_at_mut(g * dp);
-            let mx = &mut mx[..g];
-            // Dense part with the unrotated queries.
-            partial_init(dense, g);
-            for k in 0..g {
-                let row = &mut qd[k * dp..(k + 1) * dp];
-                row[..d].copy_from_slice(&queries[(h * g + k) * d..(h * g + k + 1) * d]);
-                row[d..].fill(0.0);
-            }
-            let stride = kv * d;
-            for rows in [&cache.sink, &cache.buffer] {
-                if rows.tokens > 0 {
-                    dense_rows_update(path, qd, g, d, dp, &rows.keys[h * d..], &rows.values[h * d..], stride, 0, rows.tokens, scale, dense);
-                }
-            }
-            // Global max per query head.
-            mx.copy_from_slice(&dense[..g]);
-            let base = units.partition_point(|u| u.head < h);
-            let hu = &units[base..units.partition_point(|u| u.head <= h)];
-            for i in 0..hu.len() {
-                let p = &partials[(base + i) * plen..];
+        sc.head_out
+            .par_chunks_mut(hlen)
+            .enumerate()
+            .for_each(|(h, buf)| {
+                let (dense, rest) = buf.split_at_mut(partial_len(g, dp));
+                let (qd, rest) = rest.split_at_mut(g * dp);
+                let (acc, mx) = rest.split_at_mut(g * dp);
+                let mx = &mut mx[..g];
+                // Dense part with the unrotated queries.
+                partial_init(dense, g);
                 for k in 0..g {
-                    mx[k] = mx[k].max(p[k]);
+                    let row = &mut qd[k * dp..(k + 1) * dp];
+                    row[..d].copy_from_slice(&queries[(h * g + k) * d..(h * g + k + 1) * d]);
+                    row[d..].fill(0.0);
                 }
-            }
-            // Output accumulator (unrotated, width dp): starts from the dense part.
-            let mut lsum = [0f32; 64];
-            let mut lsum_vec: Vec<f32>;
-            let l: &mut [f32] = if g <= 64 {
-                &mut lsum[..g]
-            } else {
-                lsum_vec = vec![0.0; g];
-                &mut lsum_vec[..]
-            };
-            let (o_acc, seg_acc) = (qd, acc); // qd no longer needed after dense part
-            for k in 0..g {
-                let c = if dense[k] == f32::NEG_INFINITY { 0.0 } else { fast_exp(dense[k] - mx[k]) };
-                l[k] = dense[g + k] * c;
-                for (o, &a) in o_acc[k * dp..(k + 1) * dp].iter_mut().zip(&dense[2 * g + k * dp..2 * g + (k + 1) * dp]) {
-                    *o = a * c;
+                let stride = kv * d;
+                for rows in [&cache.sink, &cache.buffer] {
+                    if rows.tokens > 0 {
+                        dense_rows_update(
+                            path,
+                            qd,
+                            g,
+                            d,
+                            dp,
+                            &rows.keys[h * d..],
+                            &rows.values[h * d..],
+                            stride,
+                            0,
+                            rows.tokens,
+                            scale,
+                            dense,
+                        );
+                    }
                 }
-            }
-            let mut i = 0;
-            while i < hu.len() {
-                let s = hu[i].seg;
-                let gm = geom[h * nseg + s];
-                seg_acc[..g * gm.dpv].fill(0.0);
-                while i < hu.len() && hu[i].seg == s {
-                    let p = &partials[(base + i) * plen..(base + i) * plen + partial_len(g, gm.dpv)];
+                // Global max per query head.
+                mx.copy_from_slice(&dense[..g]);
+                let base = units.partition_point(|u| u.head < h);
+                let hu = &units[base..units.partition_point(|u| u.head <= h)];
+                for i in 0..hu.len() {
+                    let p = &partials[(base + i) * plen..];
                     for k in 0..g {
-                        if p[k] == f32::NEG_INFINITY {
-                            continue;
-                        }
-                        let c = fast_exp(p[k] - mx[k]);
-                        l[k] += p[g + k] * c;
-                        for (o, &a) in seg_acc[k * gm.dpv..(k + 1) * gm.dpv].iter_mut().zip(&p[2 * g + k * gm.dpv..2 * g + (k + 1) * gm.dpv]) {
-                            *o += a * c;
-                        }
+                        mx[k] = mx[k].max(p[k]);
                     }
-                    i += 1;
                 }
-                // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j.
-                let rv = &cache.segments[s].heads[h].strategy.value.rotation;
+                // Output accumulator (unrotated, width dp): starts from the dense part.
+                let mut lsum = [0f32; 64];
+                let mut lsum_vec: Vec<f32>;
+                let l: &mut [f32] = if g <= 64 {
+                    &mut lsum[..g]
+                } else {
+                    lsum_vec = vec![0.0; g];
+                    &mut lsum_vec[..]
+                };
+                let (o_acc, seg_acc) = (qd, acc); // qd no longer needed after dense part
                 for k in 0..g {
-                    let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
-                    let o = &mut o_acc[k * dp..k * dp + d];
-                    for (ii, oi) in o.iter_mut().enumerate() {
-                        *oi += path.dot(&rv[ii * d..ii * d + gm.dtv], a);
+                    let c = if dense[k] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        fast_exp(dense[k] - mx[k])
+                    };
+                    l[k] = dense[g + k] * c;
+                    for (o, &a) in o_acc[k * dp..(k + 1) * dp]
+                        .iter_mut()
+                        .zip(&dense[2 * g + k * dp..2 * g + (k + 1) * dp])
+                    {
+                        *o = a * c;
                     }
                 }
-            }
-            for k in 0..g {
-                let inv = if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 };
-                for x in &mut o_acc[k * dp..k * dp + d] {
-                    *x *= inv;
+                let mut i = 0;
+                while i < hu.len() {
+                    let s = hu[i].seg;
+                    let gm = geom[h * nseg + s];
+                    seg_acc[..g * gm.dpv].fill(0.0);
+                    while i < hu.len() && hu[i].seg == s {
+                        let p = &partials
+                            [(base + i) * plen..(base + i) * plen + partial_len(g, gm.dpv)];
+                        for k in 0..g {
+                            if p[k] == f32::NEG_INFINITY {
+                                continue;
+                            }
+                            let c = fast_exp(p[k] - mx[k]);
+                            l[k] += p[g + k] * c;
+                            for (o, &a) in seg_acc[k * gm.dpv..(k + 1) * gm.dpv]
+                                .iter_mut()
+                                .zip(&p[2 * g + k * gm.dpv..2 * g + (k + 1) * gm.dpv])
+                            {
+                                *o += a * c;
+                            }
+                        }
+                        i += 1;
+                    }
+                    // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j.
+                    let rv = &cache.segments[s].heads[h].strategy.value.rotation;
+                    for k in 0..g {
+                        let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
+                        let o = &mut o_acc[k * dp..k * dp + d];
+                        for (ii, oi) in o.iter_mut().enumerate() {
+                            *oi += path.dot(&rv[ii * d..ii * d + gm.dtv], a);
+                        }
+                    }
                 }
-            }
-        });
+                for k in 0..g {
+                    let inv = if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 };
+                    for x in &mut o_acc[k * dp..k * dp + d] {
+                        *x *= inv;
+                    }
+                }
+            });
     }
     for h in 0..kv {
         let buf = &sc.head_out[h * hlen..(h + 1) * hlen];

@@ -4,7 +4,8 @@ use crate::attend::{packed_attention, pad8, MosaicScratch, SelectionSource};
 use crate::encode;
 use crate::simd::Path;
 use mosaickv_spec::{
-    validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError, PackedRows, Result, Selection, Side, SideStrategy,
+    validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError,
+    PackedRows, Result, Selection, Side, SideStrategy,
 };
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use std::borrow::Cow;
@@ -54,7 +55,9 @@ impl CpuBackend {
         if crate::simd::avx2_available() {
             Ok(Self::with_path(Path::Avx2))
         } else {
-            Err(MosaicError::BackendUnavailable("CPU lacks avx2/fma/f16c".into()))
+            Err(MosaicError::BackendUnavailable(
+                "CPU lacks avx2/fma/f16c".into(),
+            ))
         }
     }
 
@@ -118,14 +121,25 @@ impl CpuBackend {
                     });
                 }
                 if hs.keys.count != seg.len || hs.values.count != seg.len {
-                    return Err(MosaicError::CorruptPacked(format!("{} / {} records for a segment of {}", hs.keys.count, hs.values.count, seg.len)));
+                    return Err(MosaicError::CorruptPacked(format!(
+                        "{} / {} records for a segment of {}",
+                        hs.keys.count, hs.values.count, seg.len
+                    )));
                 }
                 hs.keys.validate(&st.key.layout)?;
                 hs.values.validate(&st.value.layout)?;
                 let m = &hs.meta;
                 let dt = st.key.layout.kept_dims;
-                if st.block_size == 0 || m.block_size != st.block_size || m.kept_dims != dt || m.tokens != seg.len || m.min.len() != m.blocks() * dt || m.max.len() != m.min.len() {
-                    return Err(MosaicError::CorruptPacked("block metadata does not match its segment".into()));
+                if st.block_size == 0
+                    || m.block_size != st.block_size
+                    || m.kept_dims != dt
+                    || m.tokens != seg.len
+                    || m.min.len() != m.blocks() * dt
+                    || m.max.len() != m.min.len()
+                {
+                    return Err(MosaicError::CorruptPacked(
+                        "block metadata does not match its segment".into(),
+                    ));
                 }
             }
         }
@@ -145,7 +159,12 @@ impl Backend for CpuBackend {
         Availability::Available
     }
 
-    fn fit_side(&self, rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+    fn fit_side(
+        &self,
+        rows: ArrayView2<f32>,
+        side: Side,
+        config: &CompressConfig,
+    ) -> Result<SideStrategy> {
         let d = rows.ncols();
         Self::check_rows(&rows, d, "rows")?;
         config.validate(d)?;
@@ -153,7 +172,12 @@ impl Backend for CpuBackend {
         Ok(encode::fit_side_rotated(&data, d, side, config)?.0)
     }
 
-    fn fit_block_size(&self, keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+    fn fit_block_size(
+        &self,
+        keys: ArrayView2<f32>,
+        key: &SideStrategy,
+        config: &CompressConfig,
+    ) -> Result<usize> {
         key.validate()?;
         Self::check_rows(&keys, key.head_dim(), "keys")?;
         config.validate(key.head_dim())?;
@@ -162,7 +186,11 @@ impl Backend for CpuBackend {
         }
         let packed = encode::encode_rows(&contig(&keys), key);
         let dense = encode::decode_rows(&packed, &key.layout)?;
-        Ok(encode::block_size_dense(&dense, key.layout.kept_dims, config))
+        Ok(encode::block_size_dense(
+            &dense,
+            key.layout.kept_dims,
+            config,
+        ))
     }
 
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
@@ -182,13 +210,24 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn block_meta(&self, keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta> {
+    fn block_meta(
+        &self,
+        keys: &PackedRows,
+        key: &SideStrategy,
+        block_size: usize,
+    ) -> Result<BlockMeta> {
         key.validate()?;
         if block_size == 0 {
-            return Err(MosaicError::InvalidConfig("block_size must be positive".into()));
+            return Err(MosaicError::InvalidConfig(
+                "block_size must be positive".into(),
+            ));
         }
         let dense = encode::decode_rows(keys, &key.layout)?;
-        Ok(encode::block_meta_dense(&dense, key.layout.kept_dims, block_size))
+        Ok(encode::block_meta_dense(
+            &dense,
+            key.layout.kept_dims,
+            block_size,
+        ))
     }
 
     fn rotate_queries(&self, queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Array2<f32>> {
@@ -200,7 +239,8 @@ impl Backend for CpuBackend {
         let mut out = Array2::zeros((queries.nrows(), dt));
         for (i, mut row) in out.rows_mut().into_iter().enumerate() {
             let o = row.as_slice_mut().expect("standard layout");
-            self.path.rotate_query(&key.rotation, d, &q[i * d..(i + 1) * d], o);
+            self.path
+                .rotate_query(&key.rotation, d, &q[i * d..(i + 1) * d], o);
         }
         Ok(out)
     }
@@ -214,7 +254,10 @@ impl Backend for CpuBackend {
                 got: format!("{:?}", rotated_queries.shape()),
             });
         }
-        if meta.block_size == 0 || meta.min.len() != meta.blocks() * dt || meta.max.len() != meta.min.len() {
+        if meta.block_size == 0
+            || meta.min.len() != meta.blocks() * dt
+            || meta.max.len() != meta.min.len()
+        {
             return Err(MosaicError::CorruptPacked("block metadata sizes".into()));
         }
         validate::finite("rotated_queries", rotated_queries.iter())?;
@@ -227,11 +270,17 @@ impl Backend for CpuBackend {
             }
         }
         let mut out = vec![0f32; meta.blocks()];
-        self.path.score_blocks(&q, g, dp, dt, &meta.min, &meta.max, &mut out);
+        self.path
+            .score_blocks(&q, g, dp, dt, &meta.min, &meta.max, &mut out);
         Ok(out)
     }
 
-    fn select_blocks(&self, scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+    fn select_blocks(
+        &self,
+        scores: &[f32],
+        block_lens: &[usize],
+        budget_tokens: usize,
+    ) -> Result<Vec<u32>> {
         if scores.len() != block_lens.len() {
             return Err(MosaicError::ShapeMismatch {
                 what: "block_lens",
@@ -239,13 +288,28 @@ impl Backend for CpuBackend {
                 got: block_lens.len().to_string(),
             });
         }
-        let bmin = block_lens.iter().copied().filter(|&l| l > 0).min().unwrap_or(1);
+        let bmin = block_lens
+            .iter()
+            .copied()
+            .filter(|&l| l > 0)
+            .min()
+            .unwrap_or(1);
         // Every block of positive length has at least bmin tokens, so at most ceil(B / bmin) of them
         // plus the empty ones can be taken before the budget is reached.
-        let max_take = budget_tokens.div_ceil(bmin).max(1).saturating_add(block_lens.iter().filter(|&&l| l < bmin).count());
+        let max_take = budget_tokens
+            .div_ceil(bmin)
+            .max(1)
+            .saturating_add(block_lens.iter().filter(|&&l| l < bmin).count());
         let mut keys = Vec::new();
         let mut out = Vec::new();
-        crate::attend::top_blocks(scores, |i| block_lens[i], budget_tokens, max_take, &mut keys, &mut out);
+        crate::attend::top_blocks(
+            scores,
+            |i| block_lens[i],
+            budget_tokens,
+            max_take,
+            &mut keys,
+            &mut out,
+        );
         Ok(out)
     }
 
@@ -260,11 +324,25 @@ impl Backend for CpuBackend {
                 per_head: vec![Vec::new(); s.kv_heads],
             });
         }
-        let sel = packed_attention(self.path, cache, &q, SelectionSource::Compute, true, None, &mut sc)?;
+        let sel = packed_attention(
+            self.path,
+            cache,
+            &q,
+            SelectionSource::Compute,
+            true,
+            None,
+            &mut sc,
+        )?;
         Ok(sel.unwrap_or_default())
     }
 
-    fn attend_selected(&self, cache: &CompressedCache, queries: ArrayView2<f32>, selection: &Selection, mut out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend_selected(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        selection: &Selection,
+        mut out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         Self::check_cache(cache)?;
         let s = cache.shape;
         validate::queries(&s, &queries, out.shape())?;
@@ -276,7 +354,15 @@ impl Backend for CpuBackend {
         let mut tmp;
         let o: &mut [f32] = match out.as_slice_mut() {
             Some(o) => {
-                packed_attention(self.path, cache, &q, SelectionSource::Given(selection), false, Some(o), &mut sc)?;
+                packed_attention(
+                    self.path,
+                    cache,
+                    &q,
+                    SelectionSource::Given(selection),
+                    false,
+                    Some(o),
+                    &mut sc,
+                )?;
                 return Ok(());
             }
             None => {
@@ -284,14 +370,27 @@ impl Backend for CpuBackend {
                 &mut tmp
             }
         };
-        packed_attention(self.path, cache, &q, SelectionSource::Given(selection), false, Some(o), &mut sc)?;
+        packed_attention(
+            self.path,
+            cache,
+            &q,
+            SelectionSource::Given(selection),
+            false,
+            Some(o),
+            &mut sc,
+        )?;
         for (dst, &src) in out.iter_mut().zip(o.iter()) {
             *dst = src;
         }
         Ok(())
     }
 
-    fn attend(&self, cache: &CompressedCache, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        mut out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         Self::check_cache(cache)?;
         let s = cache.shape;
         validate::queries(&s, &queries, out.shape())?;
@@ -301,7 +400,15 @@ impl Backend for CpuBackend {
         let q = contig(&queries);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let mut o = vec![0f32; s.q_heads * s.head_dim];
-        packed_attention(self.path, cache, &q, SelectionSource::Compute, false, Some(&mut o), &mut sc)?;
+        packed_attention(
+            self.path,
+            cache,
+            &q,
+            SelectionSource::Compute,
+            false,
+            Some(&mut o),
+            &mut sc,
+        )?;
         for (dst, &src) in out.iter_mut().zip(o.iter()) {
             *dst = src;
         }

@@ -47,13 +47,21 @@ impl F16Store {
         let conv = |a: &ArrayView3<f32>, h: usize, out: &mut Vec<f16>| {
             out.reserve(n * d);
             for t in 0..n {
-                out.extend(a.slice(ndarray::s![t, h, ..]).iter().map(|&x| f16::from_f32(x)));
+                out.extend(
+                    a.slice(ndarray::s![t, h, ..])
+                        .iter()
+                        .map(|&x| f16::from_f32(x)),
+                );
             }
         };
-        self.keys.par_iter_mut().zip(self.values.par_iter_mut()).enumerate().for_each(|(h, (k, v))| {
-            conv(keys, h, k);
-            conv(values, h, v);
-        });
+        self.keys
+            .par_iter_mut()
+            .zip(self.values.par_iter_mut())
+            .enumerate()
+            .for_each(|(h, (k, v))| {
+                conv(keys, h, k);
+                conv(values, h, v);
+            });
         self.tokens = n;
         Ok(())
     }
@@ -71,7 +79,12 @@ impl F16Store {
     fn memory(&self) -> MemoryReport {
         MemoryReport {
             tokens: self.tokens,
-            values: 2 * self.keys.iter().chain(&self.values).map(Vec::len).sum::<usize>(),
+            values: 2 * self
+                .keys
+                .iter()
+                .chain(&self.values)
+                .map(Vec::len)
+                .sum::<usize>(),
             ..MemoryReport::default()
         }
     }
@@ -91,7 +104,14 @@ struct PageScratch {
 
 /// Attention over the pages in `sc.sel[h]` (page `p` = tokens `p*page .. (p+1)*page`), flash-decoding
 /// split into units of `unit_pages` pages, merged per head. `sc.q` holds `[q_heads][dp]` queries.
-fn attend_pages(path: Path, store: &F16Store, page: usize, unit_pages: usize, sc: &mut PageScratch, out: &mut [f32]) {
+fn attend_pages(
+    path: Path,
+    store: &F16Store,
+    page: usize,
+    unit_pages: usize,
+    sc: &mut PageScratch,
+    out: &mut [f32],
+) {
     let s = store.shape;
     let (kv, g, d) = (s.kv_heads, s.group(), s.head_dim);
     let dp = pad8(d);
@@ -109,51 +129,59 @@ fn attend_pages(path: Path, store: &F16Store, page: usize, unit_pages: usize, sc
     sc.partials.resize(sc.units.len() * plen, 0.0);
     let scale = 1.0 / (d as f32).sqrt();
     let (units, sel, q) = (&sc.units, &sc.sel, &sc.q);
-    sc.partials.par_chunks_mut(plen).zip(units.par_iter()).for_each(|(st, &(h, i, j))| {
-        partial_init(st, g);
-        let qh = &q[h * g * dp..(h + 1) * g * dp];
-        let (k, v) = (&store.keys[h], &store.values[h]);
-        // Coalesce consecutive pages into one token range.
-        let mut a = i;
-        while a < j {
-            let mut b = a + 1;
-            while b < j && sel[h][b] == sel[h][b - 1] + 1 {
-                b += 1;
+    sc.partials
+        .par_chunks_mut(plen)
+        .zip(units.par_iter())
+        .for_each(|(st, &(h, i, j))| {
+            partial_init(st, g);
+            let qh = &q[h * g * dp..(h + 1) * g * dp];
+            let (k, v) = (&store.keys[h], &store.values[h]);
+            // Coalesce consecutive pages into one token range.
+            let mut a = i;
+            while a < j {
+                let mut b = a + 1;
+                while b < j && sel[h][b] == sel[h][b - 1] + 1 {
+                    b += 1;
+                }
+                let t0 = sel[h][a] as usize * page;
+                let t1 = ((sel[h][b - 1] as usize + 1) * page).min(store.tokens);
+                dense_rows_update(path, qh, g, d, dp, k, v, d, t0, t1, scale, st);
+                a = b;
             }
-            let t0 = sel[h][a] as usize * page;
-            let t1 = ((sel[h][b - 1] as usize + 1) * page).min(store.tokens);
-            dense_rows_update(path, qh, g, d, dp, k, v, d, t0, t1, scale, st);
-            a = b;
-        }
-    });
+        });
     // Merge per head.
     let (units, partials) = (&sc.units, &sc.partials);
     sc.out.resize(s.q_heads * dp, 0.0);
-    sc.out.par_chunks_mut(g * dp).enumerate().for_each(|(h, o)| {
-        let a = units.partition_point(|u| u.0 < h);
-        let b = units.partition_point(|u| u.0 <= h);
-        o.fill(0.0);
-        for k in 0..g {
-            let mx = (a..b).map(|u| partials[u * plen + k]).fold(f32::NEG_INFINITY, f32::max);
-            let mut l = 0f32;
-            let ok = &mut o[k * dp..(k + 1) * dp];
-            for u in a..b {
-                let p = &partials[u * plen..(u + 1) * plen];
-                if p[k] == f32::NEG_INFINITY {
-                    continue;
+    sc.out
+        .par_chunks_mut(g * dp)
+        .enumerate()
+        .for_each(|(h, o)| {
+            let a = units.partition_point(|u| u.0 < h);
+            let b = units.partition_point(|u| u.0 <= h);
+            o.fill(0.0);
+            for k in 0..g {
+                let mx = (a..b)
+                    .map(|u| partials[u * plen + k])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let mut l = 0f32;
+                let ok = &mut o[k * dp..(k + 1) * dp];
+                for u in a..b {
+                    let p = &partials[u * plen..(u + 1) * plen];
+                    if p[k] == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let c = fast_exp(p[k] - mx);
+                    l += p[g + k] * c;
+                    for (x, &y) in ok.iter_mut().zip(&p[2 * g + k * dp..2 * g + (k + 1) * dp]) {
+                        *x += y * c;
+                    }
                 }
-                let c = fast_exp(p[k] - mx);
-                l += p[g + k] * c;
-                for (x, &y) in ok.iter_mut().zip(&p[2 * g + k * dp..2 * g + (k + 1) * dp]) {
-                    *x += y * c;
+                let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+                for x in ok.iter_mut() {
+                    *x *= inv;
                 }
             }
-            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-            for x in ok.iter_mut() {
-                *x *= inv;
-            }
-        }
-    });
+        });
     for qh in 0..s.q_heads {
         out[qh * d..(qh + 1) * d].copy_from_slice(&sc.out[qh * dp..qh * dp + d]);
     }
@@ -169,7 +197,12 @@ fn load_queries(shape: &KvShape, queries: &[f32], q: &mut Vec<f32>) {
     }
 }
 
-fn write_out(out: &mut ArrayViewMut2<f32>, shape: &KvShape, tmp: &mut Vec<f32>, f: impl FnOnce(&mut [f32])) {
+fn write_out(
+    out: &mut ArrayViewMut2<f32>,
+    shape: &KvShape,
+    tmp: &mut Vec<f32>,
+    f: impl FnOnce(&mut [f32]),
+) {
     match out.as_slice_mut() {
         Some(o) => f(o),
         None => {
@@ -242,7 +275,9 @@ impl KvCache for DenseF16Cache {
             s.extend(0..chunks as u32);
         }
         let (path, store, sc) = (self.path, &self.store, &mut self.sc);
-        write_out(&mut out, &shape, &mut self.tmp, |o| attend_pages(path, store, DENSE_CHUNK, 1, sc, o));
+        write_out(&mut out, &shape, &mut self.tmp, |o| {
+            attend_pages(path, store, DENSE_CHUNK, 1, sc, o)
+        });
         Ok(())
     }
     fn memory(&self) -> MemoryReport {
@@ -274,7 +309,9 @@ impl QuestF16Cache {
     }
     fn with_path(shape: KvShape, token_rate: f64, path: Path) -> Result<Self> {
         if !(token_rate > 0.0 && token_rate <= 1.0) {
-            return Err(MosaicError::InvalidConfig(format!("token_rate {token_rate} not in (0, 1]")));
+            return Err(MosaicError::InvalidConfig(format!(
+                "token_rate {token_rate} not in (0, 1]"
+            )));
         }
         Ok(Self {
             path,
@@ -308,24 +345,28 @@ impl QuestF16Cache {
         let n = self.store.tokens;
         let path = self.path;
         let _ = path;
-        self.min.par_iter_mut().zip(self.max.par_iter_mut()).zip(self.store.keys.par_iter()).for_each(|((mn, mx), k)| {
-            mn.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
-            mx.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
-            let first_page = t0 / QUEST_PAGE;
-            for p in first_page..n.div_ceil(QUEST_PAGE) {
-                let rows = &k[p * QUEST_PAGE * d..((p + 1) * QUEST_PAGE).min(n) * d];
-                for j in 0..d {
-                    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-                    for r in rows.chunks_exact(d) {
-                        let x = r[j].to_f32();
-                        lo = lo.min(x);
-                        hi = hi.max(x);
+        self.min
+            .par_iter_mut()
+            .zip(self.max.par_iter_mut())
+            .zip(self.store.keys.par_iter())
+            .for_each(|((mn, mx), k)| {
+                mn.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
+                mx.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
+                let first_page = t0 / QUEST_PAGE;
+                for p in first_page..n.div_ceil(QUEST_PAGE) {
+                    let rows = &k[p * QUEST_PAGE * d..((p + 1) * QUEST_PAGE).min(n) * d];
+                    for j in 0..d {
+                        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+                        for r in rows.chunks_exact(d) {
+                            let x = r[j].to_f32();
+                            lo = lo.min(x);
+                            hi = hi.max(x);
+                        }
+                        mn[p * d + j] = f16::from_f32(lo);
+                        mx[p * d + j] = f16::from_f32(hi);
                     }
-                    mn[p * d + j] = f16::from_f32(lo);
-                    mx[p * d + j] = f16::from_f32(hi);
                 }
-            }
-        });
+            });
     }
 }
 
@@ -378,17 +419,39 @@ impl KvCache for QuestF16Cache {
                     return;
                 }
                 let others = pages - 1;
-                path.score_blocks(&qv[h * g * dp..], g, dp, d, &mins[h][..others * d], &maxs[h][..others * d], &mut scores[..others]);
-                top_blocks(&scores[..others], |_| 1, p_budget - 1, p_budget - 1, keys, sel);
+                path.score_blocks(
+                    &qv[h * g * dp..],
+                    g,
+                    dp,
+                    d,
+                    &mins[h][..others * d],
+                    &maxs[h][..others * d],
+                    &mut scores[..others],
+                );
+                top_blocks(
+                    &scores[..others],
+                    |_| 1,
+                    p_budget - 1,
+                    p_budget - 1,
+                    keys,
+                    sel,
+                );
                 sel.push(others as u32);
             });
         let (store, sc) = (&self.store, &mut self.sc);
-        write_out(&mut out, &shape, &mut self.tmp, |o| attend_pages(path, store, QUEST_PAGE, QUEST_UNIT_PAGES, sc, o));
+        write_out(&mut out, &shape, &mut self.tmp, |o| {
+            attend_pages(path, store, QUEST_PAGE, QUEST_UNIT_PAGES, sc, o)
+        });
         Ok(())
     }
     fn memory(&self) -> MemoryReport {
         let mut m = self.store.memory();
-        m.block_meta = 2 * self.min.iter().chain(&self.max).map(Vec::len).sum::<usize>();
+        m.block_meta = 2 * self
+            .min
+            .iter()
+            .chain(&self.max)
+            .map(Vec::len)
+            .sum::<usize>();
         m
     }
 }

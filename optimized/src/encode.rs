@@ -5,7 +5,8 @@
 
 use half::f16;
 use mosaickv_spec::{
-    ceil_to, BlockMeta, ChannelPolicy, CompressConfig, MosaicError, PackedRows, RecordLayout, Result, Side, SideStrategy, ValueDtype,
+    ceil_to, BlockMeta, ChannelPolicy, CompressConfig, MosaicError, PackedRows, RecordLayout,
+    Result, Side, SideStrategy, ValueDtype,
 };
 use nalgebra::{DMatrix, SymmetricEigen};
 use rayon::prelude::*;
@@ -105,7 +106,11 @@ pub fn rotation_from_covariance(c: &[f64], d: usize) -> Vec<f32> {
     let vals = eig.eigenvalues;
     let vecs = eig.eigenvectors;
     let mut order: Vec<usize> = (0..d).collect();
-    order.sort_by(|&a, &b| vals[b].partial_cmp(&vals[a]).unwrap_or(std::cmp::Ordering::Equal));
+    order.sort_by(|&a, &b| {
+        vals[b]
+            .partial_cmp(&vals[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     for (j, &k) in order.iter().enumerate() {
         let col = vecs.column(k);
         let mut best = 0usize;
@@ -159,7 +164,14 @@ pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &m
 
 /// SPEC 5 steps 2-3: which groups a row keeps, from its f16-rounded rotated values `y` (length Dt).
 /// Writes a keep flag per group into `keep`; `scratch` holds group indices.
-fn select_groups(y: &[f16], g: usize, kept_groups: usize, imp: &mut [f32], order: &mut [u16], keep: &mut [bool]) {
+fn select_groups(
+    y: &[f16],
+    g: usize,
+    kept_groups: usize,
+    imp: &mut [f32],
+    order: &mut [u16],
+    keep: &mut [bool],
+) {
     let groups = y.len() / g;
     for k in 0..groups {
         let mut s = 0f32;
@@ -178,7 +190,9 @@ fn select_groups(y: &[f16], g: usize, kept_groups: usize, imp: &mut [f32], order
     }
     let cmp = |a: &u16, b: &u16| {
         let (ia, ib) = (imp[*a as usize], imp[*b as usize]);
-        ib.partial_cmp(&ia).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(b))
+        ib.partial_cmp(&ia)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(b))
     };
     order[..groups].select_nth_unstable_by(kept_groups - 1, cmp);
     keep[..groups].fill(false);
@@ -188,7 +202,15 @@ fn select_groups(y: &[f16], g: usize, kept_groups: usize, imp: &mut [f32], order
 }
 
 /// Packs one record (SPEC.md section 6) from a row's rotated f64 coordinates (at least Dt of them).
-fn pack_record(x: &[f64], layout: &RecordLayout, out: &mut [u8], y: &mut [f16], imp: &mut [f32], order: &mut [u16], keep: &mut [bool]) {
+fn pack_record(
+    x: &[f64],
+    layout: &RecordLayout,
+    out: &mut [u8],
+    y: &mut [f16],
+    imp: &mut [f32],
+    order: &mut [u16],
+    keep: &mut [bool],
+) {
     let dt = layout.kept_dims;
     let g = layout.group_size;
     for j in 0..dt {
@@ -241,7 +263,15 @@ pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> P
         .for_each(|(out, x)| {
             let mut b = PackBufs::new(d);
             for (o, row) in out.chunks_exact_mut(rb).zip(x.chunks_exact(stride)) {
-                pack_record(row, layout, o, &mut b.y, &mut b.imp, &mut b.order, &mut b.keep);
+                pack_record(
+                    row,
+                    layout,
+                    o,
+                    &mut b.y,
+                    &mut b.imp,
+                    &mut b.order,
+                    &mut b.keep,
+                );
             }
         });
     PackedRows { count: n, bytes }
@@ -263,7 +293,15 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> PackedRows {
             let mut xr = vec![0f64; x.len() / d * dt];
             rotate_rows_f64(&side.rotation, d, x, dt, &mut xr);
             for (o, row) in out.chunks_exact_mut(rb).zip(xr.chunks_exact(dt)) {
-                pack_record(row, &layout, o, &mut b.y, &mut b.imp, &mut b.order, &mut b.keep);
+                pack_record(
+                    row,
+                    &layout,
+                    o,
+                    &mut b.y,
+                    &mut b.imp,
+                    &mut b.order,
+                    &mut b.keep,
+                );
             }
         });
     PackedRows { count: n, bytes }
@@ -283,7 +321,14 @@ pub fn loss_rotated(rot_rows: &[f64], d: usize, layout: &RecordLayout) -> f64 {
                 for j in 0..dt {
                     b.y[j] = f16_from_f64(row[j]);
                 }
-                select_groups(&b.y[..dt], g, layout.kept_groups(), &mut b.imp, &mut b.order, &mut b.keep);
+                select_groups(
+                    &b.y[..dt],
+                    g,
+                    layout.kept_groups(),
+                    &mut b.imp,
+                    &mut b.order,
+                    &mut b.keep,
+                );
                 for (j, &v) in row.iter().enumerate() {
                     let e = v * v;
                     den += e;
@@ -295,7 +340,9 @@ pub fn loss_rotated(rot_rows: &[f64], d: usize, layout: &RecordLayout) -> f64 {
             (num, den)
         })
         .collect();
-    let (num, den) = parts.iter().fold((0f64, 0f64), |(a, b), (x, y)| (a + x, b + y));
+    let (num, den) = parts
+        .iter()
+        .fold((0f64, 0f64), |(a, b), (x, y)| (a + x, b + y));
     if den == 0.0 {
         0.0
     } else {
@@ -318,8 +365,15 @@ pub fn candidates(d: usize, config: &CompressConfig) -> Vec<RecordLayout> {
     };
     let mut out: Vec<RecordLayout> = Vec::new();
     match &config.channels {
-        ChannelPolicy::Fixed { retention, group_size } => out.push(mk(*group_size, *retention)),
-        ChannelPolicy::LossThreshold { retentions, group_sizes, .. } => {
+        ChannelPolicy::Fixed {
+            retention,
+            group_size,
+        } => out.push(mk(*group_size, *retention)),
+        ChannelPolicy::LossThreshold {
+            retentions,
+            group_sizes,
+            ..
+        } => {
             for &g in group_sizes {
                 for &f in retentions {
                     let l = mk(g, f);
@@ -334,15 +388,26 @@ pub fn candidates(d: usize, config: &CompressConfig) -> Vec<RecordLayout> {
 }
 
 /// SPEC 11.2: picks the candidate by the policy's rule, given each candidate's loss.
-pub fn choose(cands: &[RecordLayout], losses: &[f64], side: Side, config: &CompressConfig) -> usize {
+pub fn choose(
+    cands: &[RecordLayout],
+    losses: &[f64],
+    side: Side,
+    config: &CompressConfig,
+) -> usize {
     let threshold = match &config.channels {
         ChannelPolicy::Fixed { .. } => return 0,
-        ChannelPolicy::LossThreshold { key_loss, value_loss, .. } => match side {
+        ChannelPolicy::LossThreshold {
+            key_loss,
+            value_loss,
+            ..
+        } => match side {
             Side::Key => *key_loss,
             Side::Value => *value_loss,
         },
     };
-    let passing: Vec<usize> = (0..cands.len()).filter(|&i| losses[i] <= threshold).collect();
+    let passing: Vec<usize> = (0..cands.len())
+        .filter(|&i| losses[i] <= threshold)
+        .collect();
     let cmp_f = |a: f64, b: f64| a.partial_cmp(&b).unwrap_or(std::cmp::Ordering::Equal);
     if !passing.is_empty() {
         *passing
@@ -357,14 +422,22 @@ pub fn choose(cands: &[RecordLayout], losses: &[f64], side: Side, config: &Compr
             .expect("non-empty")
     } else {
         (0..cands.len())
-            .min_by(|&a, &b| cmp_f(losses[a], losses[b]).then(cands[a].record_bytes().cmp(&cands[b].record_bytes())))
+            .min_by(|&a, &b| {
+                cmp_f(losses[a], losses[b])
+                    .then(cands[a].record_bytes().cmp(&cands[b].record_bytes()))
+            })
             .expect("at least one candidate")
     }
 }
 
 /// SPEC 3, 4, 11: fits one side from rows `[n][d]`; also returns the rows' full rotated coordinates
 /// so a caller that encodes the same rows does not rotate them twice.
-pub fn fit_side_rotated(rows: &[f32], d: usize, side: Side, config: &CompressConfig) -> Result<(SideStrategy, Vec<f64>)> {
+pub fn fit_side_rotated(
+    rows: &[f32],
+    d: usize,
+    side: Side,
+    config: &CompressConfig,
+) -> Result<(SideStrategy, Vec<f64>)> {
     config.validate(d)?;
     let c = covariance(rows, d);
     let rotation = rotation_from_covariance(&c, d);
@@ -405,7 +478,10 @@ pub fn decode_rows(packed: &PackedRows, layout: &RecordLayout) -> Result<Vec<f32
     packed.validate(layout)?;
     let out = decode_trusted(packed, layout);
     if let Some(i) = out.iter().position(|x| !x.is_finite()) {
-        return Err(MosaicError::NonFinite { what: "decoded values", index: i });
+        return Err(MosaicError::NonFinite {
+            what: "decoded values",
+            index: i,
+        });
     }
     Ok(out)
 }
@@ -428,7 +504,10 @@ pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
         &mut tmp,
     );
     let mut out = vec![0f32; packed.count * dt];
-    for (o, t) in out.chunks_exact_mut(dt.max(1)).zip(tmp.chunks_exact(dp.max(1))) {
+    for (o, t) in out
+        .chunks_exact_mut(dt.max(1))
+        .zip(tmp.chunks_exact(dp.max(1)))
+    {
         o.copy_from_slice(&t[..dt]);
     }
     out
@@ -476,7 +555,11 @@ pub fn block_size_dense(keys: &[f32], dt: usize, config: &CompressConfig) -> usi
         let mut total = 0f64;
         for j in 0..dt {
             let mean = rows.chunks_exact(dt).map(|r| r[j] as f64).sum::<f64>() / m;
-            total += rows.chunks_exact(dt).map(|r| (r[j] as f64 - mean).powi(2)).sum::<f64>() / m;
+            total += rows
+                .chunks_exact(dt)
+                .map(|r| (r[j] as f64 - mean).powi(2))
+                .sum::<f64>()
+                / m;
         }
         total
     };
@@ -484,8 +567,14 @@ pub fn block_size_dense(keys: &[f32], dt: usize, config: &CompressConfig) -> usi
     let mut chosen = sizes[0];
     for &b in sizes {
         let blocks = n.div_ceil(b);
-        let total: f64 = (0..blocks).map(|k| var_sum(&keys[k * b * dt..((k + 1) * b).min(n) * dt])).sum();
-        let num = if blocks == 0 { 0.0 } else { total / blocks as f64 };
+        let total: f64 = (0..blocks)
+            .map(|k| var_sum(&keys[k * b * dt..((k + 1) * b).min(n) * dt]))
+            .sum();
+        let num = if blocks == 0 {
+            0.0
+        } else {
+            total / blocks as f64
+        };
         let v = if den == 0.0 {
             if num == 0.0 {
                 0.0

@@ -11,6 +11,14 @@
 //! Kernels: AVX2 + FMA + F16C via `std::arch`, detected at run time, or a portable
 //! scalar path; `MOSAICKV_FORCE_PORTABLE=1` (or the `portable()` constructors) forces the latter.
 
+// Index loops mirror the SPEC's formulas; kernels take many scalar geometry arguments.
+#![allow(
+    clippy::needless_range_loop,
+    clippy::too_many_arguments,
+    clippy::excessive_precision,
+    clippy::manual_is_multiple_of
+)]
+
 pub mod attend;
 pub mod backend;
 pub mod baselines;

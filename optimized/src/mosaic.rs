@@ -6,8 +6,8 @@ use crate::backend::contig;
 use crate::encode;
 use crate::simd::Path;
 use mosaickv_spec::{
-    validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport, MosaicError, Result, Segment, SegmentState, Side, SideStrategy,
-    Strategy,
+    validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport,
+    MosaicError, Result, Segment, SegmentState, Side, SideStrategy, Strategy,
 };
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use rayon::prelude::*;
@@ -21,11 +21,23 @@ pub fn attend_scratch_bytes(shape: &KvShape, config: &CompressConfig, tokens: us
     let bmin = config.block_sizes.first().copied().unwrap_or(1).max(1);
     let blocks = seg_tokens.div_ceil(bmin) + nseg;
     let selected = config.budget_tokens(seg_tokens).div_ceil(bmin) + nseg;
-    scratch_bytes_for(shape.kv_heads, shape.group(), shape.head_dim, nseg, blocks, selected)
+    scratch_bytes_for(
+        shape.kv_heads,
+        shape.group(),
+        shape.head_dim,
+        nseg,
+        blocks,
+        selected,
+    )
 }
 
 /// Encodes one head's segment rows (SPEC 10.1: fit, encode, metadata).
-pub(crate) fn encode_segment(keys: &[f32], values: &[f32], d: usize, config: &CompressConfig) -> Result<HeadSegment> {
+pub(crate) fn encode_segment(
+    keys: &[f32],
+    values: &[f32],
+    d: usize,
+    config: &CompressConfig,
+) -> Result<HeadSegment> {
     let (ks, kr) = encode::fit_side_rotated(keys, d, Side::Key, config)?;
     let packed_k = encode::pack_rotated(&kr, d, &ks.layout);
     drop(kr);
@@ -127,7 +139,10 @@ impl OptimizedMosaicCache {
     fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
         let d = side.layout.head_dim;
         let l = encode::loss_rows(rows, side);
-        let total: f64 = rows.chunks_exact(d).map(|r| r.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum();
+        let total: f64 = rows
+            .chunks_exact(d)
+            .map(|r| r.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+            .sum();
         (l * total, total)
     }
 
@@ -152,8 +167,13 @@ impl OptimizedMosaicCache {
                         let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, &config)?;
                         let packed = encode::encode_rows(&k, &ks);
                         let dense = encode::decode_trusted(&packed, &ks.layout);
-                        let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, &config);
-                        Ok(Strategy { key: ks, value: vs, block_size })
+                        let block_size =
+                            encode::block_size_dense(&dense, ks.layout.kept_dims, &config);
+                        Ok(Strategy {
+                            key: ks,
+                            value: vs,
+                            block_size,
+                        })
                     })
                     .collect::<Result<Vec<_>>>()?,
             };
@@ -185,7 +205,12 @@ impl OptimizedMosaicCache {
         // 2. Encode the buffer with the temporary strategy and append.
         let si = self.cache.segments.len() - 1;
         let seg = &self.cache.segments[si];
-        let new: Vec<(mosaickv_spec::PackedRows, mosaickv_spec::PackedRows, Vec<f32>, [(f64, f64); 2])> = (0..kv)
+        let new: Vec<(
+            mosaickv_spec::PackedRows,
+            mosaickv_spec::PackedRows,
+            Vec<f32>,
+            [(f64, f64); 2],
+        )> = (0..kv)
             .into_par_iter()
             .map(|h| {
                 let st = &seg.heads[h].strategy;
@@ -194,7 +219,12 @@ impl OptimizedMosaicCache {
                 let pk = encode::encode_rows(&k, &st.key);
                 let pv = encode::encode_rows(&v, &st.value);
                 let dense = encode::decode_trusted(&pk, &st.key.layout);
-                Ok((pk, pv, dense, [Self::loss_sums(&k, &st.key), Self::loss_sums(&v, &st.value)]))
+                Ok((
+                    pk,
+                    pv,
+                    dense,
+                    [Self::loss_sums(&k, &st.key), Self::loss_sums(&v, &st.value)],
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         let seg = &mut self.cache.segments[si];
@@ -232,7 +262,10 @@ impl OptimizedMosaicCache {
         let margin = config.segment_loss_margin;
         let mut close = seg.len >= config.max_segment_len;
         for h in 0..kv {
-            for (s, side) in [&seg.heads[h].strategy.key, &seg.heads[h].strategy.value].into_iter().enumerate() {
+            for (s, side) in [&seg.heads[h].strategy.key, &seg.heads[h].strategy.value]
+                .into_iter()
+                .enumerate()
+            {
                 let (num, den) = self.open_loss[h][s];
                 let l = if den == 0.0 { 0.0 } else { num / den };
                 if l > side.fit_loss + margin {
@@ -245,7 +278,14 @@ impl OptimizedMosaicCache {
             let (ok, ov) = (&self.open_k, &self.open_v);
             let heads = (0..kv)
                 .into_par_iter()
-                .map(|h| encode_segment(&gather(ok, kv, d, h, 0, len), &gather(ov, kv, d, h, 0, len), d, &config))
+                .map(|h| {
+                    encode_segment(
+                        &gather(ok, kv, d, h, 0, len),
+                        &gather(ov, kv, d, h, 0, len),
+                        d,
+                        &config,
+                    )
+                })
                 .collect::<Result<Vec<_>>>()?;
             let seg = &mut self.cache.segments[si];
             seg.heads = heads;
@@ -295,13 +335,21 @@ impl KvCache for OptimizedMosaicCache {
             .par_iter()
             .map(|&(i, h)| {
                 let (a, b) = bounds[i];
-                encode_segment(&gather(&kdata, kv, d, h, a, b), &gather(&vdata, kv, d, h, a, b), d, &config)
+                encode_segment(
+                    &gather(&kdata, kv, d, h, a, b),
+                    &gather(&vdata, kv, d, h, a, b),
+                    d,
+                    &config,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         let mut it = encoded.into_iter();
         let mut sink = mosaickv_spec::DenseRows::default();
         for t in 0..s {
-            sink.push(kdata[t * kv * d..(t + 1) * kv * d].iter().copied(), vdata[t * kv * d..(t + 1) * kv * d].iter().copied());
+            sink.push(
+                kdata[t * kv * d..(t + 1) * kv * d].iter().copied(),
+                vdata[t * kv * d..(t + 1) * kv * d].iter().copied(),
+            );
         }
         self.cache.sink = sink;
         for &(a, b) in &bounds {
@@ -321,10 +369,14 @@ impl KvCache for OptimizedMosaicCache {
         let shape = self.cache.shape;
         validate::token_kv(&shape, &key, &value)?;
         if self.cache.len() < self.cache.config.sink_tokens {
-            self.cache.sink.push(key.iter().copied(), value.iter().copied());
+            self.cache
+                .sink
+                .push(key.iter().copied(), value.iter().copied());
             return Ok(());
         }
-        self.cache.buffer.push(key.iter().copied(), value.iter().copied());
+        self.cache
+            .buffer
+            .push(key.iter().copied(), value.iter().copied());
         self.buf_k.extend(key.iter().copied());
         self.buf_v.extend(value.iter().copied());
         if self.cache.buffer.tokens >= self.cache.config.buffer_capacity {
@@ -344,11 +396,27 @@ impl KvCache for OptimizedMosaicCache {
         let q = contig(&queries);
         match out.as_slice_mut() {
             Some(o) => {
-                packed_attention(self.path, &self.cache, &q, SelectionSource::Compute, false, Some(o), &mut self.scratch)?;
+                packed_attention(
+                    self.path,
+                    &self.cache,
+                    &q,
+                    SelectionSource::Compute,
+                    false,
+                    Some(o),
+                    &mut self.scratch,
+                )?;
             }
             None => {
                 self.out_tmp.resize(shape.q_heads * shape.head_dim, 0.0);
-                packed_attention(self.path, &self.cache, &q, SelectionSource::Compute, false, Some(&mut self.out_tmp), &mut self.scratch)?;
+                packed_attention(
+                    self.path,
+                    &self.cache,
+                    &q,
+                    SelectionSource::Compute,
+                    false,
+                    Some(&mut self.out_tmp),
+                    &mut self.scratch,
+                )?;
                 for (dst, &src) in out.iter_mut().zip(self.out_tmp.iter()) {
                     *dst = src;
                 }
@@ -359,7 +427,8 @@ impl KvCache for OptimizedMosaicCache {
 
     fn memory(&self) -> MemoryReport {
         let mut m = self.cache.memory();
-        m.host_rows = 4 * (self.buf_k.len() + self.buf_v.len() + self.open_k.len() + self.open_v.len());
+        m.host_rows =
+            4 * (self.buf_k.len() + self.buf_v.len() + self.open_k.len() + self.open_v.len());
         m
     }
 }

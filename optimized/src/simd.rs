@@ -24,7 +24,10 @@ pub enum Path {
 impl Path {
     /// The fastest path this CPU supports, unless `MOSAICKV_FORCE_PORTABLE=1`.
     pub fn detect() -> Path {
-        if std::env::var("MOSAICKV_FORCE_PORTABLE").map(|v| v == "1").unwrap_or(false) {
+        if std::env::var("MOSAICKV_FORCE_PORTABLE")
+            .map(|v| v == "1")
+            .unwrap_or(false)
+        {
             return Path::Portable;
         }
         if avx2_available() {
@@ -75,9 +78,22 @@ impl Path {
 
     /// Quest bound of every block (SPEC.md section 8.2), max over the `g` query rows of `q`
     /// (`[g][stride]`, first `dt` entries used). `min`/`max` are `[blocks][dt]`. Bit-identical across paths.
-    pub fn score_blocks(self, q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
+    pub fn score_blocks(
+        self,
+        q: &[f32],
+        g: usize,
+        stride: usize,
+        dt: usize,
+        min: &[f16],
+        max: &[f16],
+        out: &mut [f32],
+    ) {
         let blocks = out.len();
-        assert!(min.len() == blocks * dt && max.len() == blocks * dt && q.len() >= (g - 1) * stride + dt);
+        assert!(
+            min.len() == blocks * dt
+                && max.len() == blocks * dt
+                && q.len() >= (g - 1) * stride + dt
+        );
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
@@ -88,8 +104,23 @@ impl Path {
 
     /// `out[h*TILE + t] = scale * (q_h . rows_t)` for `t < n`, `h < g`; `q` is `[g][dp]`, rows `[n][dp]`.
     #[inline]
-    pub fn tile_logits(self, q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
-        assert!(q.len() >= g * dp && rows.len() >= n * dp && out.len() >= g * TILE && n <= TILE && dp % 8 == 0);
+    pub fn tile_logits(
+        self,
+        q: &[f32],
+        g: usize,
+        dp: usize,
+        rows: &[f32],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        assert!(
+            q.len() >= g * dp
+                && rows.len() >= n * dp
+                && out.len() >= g * TILE
+                && n <= TILE
+                && dp % 8 == 0
+        );
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
@@ -97,7 +128,8 @@ impl Path {
             _ => {
                 for h in 0..g {
                     for t in 0..n {
-                        out[h * TILE + t] = scale * dot8(&q[h * dp..(h + 1) * dp], &rows[t * dp..(t + 1) * dp]);
+                        out[h * TILE + t] =
+                            scale * dot8(&q[h * dp..(h + 1) * dp], &rows[t * dp..(t + 1) * dp]);
                     }
                 }
             }
@@ -106,8 +138,22 @@ impl Path {
 
     /// `acc_h += sum_t p[h*TILE + t] * rows_t` for `h < g`; acc is `[g][dp]`.
     #[inline]
-    pub fn tile_accumulate(self, p: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, acc: &mut [f32]) {
-        assert!(acc.len() >= g * dp && rows.len() >= n * dp && p.len() >= g * TILE && n <= TILE && dp % 8 == 0);
+    pub fn tile_accumulate(
+        self,
+        p: &[f32],
+        g: usize,
+        dp: usize,
+        rows: &[f32],
+        n: usize,
+        acc: &mut [f32],
+    ) {
+        assert!(
+            acc.len() >= g * dp
+                && rows.len() >= n * dp
+                && p.len() >= g * TILE
+                && n <= TILE
+                && dp % 8 == 0
+        );
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
@@ -146,8 +192,24 @@ impl Path {
     /// [`Path::fused_f16`] holds.
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn tile_logits_f16(self, q: &[f32], g: usize, dp: usize, rows: &[f16], stride: usize, n: usize, scale: f32, out: &mut [f32]) {
-        assert!(self.fused_f16(dp) && n <= TILE && (n == 0 || rows.len() >= (n - 1) * stride + dp) && q.len() >= g * dp && out.len() >= g * TILE);
+    pub fn tile_logits_f16(
+        self,
+        q: &[f32],
+        g: usize,
+        dp: usize,
+        rows: &[f16],
+        stride: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        assert!(
+            self.fused_f16(dp)
+                && n <= TILE
+                && (n == 0 || rows.len() >= (n - 1) * stride + dp)
+                && q.len() >= g * dp
+                && out.len() >= g * TILE
+        );
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2/fma/f16c detected (fused_f16); every row read lies inside `rows` (asserted).
         unsafe {
@@ -158,8 +220,23 @@ impl Path {
     /// [`Path::tile_accumulate`] reading f16 rows directly. Only when [`Path::fused_f16`] holds.
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn tile_accumulate_f16(self, p: &[f32], g: usize, dp: usize, rows: &[f16], stride: usize, n: usize, acc: &mut [f32]) {
-        assert!(self.fused_f16(dp) && n <= TILE && (n == 0 || rows.len() >= (n - 1) * stride + dp) && acc.len() >= g * dp && p.len() >= g * TILE);
+    pub fn tile_accumulate_f16(
+        self,
+        p: &[f32],
+        g: usize,
+        dp: usize,
+        rows: &[f16],
+        stride: usize,
+        n: usize,
+        acc: &mut [f32],
+    ) {
+        assert!(
+            self.fused_f16(dp)
+                && n <= TILE
+                && (n == 0 || rows.len() >= (n - 1) * stride + dp)
+                && acc.len() >= g * dp
+                && p.len() >= g * TILE
+        );
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in tile_logits_f16.
         unsafe {
@@ -185,8 +262,26 @@ impl Path {
     /// `tail` bytes of readable slack follow them in the underlying buffer.
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn expand_records(self, bytes: &[u8], tail: usize, n: usize, rb: usize, words: usize, g: usize, dt: usize, r: usize, dp: usize, out: &mut [f32]) {
-        assert!(bytes.len() >= n * rb && out.len() >= n * dp && dp >= dt && dp % 8 == 0 && 8 * words + 2 * r <= rb);
+    pub fn expand_records(
+        self,
+        bytes: &[u8],
+        tail: usize,
+        n: usize,
+        rb: usize,
+        words: usize,
+        g: usize,
+        dt: usize,
+        r: usize,
+        dp: usize,
+        out: &mut [f32],
+    ) {
+        assert!(
+            bytes.len() >= n * rb
+                && out.len() >= n * dp
+                && dp >= dt
+                && dp % 8 == 0
+                && 8 * words + 2 * r <= rb
+        );
         #[cfg(target_arch = "x86_64")]
         if self == Path::Avx2 && g == 1 {
             for t in 0..n {
@@ -205,7 +300,8 @@ impl Path {
             let mut k = 0usize;
             let vals = &rec[8 * words..8 * words + 2 * r];
             for w in 0..words {
-                let mut bits = u64::from_le_bytes(rec[8 * w..8 * w + 8].try_into().expect("8 bytes"));
+                let mut bits =
+                    u64::from_le_bytes(rec[8 * w..8 * w + 8].try_into().expect("8 bytes"));
                 while bits != 0 {
                     let grp = 64 * w + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
@@ -215,7 +311,8 @@ impl Path {
                         }
                         let dim = grp * g + e;
                         if dim < dt {
-                            row[dim] = f16_bits_to_f32(u16::from_le_bytes([vals[2 * k], vals[2 * k + 1]]));
+                            row[dim] =
+                                f16_bits_to_f32(u16::from_le_bytes([vals[2 * k], vals[2 * k + 1]]));
                         }
                         k += 1;
                     }
@@ -229,7 +326,10 @@ impl Path {
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("popcnt")
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("popcnt")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -284,7 +384,15 @@ fn reduce8(a: &[f32; 8]) -> f32 {
     t[0] + t[1]
 }
 
-fn portable_score_blocks(q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
+fn portable_score_blocks(
+    q: &[f32],
+    g: usize,
+    stride: usize,
+    dt: usize,
+    min: &[f16],
+    max: &[f16],
+    out: &mut [f32],
+) {
     let d8 = dt / 8 * 8;
     let mut mx = vec![0f32; dt];
     let mut mn = vec![0f32; dt];
@@ -326,7 +434,10 @@ pub fn fast_exp(x: f32) -> f32 {
     let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
     let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
     let r2 = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1;
     let y = p * r2 + r + 1.0;
     // 2^n: n + 127 + 2^23 holds the integer n + 127 in its mantissa bits.
     let e = ((n + (127.0 + 8_388_608.0)).to_bits() & 0x7f_ffff) << 23;
@@ -382,7 +493,13 @@ mod x86 {
             while j < d8 {
                 let o = out.as_mut_ptr().add(j);
                 // mul then add (no FMA): bit-identical to the portable path.
-                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(_mm256_loadu_ps(row.add(j)), qv)));
+                _mm256_storeu_ps(
+                    o,
+                    _mm256_add_ps(
+                        _mm256_loadu_ps(o),
+                        _mm256_mul_ps(_mm256_loadu_ps(row.add(j)), qv),
+                    ),
+                );
                 j += 8;
             }
             for j in d8..dt {
@@ -394,7 +511,14 @@ mod x86 {
     /// Lane sums of the Quest bound for N heads over the first `d8` dims of one block.
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
-    unsafe fn score_heads<const N: usize>(q: *const f32, stride: usize, d8: usize, mxp: *const f16, mnp: *const f16, out: &mut [f32; 4]) {
+    unsafe fn score_heads<const N: usize>(
+        q: *const f32,
+        stride: usize,
+        d8: usize,
+        mxp: *const f16,
+        mnp: *const f16,
+        out: &mut [f32; 4],
+    ) {
         let mut acc = [_mm256_setzero_ps(); N];
         let mut c = 0;
         while c < d8 {
@@ -414,7 +538,15 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn score_blocks(q: &[f32], g: usize, stride: usize, dt: usize, min: &[f16], max: &[f16], out: &mut [f32]) {
+    pub unsafe fn score_blocks(
+        q: &[f32],
+        g: usize,
+        stride: usize,
+        dt: usize,
+        min: &[f16],
+        max: &[f16],
+        out: &mut [f32],
+    ) {
         let d8 = dt / 8 * 8;
         for (b, o) in out.iter_mut().enumerate() {
             let mxp = max.as_ptr().add(b * dt);
@@ -457,7 +589,11 @@ mod x86 {
         let mut acc = _mm256_setzero_ps();
         let mut i = 0;
         while i < n8 {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc);
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc,
+            );
             i += 8;
         }
         let mut s = hsum(acc);
@@ -476,7 +612,15 @@ mod x86 {
     macro_rules! tile_kernels {
         ($logits:ident, $accum:ident, $logits_n:ident, $accum_n:ident, $t:ty, $load:ident) => {
             #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-            unsafe fn $logits_n<const N: usize>(q: *const f32, dp: usize, rows: *const $t, stride: usize, n: usize, scale: f32, out: *mut f32) {
+            unsafe fn $logits_n<const N: usize>(
+                q: *const f32,
+                dp: usize,
+                rows: *const $t,
+                stride: usize,
+                n: usize,
+                scale: f32,
+                out: *mut f32,
+            ) {
                 // Two tokens per pass: 2N independent FMA chains hide the FMA latency.
                 let mut t = 0;
                 while t + 2 <= n {
@@ -518,7 +662,14 @@ mod x86 {
             }
 
             #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-            unsafe fn $accum_n<const N: usize>(p: *const f32, dp: usize, rows: *const $t, stride: usize, n: usize, acc: *mut f32) {
+            unsafe fn $accum_n<const N: usize>(
+                p: *const f32,
+                dp: usize,
+                rows: *const $t,
+                stride: usize,
+                n: usize,
+                acc: *mut f32,
+            ) {
                 // Two 8-wide column chunks per pass: 2N independent FMA chains.
                 let mut c = 0;
                 while c + 16 <= dp {
@@ -563,7 +714,16 @@ mod x86 {
 
             /// Logits of `g` heads (`q` `[g][dp]`) against `n` rows at `rows + t * stride` (dp elements each).
             #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-            pub unsafe fn $logits(q: &[f32], g: usize, dp: usize, rows: *const $t, stride: usize, n: usize, scale: f32, out: &mut [f32]) {
+            pub unsafe fn $logits(
+                q: &[f32],
+                g: usize,
+                dp: usize,
+                rows: *const $t,
+                stride: usize,
+                n: usize,
+                scale: f32,
+                out: &mut [f32],
+            ) {
                 let mut h0 = 0;
                 while h0 < g {
                     let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE));
@@ -579,7 +739,15 @@ mod x86 {
 
             /// `acc_h += sum_t p[h][t] row_t` for `g` heads.
             #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-            pub unsafe fn $accum(p: &[f32], g: usize, dp: usize, rows: *const $t, stride: usize, n: usize, acc: &mut [f32]) {
+            pub unsafe fn $accum(
+                p: &[f32],
+                g: usize,
+                dp: usize,
+                rows: *const $t,
+                stride: usize,
+                n: usize,
+                acc: &mut [f32],
+            ) {
                 let mut h0 = 0;
                 while h0 < g {
                     let (pp, ap) = (p.as_ptr().add(h0 * TILE), acc.as_mut_ptr().add(h0 * dp));
@@ -595,41 +763,105 @@ mod x86 {
         };
     }
 
-    tile_kernels!(tile_logits_p, tile_accumulate_p, tl_f32, ta_f32, f32, ld_f32);
-    tile_kernels!(tile_logits_f16, tile_accumulate_f16, tl_f16, ta_f16, f16, load_ph);
+    tile_kernels!(
+        tile_logits_p,
+        tile_accumulate_p,
+        tl_f32,
+        ta_f32,
+        f32,
+        ld_f32
+    );
+    tile_kernels!(
+        tile_logits_f16,
+        tile_accumulate_f16,
+        tl_f16,
+        ta_f16,
+        f16,
+        load_ph
+    );
 
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn tile_logits(q: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, scale: f32, out: &mut [f32]) {
+    pub unsafe fn tile_logits(
+        q: &[f32],
+        g: usize,
+        dp: usize,
+        rows: &[f32],
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         tile_logits_p(q, g, dp, rows.as_ptr(), dp, n, scale, out)
     }
 
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn tile_accumulate(p: &[f32], g: usize, dp: usize, rows: &[f32], n: usize, acc: &mut [f32]) {
+    pub unsafe fn tile_accumulate(
+        p: &[f32],
+        g: usize,
+        dp: usize,
+        rows: &[f32],
+        n: usize,
+        acc: &mut [f32],
+    ) {
         tile_accumulate_p(p, g, dp, rows.as_ptr(), dp, n, acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
     unsafe fn exp256(x: __m256) -> __m256 {
-        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
-        let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+            _mm256_set1_ps(88.0),
+        );
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
         let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3f32, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+        for c in [
+            1.398_199_9e-3f32,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            5.000_000_1e-1,
+        ] {
             p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
         }
-        let y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-        let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        let y = _mm256_fmadd_ps(
+            p,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        let e = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        );
         _mm256_mul_ps(y, _mm256_castsi256_ps(e))
     }
 
     /// Online softmax over one tile of `g` heads (see `attend::online_softmax`).
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn online_softmax(m: &mut [f32], l: &mut [f32], acc: &mut [f32], g: usize, dp: usize, logits: &mut [f32], n: usize) {
+    pub unsafe fn online_softmax(
+        m: &mut [f32],
+        l: &mut [f32],
+        acc: &mut [f32],
+        g: usize,
+        dp: usize,
+        logits: &mut [f32],
+        n: usize,
+    ) {
         let nn = _mm256_set1_ps(n as f32);
-        let mask0 = _mm256_cmp_ps(_mm256_setr_ps(0., 1., 2., 3., 4., 5., 6., 7.), nn, _CMP_LT_OQ);
-        let mask1 = _mm256_cmp_ps(_mm256_setr_ps(8., 9., 10., 11., 12., 13., 14., 15.), nn, _CMP_LT_OQ);
+        let mask0 = _mm256_cmp_ps(
+            _mm256_setr_ps(0., 1., 2., 3., 4., 5., 6., 7.),
+            nn,
+            _CMP_LT_OQ,
+        );
+        let mask1 = _mm256_cmp_ps(
+            _mm256_setr_ps(8., 9., 10., 11., 12., 13., 14., 15.),
+            nn,
+            _CMP_LT_OQ,
+        );
         let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
         for h in 0..g {
             let lp = logits.as_mut_ptr().add(h * TILE);
@@ -641,7 +873,11 @@ mod x86 {
             let mt = _mm_cvtss_f32(_mm_max_ss(mx, _mm_shuffle_ps(mx, mx, 1)));
             let m_old = m[h];
             let m_new = m_old.max(mt);
-            let corr = if m_old == f32::NEG_INFINITY { 0.0 } else { super::fast_exp(m_old - m_new) };
+            let corr = if m_old == f32::NEG_INFINITY {
+                0.0
+            } else {
+                super::fast_exp(m_old - m_new)
+            };
             let mv = _mm256_set1_ps(m_new);
             let p0 = _mm256_and_ps(exp256(_mm256_sub_ps(a0, mv)), mask0);
             let p1 = _mm256_and_ps(exp256(_mm256_sub_ps(a1, mv)), mask1);
@@ -653,7 +889,10 @@ mod x86 {
                 let a = &mut acc[h * dp..(h + 1) * dp];
                 let mut c = 0;
                 while c + 8 <= dp {
-                    _mm256_storeu_ps(a.as_mut_ptr().add(c), _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(c)), cv));
+                    _mm256_storeu_ps(
+                        a.as_mut_ptr().add(c),
+                        _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(c)), cv),
+                    );
                     c += 8;
                 }
                 for x in a[c..].iter_mut() {
@@ -687,7 +926,14 @@ mod x86 {
     /// g = 1 record expansion: per bitmap byte, one 16-byte load, pshufb, cvtph2ps.
     /// `after` = readable bytes after the record's values (in the same allocation).
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn expand_g1(rec: &[u8], words: usize, r: usize, dt: usize, after: usize, out: &mut [f32]) {
+    pub unsafe fn expand_g1(
+        rec: &[u8],
+        words: usize,
+        r: usize,
+        dt: usize,
+        after: usize,
+        out: &mut [f32],
+    ) {
         if after < 16 {
             return expand_g1_tail(rec, words, r, dt, out);
         }
@@ -703,7 +949,10 @@ mod x86 {
             let byte = *rec.get_unchecked(c) as usize; // bitmap bytes are little-endian words: byte c = dims 8c..8c+8
             let v = _mm_loadu_si128(src.add(2 * off) as *const __m128i);
             let m = _mm_loadu_si128(EXPAND_LUT[byte].as_ptr() as *const __m128i);
-            _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), _mm256_cvtph_ps(_mm_shuffle_epi8(v, m)));
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(8 * c),
+                _mm256_cvtph_ps(_mm_shuffle_epi8(v, m)),
+            );
             off += byte.count_ones() as usize;
             if off > r {
                 off = r;
@@ -727,9 +976,16 @@ mod x86 {
         out.fill(0.0);
         let mut k = 0;
         for dim in 0..dt {
-            let w = u64::from_le_bytes(rec[8 * (dim / 64)..8 * (dim / 64) + 8].try_into().expect("8"));
+            let w = u64::from_le_bytes(
+                rec[8 * (dim / 64)..8 * (dim / 64) + 8]
+                    .try_into()
+                    .expect("8"),
+            );
             if (w >> (dim % 64)) & 1 == 1 && k < r {
-                out[dim] = super::f16_bits_to_f32(u16::from_le_bytes([rec[8 * words + 2 * k], rec[8 * words + 2 * k + 1]]));
+                out[dim] = super::f16_bits_to_f32(u16::from_le_bytes([
+                    rec[8 * words + 2 * k],
+                    rec[8 * words + 2 * k + 1],
+                ]));
                 k += 1;
             }
         }

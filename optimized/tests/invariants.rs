@@ -4,7 +4,9 @@
 
 use half::f16;
 use mosaickv_optimized::{attend, CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
-use mosaickv_spec::{Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, MosaicError, SegmentState, Side};
+use mosaickv_spec::{
+    Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, MosaicError, SegmentState, Side,
+};
 use ndarray::{Array2, Array3};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -18,7 +20,9 @@ fn kv(n: usize, kv_heads: usize, d: usize, seed: u64) -> (Array3<f32>, Array3<f3
             let mut a = Array3::<f32>::zeros((n, kv_heads, d));
             for t in 0..n {
                 for h in 0..kv_heads {
-                    let c: Vec<f32> = (0..8).map(|k| rng.gen_range(-1.0f32..1.0) * scale / (1 + k) as f32).collect();
+                    let c: Vec<f32> = (0..8)
+                        .map(|k| rng.gen_range(-1.0f32..1.0) * scale / (1 + k) as f32)
+                        .collect();
                     for j in 0..d {
                         let mut x = 0.05 * rng.gen_range(-1.0f32..1.0);
                         for k in 0..8 {
@@ -42,18 +46,37 @@ fn queries(q_heads: usize, d: usize, seed: u64) -> Array2<f32> {
 }
 
 /// Naive f64 attention of query head rows over f16-rounded K/V `[n, kv, d]`.
-fn naive_full(k: &Array3<f32>, v: &Array3<f32>, q: &Array2<f32>, shape: &KvShape, tokens: &[usize]) -> Array2<f32> {
+fn naive_full(
+    k: &Array3<f32>,
+    v: &Array3<f32>,
+    q: &Array2<f32>,
+    shape: &KvShape,
+    tokens: &[usize],
+) -> Array2<f32> {
     let d = shape.head_dim;
     let r = |x: f32| f16::from_f32(x).to_f64();
     let mut out = Array2::zeros((shape.q_heads, d));
     for h in 0..shape.q_heads {
         let j = h / shape.group();
-        let z: Vec<f64> = tokens.iter().map(|&t| (0..d).map(|i| q[[h, i]] as f64 * r(k[[t, j, i]])).sum::<f64>() / (d as f64).sqrt()).collect();
+        let z: Vec<f64> = tokens
+            .iter()
+            .map(|&t| {
+                (0..d)
+                    .map(|i| q[[h, i]] as f64 * r(k[[t, j, i]]))
+                    .sum::<f64>()
+                    / (d as f64).sqrt()
+            })
+            .collect();
         let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let p: Vec<f64> = z.iter().map(|x| (x - m).exp()).collect();
         let s: f64 = p.iter().sum();
         for i in 0..d {
-            out[[h, i]] = (tokens.iter().zip(&p).map(|(&t, p)| p * r(v[[t, j, i]])).sum::<f64>() / s) as f32;
+            out[[h, i]] = (tokens
+                .iter()
+                .zip(&p)
+                .map(|(&t, p)| p * r(v[[t, j, i]]))
+                .sum::<f64>()
+                / s) as f32;
         }
     }
     out
@@ -69,7 +92,10 @@ fn lossless_config() -> CompressConfig {
     CompressConfig {
         token_rate: 1.0,
         truncate_fraction: 0.0,
-        channels: ChannelPolicy::Fixed { retention: 1.0, group_size: 1 },
+        channels: ChannelPolicy::Fixed {
+            retention: 1.0,
+            group_size: 1,
+        },
         input_segment_len: 64,
         ..CompressConfig::paper_fixed()
     }
@@ -101,10 +127,21 @@ fn decode_of_encode_is_f16_of_naive_rotation_top_r() {
     for t in 0..200 {
         // Naive: rotate in f64, round to f16, keep the 16 largest magnitudes (ties: lower dim).
         let y: Vec<f16> = (0..l.kept_dims)
-            .map(|j| round_once((0..d).map(|i| st.rotation[i * d + j] as f64 * rows[[t, i]] as f64).sum()))
+            .map(|j| {
+                round_once(
+                    (0..d)
+                        .map(|i| st.rotation[i * d + j] as f64 * rows[[t, i]] as f64)
+                        .sum(),
+                )
+            })
             .collect();
         let mut idx: Vec<usize> = (0..l.kept_dims).collect();
-        idx.sort_by(|&a, &b| (y[b].to_f32().powi(2)).partial_cmp(&y[a].to_f32().powi(2)).unwrap().then(a.cmp(&b)));
+        idx.sort_by(|&a, &b| {
+            (y[b].to_f32().powi(2))
+                .partial_cmp(&y[a].to_f32().powi(2))
+                .unwrap()
+                .then(a.cmp(&b))
+        });
         for j in 0..l.kept_dims {
             let kept = idx[..l.r].contains(&j);
             let want = if kept { y[j].to_f32() } else { 0.0 };
@@ -114,7 +151,9 @@ fn decode_of_encode_is_f16_of_naive_rotation_top_r() {
     // Rotation is orthogonal to f32 precision.
     for a in 0..d {
         for b in 0..d {
-            let s: f64 = (0..d).map(|i| st.rotation[i * d + a] as f64 * st.rotation[i * d + b] as f64).sum();
+            let s: f64 = (0..d)
+                .map(|i| st.rotation[i * d + a] as f64 * st.rotation[i * d + b] as f64)
+                .sum();
             assert!((s - if a == b { 1.0 } else { 0.0 }).abs() < 1e-5);
         }
     }
@@ -139,16 +178,25 @@ fn simd_and_portable_agree_on_scores_and_selections() {
         let b = port.select(c.compressed(), q.view()).unwrap();
         assert_eq!(a, b);
         let seg = &c.compressed().segments[0].heads[0];
-        let rq = simd.rotate_queries(q.slice(ndarray::s![0..4, ..]), &seg.strategy.key).unwrap();
-        let rq2 = port.rotate_queries(q.slice(ndarray::s![0..4, ..]), &seg.strategy.key).unwrap();
+        let rq = simd
+            .rotate_queries(q.slice(ndarray::s![0..4, ..]), &seg.strategy.key)
+            .unwrap();
+        let rq2 = port
+            .rotate_queries(q.slice(ndarray::s![0..4, ..]), &seg.strategy.key)
+            .unwrap();
         assert_eq!(rq, rq2);
         let sa = simd.score_blocks(&seg.meta, rq.view()).unwrap();
         let sb = port.score_blocks(&seg.meta, rq.view()).unwrap();
-        assert_eq!(sa.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), sb.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            sa.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            sb.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
         let mut oa = Array2::zeros((8, 128));
         let mut ob = Array2::zeros((8, 128));
-        simd.attend(c.compressed(), q.view(), oa.view_mut()).unwrap();
-        port.attend(c.compressed(), q.view(), ob.view_mut()).unwrap();
+        simd.attend(c.compressed(), q.view(), oa.view_mut())
+            .unwrap();
+        port.attend(c.compressed(), q.view(), ob.view_mut())
+            .unwrap();
         assert!(rel(&oa, &ob) < 1e-5, "{}", rel(&oa, &ob));
     }
 }
@@ -178,10 +226,16 @@ fn top_blocks_matches_full_sort() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     for trial in 0..200 {
         let n = rng.gen_range(1..300);
-        let scores: Vec<f32> = (0..n).map(|_| (rng.gen_range(0..20) as f32) - 10.0).collect(); // many ties
-        let lens: Vec<usize> = (0..n).map(|_| [16usize, 32, 64, 5][rng.gen_range(0..4)]).collect();
+        let scores: Vec<f32> = (0..n)
+            .map(|_| (rng.gen_range(0..20) as f32) - 10.0)
+            .collect(); // many ties
+        let lens: Vec<usize> = (0..n)
+            .map(|_| [16usize, 32, 64, 5][rng.gen_range(0..4)])
+            .collect();
         let budget = rng.gen_range(0..n * 20);
-        let got = CpuBackend::new().select_blocks(&scores, &lens, budget).unwrap();
+        let got = CpuBackend::new()
+            .select_blocks(&scores, &lens, budget)
+            .unwrap();
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
         let mut want = Vec::new();
@@ -214,7 +268,11 @@ fn lossless_mosaic_equals_full_attention() {
         dense.prefill(k.view(), v.view()).unwrap();
         let mut quest = QuestF16Cache::new(shape, 1.0).unwrap();
         quest.prefill(k.view(), v.view()).unwrap();
-        for (name, c) in [("mosaic", &mut m as &mut dyn KvCache), ("dense", &mut dense), ("quest", &mut quest)] {
+        for (name, c) in [
+            ("mosaic", &mut m as &mut dyn KvCache),
+            ("dense", &mut dense),
+            ("quest", &mut quest),
+        ] {
             let mut out = Array2::from_elem((qh, d), f32::NAN);
             c.attend(q.view(), out.view_mut()).unwrap();
             let e = rel(&out, &want);
@@ -241,7 +299,11 @@ fn quest_attends_its_budget_of_pages() {
             let s = (0..32)
                 .map(|j| {
                     let vals: Vec<f32> = (p * 16..p * 16 + 16).map(|t| r(k[[t, 0, j]])).collect();
-                    let (lo, hi) = vals.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+                    let (lo, hi) = vals
+                        .iter()
+                        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+                            (a.min(x), b.max(x))
+                        });
                     (q[[0, j]] * hi).max(q[[0, j]] * lo)
                 })
                 .sum::<f32>();
@@ -249,7 +311,10 @@ fn quest_attends_its_budget_of_pages() {
         })
         .collect();
     scored.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
-    let mut tokens: Vec<usize> = scored[..2].iter().flat_map(|&(_, p)| p * 16..p * 16 + 16).collect();
+    let mut tokens: Vec<usize> = scored[..2]
+        .iter()
+        .flat_map(|&(_, p)| p * 16..p * 16 + 16)
+        .collect();
     tokens.extend(320..n);
     let want = naive_full(&k, &v, &q, &shape, &tokens);
     let mut out = Array2::zeros((1, 32));
@@ -265,12 +330,25 @@ fn lifecycle_segments_and_appends() {
     cfg.max_segment_len = 128;
     let (k, v) = kv(700, 2, 32, 31);
     let mut c = OptimizedMosaicCache::new(shape, cfg.clone()).unwrap();
-    c.prefill(k.slice(ndarray::s![..250, .., ..]), v.slice(ndarray::s![..250, .., ..])).unwrap();
+    c.prefill(
+        k.slice(ndarray::s![..250, .., ..]),
+        v.slice(ndarray::s![..250, .., ..]),
+    )
+    .unwrap();
     // 4 sink + 246 tokens -> 2 segments: 100 and 146.
-    let segs: Vec<(usize, usize)> = c.compressed().segments.iter().map(|s| (s.start, s.len)).collect();
+    let segs: Vec<(usize, usize)> = c
+        .compressed()
+        .segments
+        .iter()
+        .map(|s| (s.start, s.len))
+        .collect();
     assert_eq!(segs, vec![(4, 100), (104, 146)]);
     for t in 250..700 {
-        c.append(k.slice(ndarray::s![t, .., ..]), v.slice(ndarray::s![t, .., ..])).unwrap();
+        c.append(
+            k.slice(ndarray::s![t, .., ..]),
+            v.slice(ndarray::s![t, .., ..]),
+        )
+        .unwrap();
     }
     let cc = c.compressed();
     assert_eq!(cc.len(), 700);
@@ -290,11 +368,18 @@ fn lifecycle_segments_and_appends() {
     }
     assert_eq!(pos + cc.buffer.tokens, 700);
     // Generated segments never exceed max_segment_len.
-    assert!(cc.segments[2..].iter().all(|s| s.len <= 128 && s.len % 64 == 0));
+    assert!(cc.segments[2..]
+        .iter()
+        .all(|s| s.len <= 128 && s.len % 64 == 0));
     // A closed generated segment equals encoding its rows from scratch.
     let be = CpuBackend::new();
-    if let Some(s) = cc.segments[2..].iter().find(|s| s.state == SegmentState::Closed) {
-        let rows = k.slice(ndarray::s![s.start..s.start + s.len, 0, ..]).to_owned();
+    if let Some(s) = cc.segments[2..]
+        .iter()
+        .find(|s| s.state == SegmentState::Closed)
+    {
+        let rows = k
+            .slice(ndarray::s![s.start..s.start + s.len, 0, ..])
+            .to_owned();
         let st = be.fit_side(rows.view(), Side::Key, &cfg).unwrap();
         assert_eq!(st, s.heads[0].strategy.key);
         assert_eq!(be.encode(rows.view(), &st).unwrap(), s.heads[0].keys);
@@ -313,30 +398,49 @@ fn errors_are_typed_and_do_not_mutate() {
     let shape = KvShape::new(1, 2, 16).unwrap();
     let mut c = OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).unwrap();
     let mut out = Array2::zeros((2, 16));
-    assert_eq!(c.attend(queries(2, 16, 1).view(), out.view_mut()), Err(MosaicError::EmptyCache));
+    assert_eq!(
+        c.attend(queries(2, 16, 1).view(), out.view_mut()),
+        Err(MosaicError::EmptyCache)
+    );
     let (mut k, v) = kv(30, 1, 16, 2);
     k[[3, 0, 5]] = f32::NAN;
-    assert!(matches!(c.prefill(k.view(), v.view()), Err(MosaicError::NonFinite { .. })));
+    assert!(matches!(
+        c.prefill(k.view(), v.view()),
+        Err(MosaicError::NonFinite { .. })
+    ));
     assert_eq!(c.len(), 0);
     k[[3, 0, 5]] = 0.5;
     c.prefill(k.view(), v.view()).unwrap();
-    assert!(matches!(c.prefill(k.view(), v.view()), Err(MosaicError::AlreadyPrefilled(30))));
+    assert!(matches!(
+        c.prefill(k.view(), v.view()),
+        Err(MosaicError::AlreadyPrefilled(30))
+    ));
     let bad = Array2::<f32>::zeros((1, 15));
-    assert!(matches!(c.append(bad.view(), bad.view()), Err(MosaicError::ShapeMismatch { .. })));
+    assert!(matches!(
+        c.append(bad.view(), bad.view()),
+        Err(MosaicError::ShapeMismatch { .. })
+    ));
     assert_eq!(c.len(), 30);
     let mut q = queries(2, 16, 3);
     q[[1, 1]] = f32::INFINITY;
-    assert!(matches!(c.attend(q.view(), out.view_mut()), Err(MosaicError::NonFinite { .. })));
+    assert!(matches!(
+        c.attend(q.view(), out.view_mut()),
+        Err(MosaicError::NonFinite { .. })
+    ));
     let mut bad_cache = c.compressed().clone();
     bad_cache.segments[0].heads[0].keys.bytes[..8].fill(0xff); // bits past the 12 groups
     let be = CpuBackend::new();
-    assert!(matches!(be.attend(&bad_cache, queries(2, 16, 4).view(), out.view_mut()), Err(MosaicError::CorruptPacked(_))));
+    assert!(matches!(
+        be.attend(&bad_cache, queries(2, 16, 4).view(), out.view_mut()),
+        Err(MosaicError::CorruptPacked(_))
+    ));
 }
 
 #[test]
 fn scratch_size_is_reported_and_names_say_path() {
     let shape = KvShape::new(8, 32, 128).unwrap();
-    let b = mosaickv_optimized::attend_scratch_bytes(&shape, &CompressConfig::paper_fixed(), 131072);
+    let b =
+        mosaickv_optimized::attend_scratch_bytes(&shape, &CompressConfig::paper_fixed(), 131072);
     assert!(b > 0 && b < 64 << 20, "{b}");
     assert_eq!(CpuBackend::portable().name(), "cpu-portable");
 }

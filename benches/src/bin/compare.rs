@@ -56,7 +56,13 @@ struct Row {
 }
 
 /// Times `steps` decode steps after `warmup`, with a fresh perturbed query per step.
-fn time_steps(mut step: impl FnMut(&Array2<f32>), base: &[Array2<f32>], warmup: usize, steps: usize, seed: u64) -> f64 {
+fn time_steps(
+    mut step: impl FnMut(&Array2<f32>),
+    base: &[Array2<f32>],
+    warmup: usize,
+    steps: usize,
+    seed: u64,
+) -> f64 {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut samples = Vec::with_capacity(steps);
     let mut q = base[0].clone();
@@ -90,7 +96,8 @@ fn mosaic_bytes(cache: &OptimizedMosaicCache, q: &Array2<f32>) -> usize {
             let hs = &seg.heads[h];
             let bs = hs.strategy.block_size;
             let n = (seg.len - b as usize * bs).min(bs);
-            bytes += n * (hs.strategy.key.layout.record_bytes() + hs.strategy.value.layout.record_bytes());
+            bytes += n
+                * (hs.strategy.key.layout.record_bytes() + hs.strategy.value.layout.record_bytes());
             touched[s as usize] = true;
         }
         for (s, seg) in c.segments.iter().enumerate() {
@@ -122,10 +129,18 @@ fn main() {
         let t = Instant::now();
         let (keys, values) = synthetic::structured_kv(ctx, shape.kv_heads, shape.head_dim, 42);
         let nbase = 8;
-        let base: Vec<Array2<f32>> = (0..nbase).map(|i| synthetic::queries(shape.q_heads, shape.head_dim, &keys, 1000 + i as u64)).collect();
+        let base: Vec<Array2<f32>> = (0..nbase)
+            .map(|i| synthetic::queries(shape.q_heads, shape.head_dim, &keys, 1000 + i as u64))
+            .collect();
         let ns = args.error_samples.min(nbase);
-        let exact: Vec<Array2<f32>> = base[..ns].iter().map(|q| exact_full_attention(keys.view(), values.view(), q.view())).collect();
-        eprintln!("[{ctx}] data + {ns} exact references: {:.1} s", t.elapsed().as_secs_f64());
+        let exact: Vec<Array2<f32>> = base[..ns]
+            .iter()
+            .map(|q| exact_full_attention(keys.view(), values.view(), q.view()))
+            .collect();
+        eprintln!(
+            "[{ctx}] data + {ns} exact references: {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
         let err = |c: &mut dyn KvCache| -> f64 {
             let mut s = 0.0;
             for (q, e) in base[..ns].iter().zip(&exact) {
@@ -135,23 +150,30 @@ fn main() {
             }
             s / ns.max(1) as f64
         };
-        let run = |name: &str, c: &mut dyn KvCache, build_s: f64, bytes: usize, rows: &mut Vec<Row>| {
-            let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
-            let us = time_steps(|q| c.attend(q.view(), out.view_mut()).expect("attend"), &base, args.warmup, args.steps, 7);
-            let m = c.memory();
-            let e = err(c);
-            eprintln!("[{ctx}] {name}: {us:.0} us/step, err {e:.4}");
-            rows.push(Row {
-                method: name.into(),
-                context: ctx,
-                median_us: us,
-                bytes_read: bytes,
-                kv_bytes_per_token: m.bytes_per_token(),
-                rel_error: e,
-                build_s,
-                steps: args.steps,
-            });
-        };
+        let run =
+            |name: &str, c: &mut dyn KvCache, build_s: f64, bytes: usize, rows: &mut Vec<Row>| {
+                let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
+                let us = time_steps(
+                    |q| c.attend(q.view(), out.view_mut()).expect("attend"),
+                    &base,
+                    args.warmup,
+                    args.steps,
+                    7,
+                );
+                let m = c.memory();
+                let e = err(c);
+                eprintln!("[{ctx}] {name}: {us:.0} us/step, err {e:.4}");
+                rows.push(Row {
+                    method: name.into(),
+                    context: ctx,
+                    median_us: us,
+                    bytes_read: bytes,
+                    kv_bytes_per_token: m.bytes_per_token(),
+                    rel_error: e,
+                    build_s,
+                    steps: args.steps,
+                });
+            };
         let want = |m: &str| args.methods.iter().any(|x| x == m);
         if want("full") {
             let t = Instant::now();
@@ -171,13 +193,19 @@ fn main() {
             continue;
         }
         let t = Instant::now();
-        let mut mosaic = OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).expect("cache");
+        let mut mosaic =
+            OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).expect("cache");
         mosaic.prefill(keys.view(), values.view()).expect("prefill");
         let build = t.elapsed().as_secs_f64();
         eprintln!(
             "[{ctx}] mosaic prefill: {build:.1} s, {} segments ({} closed)",
             mosaic.compressed().segments.len(),
-            mosaic.compressed().segments.iter().filter(|s| s.state == SegmentState::Closed).count()
+            mosaic
+                .compressed()
+                .segments
+                .iter()
+                .filter(|s| s.state == SegmentState::Closed)
+                .count()
         );
         let b = mosaic_bytes(&mosaic, &base[0]);
         run("mosaic", &mut mosaic, build, b, &mut rows);
@@ -185,10 +213,20 @@ fn main() {
             let rb = ReferenceBackend;
             let c = mosaic.compressed();
             let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
-            let us = time_steps(|q| rb.attend(c, q.view(), out.view_mut()).expect("reference attend"), &base, 1, args.reference_steps, 9);
+            let us = time_steps(
+                |q| {
+                    rb.attend(c, q.view(), out.view_mut())
+                        .expect("reference attend")
+                },
+                &base,
+                1,
+                args.reference_steps,
+                9,
+            );
             let mut e = 0.0;
             for (q, ex) in base[..ns].iter().zip(&exact) {
-                rb.attend(c, q.view(), out.view_mut()).expect("reference attend");
+                rb.attend(c, q.view(), out.view_mut())
+                    .expect("reference attend");
                 e += rel_l2(out.view(), ex.view());
             }
             eprintln!("[{ctx}] mosaic-reference: {us:.0} us/step");
@@ -206,7 +244,11 @@ fn main() {
         drop::<(Array3<f32>, Array3<f32>)>((keys, values));
     }
     // Report.
-    let find = |m: &str, ctx: usize| rows.iter().find(|r| r.method == m && r.context == ctx).map(|r| r.median_us);
+    let find = |m: &str, ctx: usize| {
+        rows.iter()
+            .find(|r| r.method == m && r.context == ctx)
+            .map(|r| r.median_us)
+    };
     // The table goes to stdout, or to stderr under --json (so one run yields both).
     let table = |line: String| {
         if args.json {
@@ -216,10 +258,25 @@ fn main() {
         }
     };
     {
-        table(format!("backend {} | threads {} | measured read bandwidth {:.2} GB/s", backend.name(), rayon::current_num_threads(), bw));
+        table(format!(
+            "backend {} | threads {} | measured read bandwidth {:.2} GB/s",
+            backend.name(),
+            rayon::current_num_threads(),
+            bw
+        ));
         table(format!(
             "{:<17} {:>8} {:>11} {:>10} {:>7} {:>7} {:>9} {:>8} {:>8} {:>9} {:>8}",
-            "method", "context", "median_us", "MB_read", "GB/s", "bw_frac", "B/token", "x_full", "x_quest", "rel_err", "build_s"
+            "method",
+            "context",
+            "median_us",
+            "MB_read",
+            "GB/s",
+            "bw_frac",
+            "B/token",
+            "x_full",
+            "x_quest",
+            "rel_err",
+            "build_s"
         ));
     }
     for r in &rows {
@@ -256,7 +313,10 @@ fn main() {
                 r.build_s
             ));
             if r.method == "mosaic-reference" {
-                table(format!("  optimized packed attention is {:.1}x faster than the reference's", vs_mosaic.unwrap_or(f64::NAN)));
+                table(format!(
+                    "  optimized packed attention is {:.1}x faster than the reference's",
+                    vs_mosaic.unwrap_or(f64::NAN)
+                ));
             }
         }
     }

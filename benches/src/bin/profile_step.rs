@@ -19,7 +19,9 @@ fn main() {
         x ^= x << 17;
         (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
     };
-    let k = Array3::from_shape_fn((ctx, 8, 128), |(_, _, j)| rnd() * if j < 16 { 4.0 } else { 1.0 });
+    let k = Array3::from_shape_fn((ctx, 8, 128), |(_, _, j)| {
+        rnd() * if j < 16 { 4.0 } else { 1.0 }
+    });
     let v = Array3::from_shape_fn((ctx, 8, 128), |_| rnd());
     let q = Array2::from_shape_fn((32, 128), |_| rnd());
     let mut c: Box<dyn KvCache> = match method {
@@ -33,5 +35,8 @@ fn main() {
     for _ in 0..steps {
         c.attend(q.view(), out.view_mut()).unwrap();
     }
-    println!("{method} {ctx}: {:.0} us/step", t.elapsed().as_secs_f64() * 1e6 / steps as f64);
+    println!(
+        "{method} {ctx}: {:.0} us/step",
+        t.elapsed().as_secs_f64() * 1e6 / steps as f64
+    );
 }
