@@ -60,7 +60,7 @@ use mosaickv_spec::{
 };
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -128,6 +128,10 @@ pub struct LiveStats {
     pub reencodes: u64,
     /// Flushes sent and not yet answered.
     pub in_flight: u64,
+    /// Wall time the worker spent processing flushes (covariance, loss, close rule, re-encodes), ns.
+    pub worker_ns: u64,
+    /// Of which: fitting and re-encoding closed segments, ns.
+    pub close_ns: u64,
 }
 
 /// Host-side memory detail (SPEC 13's `host_rows`, itemized).
@@ -253,20 +257,31 @@ struct WorkerState {
     open: Option<OpenSeg>,
     host_bytes: Arc<AtomicUsize>,
     cov_bytes: Arc<AtomicUsize>,
+    timing: Arc<Timing>,
 }
 
-/// Adds row `x` to the lower triangle of `c` exactly as SPEC 3 step 1 (`encode::covariance`) does.
+/// Worker time counters (ns), shared with the decode side.
+#[derive(Debug, Default)]
+struct Timing {
+    worker: AtomicU64,
+    close: AtomicU64,
+}
+
+/// `C += sum_t x_t x_t^T` over rows `[n][d]`, lower triangle: for each row `a` of
+/// `C` (kept in L1) the rows are added in token order, so every element sees
+/// exactly the additions, in the order, of SPEC 3 step 1 (`encode::covariance`).
 #[inline(always)]
-fn cov_add_body(c: &mut [f64], x: &[f32], xd: &mut [f64]) {
-    let d = x.len();
-    for (o, &v) in xd.iter_mut().zip(x) {
+fn cov_add_body(c: &mut [f64], rows: &[f32], d: usize, xd: &mut [f64]) {
+    for (o, &v) in xd.iter_mut().zip(rows) {
         *o = v as f64;
     }
     for a in 0..d {
-        let xa = xd[a];
         let ca = &mut c[a * d..a * d + a + 1];
-        for (cb, &xb) in ca.iter_mut().zip(&xd[..=a]) {
-            *cb += xa * xb;
+        for x in xd.chunks_exact(d) {
+            let xa = x[a];
+            for (cb, &xb) in ca.iter_mut().zip(&x[..=a]) {
+                *cb += xa * xb;
+            }
         }
     }
 }
@@ -274,25 +289,21 @@ fn cov_add_body(c: &mut [f64], x: &[f32], xd: &mut [f64]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn cov_add_avx2(c: &mut [f64], rows: &[f32], d: usize, xd: &mut [f64]) {
-    for x in rows.chunks_exact(d) {
-        cov_add_body(c, x, xd);
-    }
+    cov_add_body(c, rows, d, xd)
 }
 
 /// `C += x x^T` for every row of `rows` (`[n][d]`), in order, lower triangle only.
 /// Bit-identical to accumulating the same rows with `encode::covariance` (same
-/// products, same order, no FMA contraction).
+/// products, same order per element, no FMA contraction).
 pub fn covariance_update(c: &mut [f64], rows: &[f32], d: usize) {
-    let mut xd = vec![0f64; d];
+    let mut xd = vec![0f64; rows.len()];
     #[cfg(target_arch = "x86_64")]
     if crate::simd::avx2_available() {
         // SAFETY: avx2 detected at run time; the body only uses bounds-checked slice access.
         unsafe { cov_add_avx2(c, rows, d, &mut xd) };
         return;
     }
-    for x in rows.chunks_exact(d) {
-        cov_add_body(c, x, &mut xd);
-    }
+    cov_add_body(c, rows, d, &mut xd);
 }
 
 /// The full symmetric matrix from its lower triangle (as `encode::covariance` mirrors).
@@ -431,6 +442,7 @@ impl WorkerState {
             open: None,
             host_bytes,
             cov_bytes,
+            timing: Arc::new(Timing::default()),
         }
     }
 
@@ -493,8 +505,18 @@ impl WorkerState {
         parts.into_iter().flatten().collect()
     }
 
-    /// One flush, in the order the decode path made them (SPEC 10.2-10.3).
+    /// [`WorkerState::process_inner`], timed.
     fn process(&mut self, job: FlushJob) -> Result<Update> {
+        let t = std::time::Instant::now();
+        let r = self.process_inner(job);
+        self.timing
+            .worker
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// One flush, in the order the decode path made them (SPEC 10.2-10.3).
+    fn process_inner(&mut self, job: FlushJob) -> Result<Update> {
         if self.open.is_none() {
             let (tag, temp) = match (&self.prev, &job.strategies) {
                 (Some((t, s)), _) => (*t, s.clone()),
@@ -525,6 +547,7 @@ impl WorkerState {
                 || s[1].loss.loss() > st.value.fit_loss + margin
         });
         if open.len >= cfg.max_segment_len || drifted {
+            let t_close = std::time::Instant::now();
             let open = self.open.take().expect("open");
             self.cov_bytes.store(0, Ordering::Relaxed);
             let (kv, d) = (self.shape.kv_heads, self.shape.head_dim);
@@ -544,6 +567,9 @@ impl WorkerState {
                 Tag::Seg(open.start),
                 Arc::new(heads.iter().map(|h| h.strategy.clone()).collect()),
             ));
+            self.timing
+                .close
+                .fetch_add(t_close.elapsed().as_nanos() as u64, Ordering::Relaxed);
             return Ok(Update::Close {
                 start: open.start,
                 len: open.len,
@@ -635,6 +661,7 @@ pub struct LiveCache {
     failed: Option<MosaicError>,
     host_bytes: Arc<AtomicUsize>,
     cov_bytes: Arc<AtomicUsize>,
+    timing: Arc<Timing>,
     scratch: MosaicScratch,
     out_tmp: Vec<f32>,
 }
@@ -707,6 +734,7 @@ impl LiveCache {
             None => WorkerState::new(shape, config.clone(), host_bytes.clone(), cov_bytes.clone()),
         };
         let primed = state.open.is_some();
+        let timing = state.timing.clone();
         let engine = match mode {
             Mode::Sync => Engine::Sync(Box::new(state)),
             Mode::Async => {
@@ -749,6 +777,7 @@ impl LiveCache {
             failed: None,
             host_bytes,
             cov_bytes,
+            timing,
             scratch: MosaicScratch::default(),
             out_tmp: Vec::new(),
         })
@@ -784,6 +813,8 @@ impl LiveCache {
     pub fn stats(&self) -> LiveStats {
         LiveStats {
             in_flight: self.sent - self.answered,
+            worker_ns: self.timing.worker.load(Ordering::Relaxed),
+            close_ns: self.timing.close.load(Ordering::Relaxed),
             ..self.stats
         }
     }
