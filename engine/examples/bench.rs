@@ -1,0 +1,150 @@
+//! Prefill and decode timings at given prompt lengths, as JSON on stdout (one object per line).
+//!
+//! cargo run --release -p mosaickv-engine --example bench -- --lengths 1024,3072,6144 --steps 32
+//!
+//! Each prompt is the first N tokens of a fixed filler text (no chat template), so that another
+//! engine can be fed exactly the same token ids (printed with `--print-tokens`). Decode runs
+//! `--steps` greedy steps after the prefill; the time spent inside the KV cache (append +
+//! attend) is measured separately by wrapping each layer's cache.
+
+use clap::Parser;
+use mosaickv_engine::{argmax, model_path, DecodeWeights, LayerKv, Model};
+use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser)]
+struct Args {
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "1024,3072,6144")]
+    lengths: Vec<usize>,
+    /// Greedy decode steps after each prefill.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Decode weights: quantized (default) or f32.
+    #[arg(long, default_value = "quantized")]
+    weights: String,
+    /// Print the prompt token ids in the JSON (for feeding another engine the same prompt).
+    #[arg(long)]
+    print_tokens: bool,
+    /// Only print the token ids of each length (no timing).
+    #[arg(long)]
+    tokens_only: bool,
+    /// Model file (default: $MOSAICKV_HOME, fetched with pip when absent).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+/// Wraps a cache and adds the nanoseconds spent in it to a shared counter.
+struct Timed {
+    inner: Box<dyn LayerKv>,
+    ns: Arc<AtomicU64>,
+}
+
+impl Timed {
+    fn time<T>(&mut self, f: impl FnOnce(&mut Box<dyn LayerKv>) -> T) -> T {
+        let t = Instant::now();
+        let r = f(&mut self.inner);
+        self.ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+}
+
+impl LayerKv for Timed {
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
+        self.inner.prefill(keys, values)
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<(), String> {
+        self.time(|c| c.append(key, value))
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<(), String> {
+        self.time(|c| c.attend(queries, out))
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn bytes(&self) -> usize {
+        self.inner.bytes()
+    }
+}
+
+/// The first `n` tokens of a long English filler text (repeated as needed).
+fn prompt_tokens(model: &Model, n: usize) -> BoxResult<Vec<u32>> {
+    let filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. \
+        Rivers run to the sea, and the sea does not fill up. Clouds drift over the quiet hills. \
+        A farmer counted his sheep at dusk, then went inside to light the fire and read a book. ";
+    let per = model.encode_raw(filler)?.len();
+    let text = filler.repeat(n / per + 2);
+    let mut ids = model.encode_raw(&text)?;
+    ids.truncate(n);
+    Ok(ids)
+}
+
+fn main() -> BoxResult<()> {
+    let args = Args::parse();
+    let weights = match args.weights.as_str() {
+        "quantized" => DecodeWeights::Quantized,
+        "f32" => DecodeWeights::F32,
+        w => return Err(format!("--weights {w}: expected quantized or f32").into()),
+    };
+    let t = Instant::now();
+    let model = Model::load(&model_path(args.model.as_deref())?)?;
+    let load_s = t.elapsed().as_secs_f64();
+    for &n in &args.lengths {
+        let ids = prompt_tokens(&model, n)?;
+        if args.tokens_only {
+            println!("{}", serde_json::json!({ "length": n, "tokens": ids }));
+            continue;
+        }
+        let t = Instant::now();
+        let pre = model.prefill(&ids)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let ns = Arc::new(AtomicU64::new(0));
+        let mut caches: Vec<Box<dyn LayerKv>> = model
+            .new_full_caches()
+            .into_iter()
+            .map(|inner| {
+                Box::new(Timed {
+                    inner,
+                    ns: ns.clone(),
+                }) as Box<dyn LayerKv>
+            })
+            .collect();
+        pre.fill(&mut caches)?;
+        let mut logits = pre.logits.clone();
+        drop(pre);
+        let mut generated = Vec::new();
+        let t = Instant::now();
+        for step in 0..args.steps {
+            let next = argmax(&logits);
+            generated.push(next);
+            logits = model.decode_step_with(next, n + step, &mut caches, weights)?;
+        }
+        let decode_s = t.elapsed().as_secs_f64();
+        let kv_s = ns.load(Ordering::Relaxed) as f64 * 1e-9;
+        let mut rec = serde_json::json!({
+            "length": n,
+            "load_s": load_s,
+            "prefill_s": prefill_s,
+            "decode_steps": args.steps,
+            "decode_s": decode_s,
+            "decode_tok_s": args.steps as f64 / decode_s,
+            "decode_ms": 1e3 * decode_s / args.steps.max(1) as f64,
+            "decode_kv_ms": 1e3 * kv_s / args.steps.max(1) as f64,
+            "weights": args.weights,
+            "decode_weight_bytes": model.decode_weight_bytes(weights),
+            "threads": rayon::current_num_threads(),
+            "generated": generated,
+        });
+        if args.print_tokens {
+            rec["tokens"] = serde_json::json!(ids);
+        }
+        println!("{rec}");
+    }
+    Ok(())
+}
