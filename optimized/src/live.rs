@@ -211,6 +211,7 @@ enum Job {
 #[derive(Debug)]
 pub struct WorkerHold {
     _release: Sender<()>,
+    _alive: Arc<()>,
 }
 
 /// Running SPEC 11.1 sums, rows added in token order (as the reference's `LossSums`).
@@ -662,6 +663,8 @@ pub struct LiveCache {
     host_bytes: Arc<AtomicUsize>,
     cov_bytes: Arc<AtomicUsize>,
     timing: Arc<Timing>,
+    /// One reference per live [`WorkerHold`].
+    holds: Arc<()>,
     scratch: MosaicScratch,
     out_tmp: Vec<f32>,
 }
@@ -681,8 +684,13 @@ impl Drop for LiveCache {
     fn drop(&mut self) {
         if let Engine::Async { jobs, handle, .. } = &mut self.engine {
             jobs.take();
+            // With a hold still alive the worker cannot finish yet: let it exit on its own
+            // once the hold is dropped, instead of blocking here.
+            let held = Arc::strong_count(&self.holds) > 1;
             if let Some(h) = handle.take() {
-                let _ = h.join();
+                if !held {
+                    let _ = h.join();
+                }
             }
         }
     }
@@ -778,6 +786,7 @@ impl LiveCache {
             host_bytes,
             cov_bytes,
             timing,
+            holds: Arc::new(()),
             scratch: MosaicScratch::default(),
             out_tmp: Vec::new(),
         })
@@ -793,7 +802,10 @@ impl LiveCache {
             } => {
                 let (tx, rx) = mpsc::channel();
                 jobs.send(Job::Hold(rx)).ok()?;
-                Some(WorkerHold { _release: tx })
+                Some(WorkerHold {
+                    _release: tx,
+                    _alive: self.holds.clone(),
+                })
             }
             _ => None,
         }

@@ -87,8 +87,8 @@ impl Gen {
             let o = &mut out[h * d..(h + 1) * d];
             for (j, x) in o.iter_mut().enumerate() {
                 let mut v = 0.05 * self.rng.gen_range(-1.0f32..1.0);
-                for k in 0..RANK {
-                    v += w[k] * (c * self.a[k * d + j] + s * self.b[((k + h) % RANK) * d + j]);
+                for (k, wk) in w.iter().enumerate() {
+                    v += wk * (c * self.a[k * d + j] + s * self.b[((k + h) % RANK) * d + j]);
                 }
                 *x = v;
             }
@@ -163,7 +163,7 @@ impl Static {
     /// Untimed: the cache before step `i` has `i / cap` flushes in segments.
     fn prepare(&mut self, context: usize, i: usize) {
         let cap = self.full.config.buffer_capacity;
-        if i % cap == 0 {
+        if i.checked_rem(cap) == Some(0) {
             self.cache = prefix(&self.full, context + i);
         }
     }
