@@ -31,12 +31,21 @@ pub struct FullKv {
 
 impl FullKv {
     pub fn new(kv_heads: usize, head_dim: usize) -> Self {
-        Self { kv_heads, head_dim, len: 0, keys: vec![Vec::new(); kv_heads], values: vec![Vec::new(); kv_heads] }
+        Self {
+            kv_heads,
+            head_dim,
+            len: 0,
+            keys: vec![Vec::new(); kv_heads],
+            values: vec![Vec::new(); kv_heads],
+        }
     }
 
     fn check_shape(&self, what: &str, dims: &[usize]) -> Result<(), String> {
         if dims != [self.kv_heads, self.head_dim] {
-            return Err(format!("{what}: expected [.., {}, {}], got {dims:?}", self.kv_heads, self.head_dim));
+            return Err(format!(
+                "{what}: expected [.., {}, {}], got {dims:?}",
+                self.kv_heads, self.head_dim
+            ));
         }
         Ok(())
     }
@@ -56,7 +65,11 @@ impl FullKv {
 impl LayerKv for FullKv {
     fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
         if keys.dim() != values.dim() {
-            return Err(format!("prefill: keys {:?} vs values {:?}", keys.dim(), values.dim()));
+            return Err(format!(
+                "prefill: keys {:?} vs values {:?}",
+                keys.dim(),
+                values.dim()
+            ));
         }
         let (n, h, d) = keys.dim();
         self.check_shape("prefill", &[h, d])?;
@@ -67,7 +80,10 @@ impl LayerKv for FullKv {
         for t in 0..n {
             for head in 0..h {
                 Self::push_row(&mut self.keys[head], keys.slice(ndarray::s![t, head, ..]));
-                Self::push_row(&mut self.values[head], values.slice(ndarray::s![t, head, ..]));
+                Self::push_row(
+                    &mut self.values[head],
+                    values.slice(ndarray::s![t, head, ..]),
+                );
             }
         }
         self.len += n;
@@ -85,10 +101,20 @@ impl LayerKv for FullKv {
         Ok(())
     }
 
-    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<(), String> {
+    fn attend(
+        &mut self,
+        queries: ArrayView2<f32>,
+        mut out: ArrayViewMut2<f32>,
+    ) -> Result<(), String> {
         let (qh, d) = queries.dim();
         if d != self.head_dim || qh % self.kv_heads != 0 || out.dim() != (qh, d) {
-            return Err(format!("attend: queries {:?}, out {:?}, cache heads {} dim {}", queries.dim(), out.dim(), self.kv_heads, d));
+            return Err(format!(
+                "attend: queries {:?}, out {:?}, cache heads {} dim {}",
+                queries.dim(),
+                out.dim(),
+                self.kv_heads,
+                d
+            ));
         }
         if self.len == 0 {
             return Err("attend on an empty cache".into());
@@ -109,43 +135,27 @@ impl LayerKv for FullKv {
                 .map(|task| {
                     let (kh, sp) = (task / spans, task % spans);
                     let (t0, t1) = (sp * SPAN, ((sp + 1) * SPAN).min(n));
-                    let m = t1 - t0;
                     let qg = &q[kh * group * d..(kh + 1) * group * d];
-                    let mut buf = vec![0f32; m * d];
-                    self.keys[kh][t0 * d..t1 * d].convert_to_f32_slice(&mut buf);
-                    let mut scores = vec![0f32; group * m];
-                    for (i, krow) in buf.chunks_exact(d).enumerate() {
-                        for g in 0..group {
-                            scores[g * m + i] = dot(&qg[g * d..(g + 1) * d], krow);
-                        }
+                    let (ks, vs) = (
+                        &self.keys[kh][t0 * d..t1 * d],
+                        &self.values[kh][t0 * d..t1 * d],
+                    );
+                    #[cfg(target_arch = "x86_64")]
+                    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                        // SAFETY: the CPU has avx2 and fma (checked above).
+                        return unsafe { span_partial_avx2(ks, vs, qg, group, d) };
                     }
-                    let mut mx = vec![0f32; group];
-                    let mut sum = vec![0f32; group];
-                    for g in 0..group {
-                        let s = &mut scores[g * m..(g + 1) * m];
-                        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        s.iter_mut().for_each(|x| *x = (*x - mg).exp());
-                        mx[g] = mg;
-                        sum[g] = s.iter().sum();
-                    }
-                    self.values[kh][t0 * d..t1 * d].convert_to_f32_slice(&mut buf);
-                    let mut acc = vec![0f32; group * d];
-                    for (i, vrow) in buf.chunks_exact(d).enumerate() {
-                        for g in 0..group {
-                            let p = scores[g * m + i];
-                            for (a, &v) in acc[g * d..(g + 1) * d].iter_mut().zip(vrow) {
-                                *a += p * v;
-                            }
-                        }
-                    }
-                    (mx, sum, acc)
+                    span_partial(ks, vs, qg, group, d)
                 })
                 .collect()
         };
         for kh in 0..self.kv_heads {
             let parts = &partials[kh * spans..(kh + 1) * spans];
             for g in 0..group {
-                let m = parts.iter().map(|p| p.0[g]).fold(f32::NEG_INFINITY, f32::max);
+                let m = parts
+                    .iter()
+                    .map(|p| p.0[g])
+                    .fold(f32::NEG_INFINITY, f32::max);
                 let mut z = 0f32;
                 let mut o = vec![0f32; d];
                 for p in parts {
@@ -156,7 +166,10 @@ impl LayerKv for FullKv {
                     }
                 }
                 let inv = 1.0 / z;
-                out.row_mut(kh * group + g).iter_mut().zip(&o).for_each(|(y, &x)| *y = x * inv);
+                out.row_mut(kh * group + g)
+                    .iter_mut()
+                    .zip(&o)
+                    .for_each(|(y, &x)| *y = x * inv);
             }
         }
         Ok(())
@@ -171,8 +184,65 @@ impl LayerKv for FullKv {
     }
 }
 
+/// One (KV head, token span) of [`FullKv::attend`]: per query head of the group, the span's
+/// max score, sum of `exp(score - max)` and the exp-weighted sum of values.
+/// `keys`/`values`: the span's rows (`head_dim` each), `qg`: the group's scaled queries.
+#[inline(always)]
+fn span_partial(
+    keys: &[f16],
+    values: &[f16],
+    qg: &[f32],
+    group: usize,
+    d: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let m = keys.len() / d;
+    let mut buf = vec![0f32; m * d];
+    keys.convert_to_f32_slice(&mut buf);
+    let mut scores = vec![0f32; group * m];
+    for (i, krow) in buf.chunks_exact(d).enumerate() {
+        for g in 0..group {
+            scores[g * m + i] = dot(&qg[g * d..(g + 1) * d], krow);
+        }
+    }
+    let mut mx = vec![0f32; group];
+    let mut sum = vec![0f32; group];
+    for g in 0..group {
+        let s = &mut scores[g * m..(g + 1) * m];
+        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        crate::model::exp_shifted_in_place(s, mg);
+        mx[g] = mg;
+        sum[g] = s.iter().sum();
+    }
+    values.convert_to_f32_slice(&mut buf);
+    let mut acc = vec![0f32; group * d];
+    for (i, vrow) in buf.chunks_exact(d).enumerate() {
+        for g in 0..group {
+            let p = scores[g * m + i];
+            for (a, &v) in acc[g * d..(g + 1) * d].iter_mut().zip(vrow) {
+                *a += p * v;
+            }
+        }
+    }
+    (mx, sum, acc)
+}
+
+/// [`span_partial`] compiled for AVX2/FMA (the same code, auto-vectorized 8 wide).
+///
+/// Safety: the CPU must have avx2 and fma.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn span_partial_avx2(
+    keys: &[f16],
+    values: &[f16],
+    qg: &[f32],
+    group: usize,
+    d: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    span_partial(keys, values, qg, group, d)
+}
+
 /// Dot product with 8 independent accumulators (vectorizes well).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, ra) = a.split_at(a.len() / 8 * 8);
@@ -202,7 +272,12 @@ mod tests {
         for h in 0..qh {
             let kv = h / group;
             let s: Vec<f64> = (0..n)
-                .map(|t| (0..d).map(|j| q[[h, j]] as f64 * k[[t, kv, j]] as f64).sum::<f64>() / (d as f64).sqrt())
+                .map(|t| {
+                    (0..d)
+                        .map(|j| q[[h, j]] as f64 * k[[t, kv, j]] as f64)
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
                 .collect();
             let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
@@ -219,15 +294,25 @@ mod tests {
         let (n, kh, qh, d) = (1300, 3, 9, 64);
         let mut seed = 1u64;
         let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
         };
         let k = Array3::from_shape_fn((n + 1, kh, d), |_| 2.0 * rnd());
         let v = Array3::from_shape_fn((n + 1, kh, d), |_| rnd());
         let q = Array2::from_shape_fn((qh, d), |_| 2.0 * rnd());
         let mut c = FullKv::new(kh, d);
-        c.prefill(k.slice(ndarray::s![..n, .., ..]), v.slice(ndarray::s![..n, .., ..])).unwrap();
-        c.append(k.slice(ndarray::s![n, .., ..]), v.slice(ndarray::s![n, .., ..])).unwrap();
+        c.prefill(
+            k.slice(ndarray::s![..n, .., ..]),
+            v.slice(ndarray::s![..n, .., ..]),
+        )
+        .unwrap();
+        c.append(
+            k.slice(ndarray::s![n, .., ..]),
+            v.slice(ndarray::s![n, .., ..]),
+        )
+        .unwrap();
         assert_eq!(c.len(), n + 1);
         assert_eq!(c.bytes(), (n + 1) * kh * d * 2 * 2);
         let mut out = Array2::zeros((qh, d));
@@ -238,6 +323,53 @@ mod tests {
         let want = naive(&q, &kr, &vr);
         let err = (&out - &want).iter().fold(0f32, |m, x| m.max(x.abs()));
         assert!(err < 1e-5, "max abs err {err}");
+    }
+
+    /// `cargo test --release -p mosaickv-engine --lib kv::tests::attend_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn attend_timing() {
+        let (n, kh, qh, d) = (6144, 3, 9, 64);
+        let k = Array3::from_shape_fn((n, kh, d), |(t, h, j)| {
+            ((t * 7 + h * 3 + j) % 13) as f32 * 0.1 - 0.6
+        });
+        let q = Array2::from_shape_fn((qh, d), |(h, j)| ((h + j) % 5) as f32 * 0.2);
+        let mut c = FullKv::new(kh, d);
+        c.prefill(k.view(), k.view()).unwrap();
+        let mut out = Array2::zeros((qh, d));
+        let reps = 100;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            c.attend(q.view(), out.view_mut()).unwrap();
+        }
+        eprintln!(
+            "FullKv attend over {n} tokens: {:.3} ms",
+            t.elapsed().as_secs_f64() * 1e3 / reps as f64
+        );
+        // one span kernel over a whole head, single thread: baseline vs AVX2 build
+        let qg: Vec<f32> = q.iter().take(3 * d).copied().collect();
+        let t = std::time::Instant::now();
+        for _ in 0..10 {
+            std::hint::black_box(span_partial(&c.keys[0], &c.values[0], &qg, 3, d));
+        }
+        eprintln!(
+            "span_partial (baseline build), {n} tokens: {:.3} ms",
+            t.elapsed().as_secs_f64() * 1e2
+        );
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            let t = std::time::Instant::now();
+            for _ in 0..10 {
+                // SAFETY: avx2 and fma checked above.
+                std::hint::black_box(unsafe {
+                    span_partial_avx2(&c.keys[0], &c.values[0], &qg, 3, d)
+                });
+            }
+            eprintln!(
+                "span_partial (avx2 build), {n} tokens: {:.3} ms",
+                t.elapsed().as_secs_f64() * 1e2
+            );
+        }
     }
 
     #[test]

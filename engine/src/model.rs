@@ -792,7 +792,8 @@ impl Model {
 ///
 /// Branch-free Cephes-style expf (range reduction by ln 2, degree-6 polynomial, exponent bits
 /// assembled directly), so the loop vectorizes; relative error about 2e-7, like libm's expf.
-fn exp_shifted_in_place(xs: &mut [f32], shift: f32) {
+#[inline(always)]
+pub(crate) fn exp_shifted_in_place(xs: &mut [f32], shift: f32) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Prefill and decode speed of our engine vs llama.cpp, same GGUF, same prompts, one run.
+
+Usage:  python3 -m pip install llama-cpp-python numpy
+        cargo build --release -p mosaickv-engine --example bench
+        python3 engine/scripts/compare_llamacpp.py [--lengths 1024,3072,6144] [--steps 32]
+            [--methods full,mosaic] [--threads 2] [--json FILE] [--model GGUF]
+
+The prompts are the first N tokens of a fixed filler text, tokenized by our engine
+(`bench --tokens-only`; the golden test checks that our tokenizer agrees with llama.cpp's), so
+both engines see exactly the same token ids. For each length:
+
+* llama.cpp (llama-cpp-python, n_ctx 8192, n_threads and n_threads_batch = --threads,
+  n_batch 512): `eval(prompt)` timed as prefill, then --steps greedy `eval([token])` steps timed
+  as decode (full f16 KV cache, llama.cpp's default).
+* ours: the `bench` example (one process per method, JSON lines on stdout): prefill, then
+  --steps greedy decode steps on the method's cache; `fill_s` (the method compressing the
+  prompt's K/V) is reported apart from prefill.
+
+Engines run one after the other, never at the same time. Prints a Markdown table; --json
+writes every record.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+
+
+def default_model():
+    home = os.environ.get("MOSAICKV_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mosaickv")
+    return os.path.join(home, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def run_bench(bench, args, extra, lengths=None):
+    lengths = lengths or args.lengths
+    cmd = [bench, "--model", args.model, "--lengths", ",".join(map(str, lengths)), "--steps", str(args.steps)] + extra
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
+
+
+def load_llama(args):
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=args.model,
+        n_ctx=8192,
+        n_batch=512,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        logits_all=False,
+        verbose=False,
+    )
+
+
+def llama_cpp(llm, args, n, toks):
+    import numpy as np
+    from llama_cpp import __version__
+
+    n_vocab = llm.n_vocab()
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(toks)
+    prefill_s = time.perf_counter() - t
+    gen = []
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+        tok = int(np.argmax(logits))
+        gen.append(tok)
+        llm.eval([tok])
+    decode_s = time.perf_counter() - t
+    rec = {
+        "engine": "llama.cpp",
+        "version": __version__,
+        "length": n,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_tok_s": args.steps / decode_s,
+        "decode_ms": 1e3 * decode_s / args.steps,
+        "generated": gen,
+    }
+    print(f"llama.cpp {n}: prefill {prefill_s:.2f} s, decode {args.steps / decode_s:.1f} tok/s", file=sys.stderr)
+    return rec
+
+
+def best(recs):
+    """The fastest of repeated runs (the machine is shared: slower runs met other work)."""
+    out = dict(min(recs, key=lambda r: r["prefill_s"]))
+    fastest_decode = min(recs, key=lambda r: r["decode_s"])
+    for k in ("decode_s", "decode_tok_s", "decode_ms", "decode_kv_ms"):
+        if k in fastest_decode:
+            out[k] = fastest_decode[k]
+    out["runs"] = len(recs)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="1024,3072,6144")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--methods", default="full,mosaic")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--bench", default=os.path.join(ROOT, "target", "release", "examples", "bench"))
+    ap.add_argument("--repeat", type=int, default=1, help="runs per engine and length; the fastest is reported")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    if not os.path.exists(args.bench):
+        sys.exit(f"{args.bench} not found: run cargo build --release -p mosaickv-engine --example bench")
+    if not os.path.exists(args.model):
+        sys.exit(f"{args.model} not found: run the engine once (it fetches the model) or pass --model")
+
+    prompts = {r["length"]: r["tokens"] for r in run_bench(args.bench, args, ["--tokens-only"])}
+    for n in args.lengths:
+        assert len(prompts[n]) == n, f"prompt of {len(prompts[n])} tokens for length {n}"
+
+    llm = load_llama(args)
+    ref, ours, raw = [], [], []
+    # interleaved: each length, each repeat runs llama.cpp then each of our methods
+    for n in args.lengths:
+        runs = {}
+        for _ in range(args.repeat):
+            r = llama_cpp(llm, args, n, prompts[n])
+            runs.setdefault("llama.cpp", []).append(r)
+            for m in args.methods.split(","):
+                (o,) = run_bench(args.bench, args, ["--method", m], [n])
+                o["engine"] = "ours"
+                runs.setdefault(m, []).append(o)
+                print(f"ours/{m} {n}: prefill {o['prefill_s']:.2f} s, decode {o['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+        raw.append(runs)
+        ref.append(best(runs.pop("llama.cpp")))
+        ours.extend(best(v) for v in runs.values())
+
+    by_len = {r["length"]: r for r in ref}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}; "
+          f"llama-cpp-python {ref[0]['version']}, n_threads {args.threads}; {args.steps} greedy decode steps; "
+          f"fastest of {args.repeat} interleaved run(s)")
+    print()
+    print("| prompt tokens | engine / KV cache | prefill s | prefill vs llama.cpp | decode tok/s | decode ms/token "
+          "(KV part) | decode vs llama.cpp | KV MiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for n in args.lengths:
+        r = by_len[n]
+        print(f"| {n} | llama.cpp / full f16 | {r['prefill_s']:.2f} | 1.00x | {r['decode_tok_s']:.1f} | "
+              f"{r['decode_ms']:.1f} | 1.00x | {n * 30 * 2 * 3 * 64 * 2 / 2**20:.1f} |")
+        for o in (o for o in ours if o["length"] == n):
+            print(f"| {n} | ours / {o['method']} | {o['prefill_s']:.2f} | {o['prefill_s'] / r['prefill_s']:.2f}x | "
+                  f"{o['decode_tok_s']:.1f} | {o['decode_ms']:.1f} ({o['decode_kv_ms']:.1f}) | "
+                  f"{o['decode_tok_s'] / r['decode_tok_s']:.2f}x | {o['kv_bytes'] / 2**20:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"llama_cpp": ref, "ours": ours, "runs": raw, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
