@@ -46,6 +46,8 @@ impl F16Store {
         let d = self.shape.head_dim;
         let conv = |a: &ArrayView3<f32>, h: usize, out: &mut Vec<f16>| {
             out.reserve(n * d);
+            // Back the untouched capacity with huge pages (the pointer is only handed to madvise).
+            crate::simd::advise_huge_pages(out.as_ptr(), out.capacity());
             for t in 0..n {
                 out.extend(
                     a.slice(ndarray::s![t, h, ..])

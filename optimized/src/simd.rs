@@ -1001,3 +1001,28 @@ mod x86 {
         }
     }
 }
+
+/// Asks the kernel to back `[ptr, ptr + bytes)` with transparent huge pages (Linux,
+/// `madvise(MADV_HUGEPAGE)`; a no-op elsewhere) for `len` elements at `ptr`, which must lie in
+/// one live allocation. Call it before the memory is first
+/// touched. Decode steps stream hundreds of MB through 4 KiB pages otherwise, and TLB
+/// misses halve the bandwidth at 131K tokens.
+pub fn advise_huge_pages<T>(ptr: *const T, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = ptr as usize;
+        let end = start + len * std::mem::size_of::<T>();
+        let a = start.div_ceil(HUGE) * HUGE;
+        let b = end / HUGE * HUGE;
+        if b > a {
+            // SAFETY: the caller passes a range of one live allocation; MADV_HUGEPAGE only changes
+            // how the kernel backs those pages, never their contents or validity.
+            unsafe {
+                libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
