@@ -1,5 +1,6 @@
 //! The CLI's error: a library error or a problem with an input file.
 
+use mosaickv_engine::EngineError;
 use mosaickv_spec::MosaicError;
 use std::fmt;
 use std::path::Path;
@@ -11,6 +12,8 @@ pub enum CliError {
     Mosaic(MosaicError),
     /// An input file that is not what the command needs (dtype, ndim, .npy syntax).
     Input(String),
+    /// The model engine failed (model file missing, truncated or not GGUF, fetch failed, ...).
+    Engine(EngineError),
 }
 
 impl CliError {
@@ -28,6 +31,7 @@ impl fmt::Display for CliError {
         match self {
             CliError::Mosaic(e) => write!(f, "{e}"),
             CliError::Input(m) => write!(f, "{m}"),
+            CliError::Engine(e) => write!(f, "{e}"),
         }
     }
 }
@@ -35,6 +39,12 @@ impl fmt::Display for CliError {
 impl From<MosaicError> for CliError {
     fn from(e: MosaicError) -> Self {
         CliError::Mosaic(e)
+    }
+}
+
+impl From<EngineError> for CliError {
+    fn from(e: EngineError) -> Self {
+        CliError::Engine(e)
     }
 }
 

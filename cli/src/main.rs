@@ -7,9 +7,15 @@
 mod cachedir;
 mod cmd_attend;
 mod cmd_compress;
+mod cmd_eval;
+mod cmd_fidelity;
+mod cmd_frontier;
+mod cmd_generate;
 mod cmd_inspect;
 mod error;
+mod llm;
 mod npy;
+mod plot;
 
 use clap::{Parser, Subcommand};
 use error::CliError;
@@ -29,6 +35,14 @@ enum Command {
     Attend(cmd_attend::Args),
     /// Print a saved cache's memory breakdown and per-segment strategies.
     Inspect(cmd_inspect::Args),
+    /// Generate text with SmolLM2-135M-Instruct, its KV cache held by a method (greedy, streamed).
+    Generate(cmd_generate::Args),
+    /// The accuracy suite: RULER-style tasks x lengths x methods (the main job).
+    Eval(cmd_eval::Args),
+    /// Per-layer attention error / recall and teacher-forced KL of each method against the full cache.
+    Fidelity(cmd_fidelity::Args),
+    /// The accuracy-memory frontier: channel-retention sweep of mosaic and naive2d, plus Quest.
+    Frontier(cmd_frontier::Args),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -36,6 +50,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Compress(a) => cmd_compress::run(a),
         Command::Attend(a) => cmd_attend::run(a),
         Command::Inspect(a) => cmd_inspect::run(a),
+        Command::Generate(a) => cmd_generate::run(a),
+        Command::Eval(a) => cmd_eval::run(a),
+        Command::Fidelity(a) => cmd_fidelity::run(a),
+        Command::Frontier(a) => cmd_frontier::run(a),
     }
 }
 

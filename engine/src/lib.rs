@@ -8,11 +8,16 @@
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
 //!
+//! * [`methods::Method`] builds per-layer caches for `full`, `quest`, `naive2d`, `mosaic`;
+//!   [`probe`] measures per-layer attention fidelity against the dense cache.
+//!
 //! Set `MOSAICKV_PROFILE=1` to print prefill timings (total and attention) to stderr.
 
 mod fetch;
 mod kv;
+pub mod methods;
 mod model;
+pub mod probe;
 mod quant;
 mod tokenizer;
 
@@ -21,6 +26,7 @@ pub use fetch::{
     WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
+pub use methods::{KvAdapter, Method, MosaicBackend};
 pub use model::{argmax, Config, DecodeWeights, Model, Prefill};
 pub use tokenizer::{ChatTemplate, Tok};
 

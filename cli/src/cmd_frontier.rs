@@ -1,0 +1,181 @@
+//! `mosaickv frontier`: the accuracy-memory frontier (issue 4). Sweeps channel retention for
+//! MosaicKV (fixed policy) and naive 2-D, plus Quest alone, full and default MosaicKV; for each:
+//! the suite's mean accuracy and the teacher-forced KL against the full cache, each beside the
+//! KV bytes per token it reached. Writes a table, optional JSON, and two SVG plots.
+
+use crate::cmd_eval::{self, Suite};
+use crate::cmd_fidelity;
+use crate::error::{io, CliError};
+use crate::{llm, plot};
+use mosaickv_engine::Method;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Channel retentions swept for mosaic (fixed policy, g = 1) and naive2d.
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.375,0.5,0.625")]
+    pub retentions: Vec<f64>,
+    /// Tasks of the accuracy part.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "niah_single_1,niah_multikey,niah_multivalue,niah_multiquery"
+    )]
+    pub tasks: Vec<String>,
+    /// Lengths of the accuracy part.
+    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    pub lengths: Vec<usize>,
+    /// Samples per task and length.
+    #[arg(long, default_value_t = 3)]
+    pub samples: usize,
+    /// Seed of the task generator.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Text length (tokens) of the teacher-forced part; its last 64 positions are scored.
+    #[arg(long, default_value_t = 2048)]
+    pub kl_length: usize,
+    /// SVG of accuracy vs bytes per token.
+    #[arg(long, default_value = "docs/frontier_accuracy.svg")]
+    pub plot_accuracy: PathBuf,
+    /// SVG of teacher-forced KL vs bytes per token.
+    #[arg(long, default_value = "docs/frontier_kl.svg")]
+    pub plot_kl: PathBuf,
+    /// Write the points as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// A local GGUF file instead of the cached (or fetched) SmolLM2-135M-Instruct.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+/// One point of the frontier.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Point {
+    pub method: String,
+    pub family: String,
+    pub retention: Option<f64>,
+    pub accuracy: f64,
+    pub accuracy_loss: Option<f64>,
+    /// Bytes per token in the accuracy runs (mean over samples).
+    pub kv_bytes_per_token: f64,
+    pub kl: f64,
+    pub top1: f64,
+    /// Bytes per token in the teacher-forced run.
+    pub kl_bytes_per_token: f64,
+}
+
+pub fn run(a: Args) -> Result<(), CliError> {
+    let mut methods = vec![
+        (Method::Full, "full", None),
+        (Method::parse("quest")?, "quest", None),
+    ];
+    for &r in &a.retentions {
+        methods.push((
+            Method::parse(&format!("mosaic:ret={r}"))?,
+            "mosaic (fixed)",
+            Some(r),
+        ));
+        methods.push((
+            Method::parse(&format!("naive2d:ret={r}"))?,
+            "naive2d",
+            Some(r),
+        ));
+    }
+    methods.push((Method::parse("mosaic")?, "mosaic (default)", None));
+    let model = llm::load_model(a.model.as_deref())?;
+    let suite = Suite {
+        tasks: cmd_eval::parse_tasks(&a.tasks)?,
+        lengths: a.lengths.clone(),
+        samples: a.samples,
+        methods: methods.iter().map(|m| m.0.clone()).collect(),
+        seed: a.seed,
+        verbose: false,
+    };
+    let pb = cmd_eval::progress_bar(
+        (suite.tasks.len() * suite.lengths.len() * suite.samples * suite.methods.len()) as u64,
+    );
+    let records = cmd_eval::run_suite(&model, &suite, &pb)?;
+    pb.finish_and_clear();
+    let summary = cmd_eval::summarize(&records);
+    let (text, source) = cmd_fidelity::natural_text(None)?;
+    let tokens = cmd_fidelity::text_tokens(&model, &text, a.kl_length)?;
+    let forced = cmd_fidelity::teacher_forced(&model, &tokens, 64, &suite.methods, |m| {
+        eprintln!("teacher-forced: {m}")
+    })?;
+    let mut points = Vec::new();
+    for (m, family, ret) in &methods {
+        let name = m.to_string();
+        let s = summary.iter().find(|s| s.method == name).expect("summary");
+        let f = forced.iter().find(|f| f.method == name).expect("forced");
+        points.push(Point {
+            method: name,
+            family: family.to_string(),
+            retention: *ret,
+            accuracy: s.accuracy,
+            accuracy_loss: s.accuracy_loss,
+            kv_bytes_per_token: s.kv_bytes_per_token,
+            kl: f.kl,
+            top1: f.top1,
+            kl_bytes_per_token: f.kv_bytes_per_token,
+        });
+    }
+    println!(
+        "Frontier: accuracy over {:?} x {:?} x {} samples; KL over the last 64 of {} tokens of {source}\n",
+        a.tasks, a.lengths, a.samples, a.kl_length
+    );
+    println!("| method | accuracy | loss vs full | KV B/token (suite) | KL | top-1 | KV B/token (KL run) |\n|---|---:|---:|---:|---:|---:|---:|");
+    for p in &points {
+        println!(
+            "| {} | {:.3} | {} | {:.1} | {:.4} | {:.3} | {:.1} |",
+            p.method,
+            p.accuracy,
+            p.accuracy_loss
+                .map_or("-".into(), |v| format!("{:+.1} %", 100.0 * v)),
+            p.kv_bytes_per_token,
+            p.kl,
+            p.top1,
+            p.kl_bytes_per_token
+        );
+    }
+    let series = |y: &dyn Fn(&Point) -> f64, x: &dyn Fn(&Point) -> f64| -> Vec<plot::Series> {
+        let mut fams: Vec<&str> = Vec::new();
+        for p in &points {
+            if !fams.contains(&p.family.as_str()) {
+                fams.push(&p.family);
+            }
+        }
+        fams.iter()
+            .map(|f| plot::Series {
+                label: f.to_string(),
+                points: points
+                    .iter()
+                    .filter(|p| p.family == *f)
+                    .map(|p| (x(p), y(p)))
+                    .collect(),
+            })
+            .collect()
+    };
+    plot::line_chart(
+        &a.plot_accuracy,
+        "Accuracy vs KV bytes per token",
+        "KV bytes per token (all bytes counted)",
+        "mean accuracy",
+        &series(&|p| p.accuracy, &|p| p.kv_bytes_per_token),
+        Some((0.0, 1.05)),
+    )?;
+    plot::line_chart(
+        &a.plot_kl,
+        "Teacher-forced KL vs KV bytes per token",
+        "KV bytes per token (all bytes counted)",
+        "mean KL(full || method), nats",
+        &series(&|p| p.kl, &|p| p.kl_bytes_per_token),
+        None,
+    )?;
+    if let Some(p) = &a.json {
+        let s =
+            serde_json::to_string_pretty(&points).map_err(|e| CliError::Input(e.to_string()))?;
+        std::fs::write(p, s + "\n").map_err(|e| io(p, e))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,141 @@
+//! Shared pieces of the model-driven subcommands (`generate`, `eval`, `fidelity`, `frontier`):
+//! loading the model, greedy decoding on a method's caches, task prompts and budgets.
+
+use crate::error::CliError;
+use mosaickv_engine::{argmax, model_path, LayerKv, Method, Model, Prefill};
+use mosaickv_tasks::{Sample, Task};
+use std::path::Path;
+use std::time::Instant;
+
+/// Finds (or fetches) and loads the model; `--model PATH` wins over the cache directory.
+pub fn load_model(explicit: Option<&Path>) -> Result<Model, CliError> {
+    let path = model_path(explicit)?;
+    Ok(Model::load(&path)?)
+}
+
+/// Parses a comma-separated method list (see [`Method`] for the names).
+pub fn parse_methods(list: &[String]) -> Result<Vec<Method>, CliError> {
+    list.iter()
+        .map(|s| Method::parse(s).map_err(CliError::from))
+        .collect()
+}
+
+/// What one greedy decode on one method produced.
+#[derive(Debug, Clone)]
+pub struct Decoded {
+    pub ids: Vec<u32>,
+    /// Wall time of each `decode_step` (seconds).
+    pub step_s: Vec<f64>,
+    /// Device bytes per cached token, averaged over layers, at the end of the decode.
+    pub bytes_per_token: f64,
+}
+
+/// Greedy decode from a shared prefill: the method's caches take the prompt K/V, then up to
+/// `max_new` tokens are generated (stopping after an end-of-sequence token, not included in
+/// the returned ids). `on_token` sees each generated id.
+pub fn decode_greedy(
+    model: &Model,
+    pre: &Prefill,
+    method: &Method,
+    max_new: usize,
+    mut on_token: impl FnMut(u32),
+) -> Result<Decoded, CliError> {
+    let mut caches = method.new_caches(model.config())?;
+    pre.fill(&mut caches)?;
+    let mut ids = Vec::new();
+    let mut step_s = Vec::new();
+    let mut logits = pre.logits.clone();
+    let mut pos = pre.len();
+    while ids.len() < max_new {
+        let next = argmax(&logits);
+        if model.is_eos(next) {
+            break;
+        }
+        ids.push(next);
+        on_token(next);
+        if ids.len() == max_new {
+            break;
+        }
+        let t = Instant::now();
+        logits = model.decode_step(next, pos, &mut caches)?;
+        step_s.push(t.elapsed().as_secs_f64());
+        pos += 1;
+    }
+    Ok(Decoded {
+        ids,
+        step_s,
+        bytes_per_token: bytes_per_token(&caches),
+    })
+}
+
+/// Device bytes per cached token, averaged over layers (0 for empty caches).
+pub fn bytes_per_token(caches: &[Box<dyn LayerKv>]) -> f64 {
+    let bytes: usize = caches.iter().map(|c| c.bytes()).sum();
+    let tokens: usize = caches.iter().map(|c| c.len()).sum();
+    if tokens == 0 {
+        0.0
+    } else {
+        bytes as f64 / tokens as f64
+    }
+}
+
+/// Generation budget per task (tokens), RULER's 128 cut to what the answers need: a niah
+/// answer with one 7-digit number is about 10 tokens (digits are single tokens), four numbers
+/// about 40; `vt` names five 5-letter variables; `cwe` lists ten words.
+pub fn answer_budget(task: Task) -> usize {
+    match task {
+        Task::NiahSingle1 | Task::NiahMultikey => 24,
+        Task::NiahMultivalue | Task::NiahMultiquery => 48,
+        Task::Vt => 32,
+        Task::Cwe => 64,
+    }
+}
+
+/// The prompt as the model sees it: chat template around the task text, then the answer prefix
+/// opening the assistant turn.
+pub fn task_prompt_ids(model: &Model, sample: &Sample) -> Result<Vec<u32>, CliError> {
+    let text = format!(
+        "{}{}",
+        model.tokenizer().chat.render(&sample.context),
+        sample.answer_prefix
+    );
+    Ok(model.encode_raw(&text)?)
+}
+
+/// Generates a task sample whose chat-templated prompt plus the answer budget fits `length`.
+/// The counter tokenizes the whole text inside the template (the template's tokens around the
+/// user turn are the same whether the answer prefix sits before or after `<|im_end|>...`); the
+/// exact prompt is then re-counted and the haystack shrunk if it still overshoots.
+pub fn task_sample(
+    model: &Model,
+    task: Task,
+    length: usize,
+    seed: u64,
+) -> Result<(Sample, Vec<u32>), CliError> {
+    let budget = answer_budget(task);
+    let count = |s: &str| -> usize {
+        model
+            .encode_raw(&model.tokenizer().chat.render(s))
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX)
+    };
+    let mut size = mosaickv_tasks::haystack_size_for(task, length, budget, seed, &count)
+        .map_err(|e| CliError::Input(e.to_string()))?;
+    loop {
+        let sample = mosaickv_tasks::render(task, size, seed, length);
+        let ids = task_prompt_ids(model, &sample)?;
+        if ids.len() + budget <= length || size == 0 {
+            return Ok((sample, ids));
+        }
+        size -= 1;
+    }
+}
+
+/// Seconds as a short string.
+pub fn secs(s: f64) -> String {
+    if s >= 60.0 {
+        format!("{:.0} min {:.0} s", (s / 60.0).floor(), s % 60.0)
+    } else {
+        format!("{s:.1} s")
+    }
+}

@@ -1,0 +1,562 @@
+//! KV-cache methods for the decode loop: every `mosaickv_spec::KvCache` (MosaicKV and the
+//! SPEC.md section 12 baselines) as an engine [`LayerKv`], and [`Method`], the name a user
+//! picks on the command line.
+//!
+//! Prefill stays dense and shared (issue 4): one [`crate::Model::prefill`] per prompt, then each
+//! method's caches take the same per-layer K/V through `prefill` and decode from there.
+//! Every one of the model's 30 layers is compressed (no layer is kept dense; Quest's paper keeps
+//! its first two layers dense, we do not, so the numbers charge every layer; docs/ACCURACY.md).
+
+use crate::kv::{FullKv, LayerKv};
+use crate::{EngineError, Result};
+use mosaickv_optimized::{CpuBackend, OptimizedMosaicCache, QuestF16Cache};
+use mosaickv_reference::{MosaicCache, Naive2dCache, QuestCache};
+use mosaickv_spec::{
+    Backend as _, ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape,
+};
+use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
+use std::fmt;
+
+/// Any [`KvCache`] as a [`LayerKv`]: errors become strings, `bytes()` is the device bytes of
+/// `memory()` (SPEC.md section 13, every byte counted).
+pub struct KvAdapter<C: KvCache>(pub C);
+
+impl<C: KvCache> LayerKv for KvAdapter<C> {
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
+        self.0.prefill(keys, values).map_err(|e| e.to_string())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<(), String> {
+        self.0.append(key, value).map_err(|e| e.to_string())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<(), String> {
+        self.0.attend(queries, out).map_err(|e| e.to_string())
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn bytes(&self) -> usize {
+        self.0.memory().device_bytes()
+    }
+}
+
+/// A boxed [`KvCache`] as a [`LayerKv`].
+pub struct BoxedKv(pub Box<dyn KvCache>);
+
+impl LayerKv for BoxedKv {
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
+        self.0.prefill(keys, values).map_err(|e| e.to_string())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<(), String> {
+        self.0.append(key, value).map_err(|e| e.to_string())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<(), String> {
+        self.0.attend(queries, out).map_err(|e| e.to_string())
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn bytes(&self) -> usize {
+        self.0.memory().device_bytes()
+    }
+}
+
+/// A layer cache that can also say which tokens it attends for given queries (for recall@k,
+/// SPEC.md section 16). `None`: every token.
+pub trait ProbeKv: LayerKv {
+    /// Token indices attended per query head for queries `[q_heads, head_dim]`.
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String>;
+}
+
+impl ProbeKv for FullKv {
+    fn attended(&self, _queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+        Ok(None)
+    }
+}
+
+impl ProbeKv for KvAdapter<MosaicCache> {
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+        self.0
+            .attended_tokens(queries)
+            .map(Some)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl ProbeKv for KvAdapter<QuestCache> {
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+        self.0
+            .attended_tokens(queries)
+            .map(Some)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl ProbeKv for KvAdapter<Naive2dCache> {
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+        self.0
+            .attended_tokens(queries)
+            .map(Some)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl ProbeKv for KvAdapter<OptimizedMosaicCache> {
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+        attended_of_compressed(self.0.compressed(), queries).map(Some)
+    }
+}
+
+/// SPEC.md sections 8-9: the tokens a compressed cache attends per query head (sink, the
+/// blocks the CPU backend selects, the update buffer).
+pub fn attended_of_compressed(
+    cache: &CompressedCache,
+    queries: ArrayView2<f32>,
+) -> Result<Vec<Vec<usize>>, String> {
+    let shape = cache.shape;
+    let total = cache.len();
+    let sink = cache.sink.tokens;
+    let seg_end = cache.segments.last().map_or(sink, |s| s.start + s.len);
+    let mut per_kv: Vec<Vec<usize>> = vec![(0..sink).collect(); shape.kv_heads];
+    if !cache.segments.is_empty() {
+        let sel = CpuBackend::new()
+            .select(cache, queries)
+            .map_err(|e| e.to_string())?;
+        for (h, blocks) in sel.per_head.iter().enumerate() {
+            for &(s, b) in blocks {
+                let seg = &cache.segments[s as usize];
+                let bs = seg.heads[h].strategy.block_size;
+                let a = seg.start + b as usize * bs;
+                let e = (a + bs).min(seg.start + seg.len);
+                per_kv[h].extend(a..e);
+            }
+        }
+    }
+    for set in &mut per_kv {
+        set.extend(seg_end..total);
+    }
+    Ok((0..shape.q_heads)
+        .map(|qh| per_kv[qh / shape.group()].clone())
+        .collect())
+}
+
+/// Which implementation of MosaicKV runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MosaicBackend {
+    /// `mosaickv-reference` (f64 oracle).
+    Reference,
+    /// `mosaickv-optimized` (CPU kernels).
+    Optimized,
+}
+
+/// A KV-cache method (issue 4): what `--method` / `--methods` name.
+///
+/// Names: `full`, `quest`, `naive2d`, `mosaic` (optimized backend), `mosaic-ref` (reference
+/// backend), each optionally followed by `:key=value` overrides separated by `:`:
+/// `rate` (token_rate), `ret` (fixed channel retention; for mosaic it switches to the fixed
+/// policy), `g` (group size with `ret`), `kloss`, `vloss` (loss thresholds), `rets` (candidate
+/// retentions, `/`-separated), `trunc` (truncate_fraction), `sink`, `lin` (input_segment_len),
+/// `bs` (block sizes, `/`-separated), `var` (variance_threshold). Example: `mosaic:ret=0.5`,
+/// `naive2d:ret=0.25`, `mosaic:rate=1:trunc=0`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Method {
+    /// Dense f16 cache (engine's [`FullKv`]).
+    Full,
+    /// SPEC.md section 12 Quest (optimized `QuestF16Cache`).
+    Quest { token_rate: f64 },
+    /// SPEC.md section 12 naive 2-D (reference `Naive2dCache`).
+    Naive2d { retention: f64, token_rate: f64 },
+    /// MosaicKV with a configuration (SPEC.md section 2).
+    Mosaic {
+        backend: MosaicBackend,
+        config: CompressConfig,
+    },
+}
+
+/// Default channel retention of `naive2d` when none is given: 50 %, the setting that kept the
+/// needle on this model's KV in the foundation measurements (SPEC.md section 2).
+pub const NAIVE2D_DEFAULT_RETENTION: f64 = 0.5;
+
+impl Method {
+    /// Parses a method name with optional `:key=value` overrides (see [`Method`]).
+    pub fn parse(spec: &str) -> Result<Method> {
+        let mut parts = spec.trim().split(':');
+        let name = parts.next().unwrap_or("");
+        let mut kv = Vec::new();
+        for p in parts {
+            let (k, v) = p.split_once('=').ok_or_else(|| {
+                EngineError::Invalid(format!("method {spec:?}: override {p:?} is not key=value"))
+            })?;
+            kv.push((k.trim().to_string(), v.trim().to_string()));
+        }
+        let num = |k: &str, v: &str| -> Result<f64> {
+            v.parse::<f64>().map_err(|_| {
+                EngineError::Invalid(format!("method {spec:?}: {k}={v} is not a number"))
+            })
+        };
+        let list =
+            |k: &str, v: &str| -> Result<Vec<f64>> { v.split('/').map(|x| num(k, x)).collect() };
+        let default_rate = CompressConfig::default().token_rate;
+        let unknown = |k: &str| {
+            EngineError::Invalid(format!(
+                "method {spec:?}: unknown override {k:?} for {name}"
+            ))
+        };
+        let method = match name {
+            "full" => {
+                if let Some((k, _)) = kv.first() {
+                    return Err(unknown(k));
+                }
+                Method::Full
+            }
+            "quest" => {
+                let mut token_rate = default_rate;
+                for (k, v) in &kv {
+                    match k.as_str() {
+                        "rate" => token_rate = num(k, v)?,
+                        _ => return Err(unknown(k)),
+                    }
+                }
+                Method::Quest { token_rate }
+            }
+            "naive2d" => {
+                let (mut retention, mut token_rate) = (NAIVE2D_DEFAULT_RETENTION, default_rate);
+                for (k, v) in &kv {
+                    match k.as_str() {
+                        "rate" => token_rate = num(k, v)?,
+                        "ret" => retention = num(k, v)?,
+                        _ => return Err(unknown(k)),
+                    }
+                }
+                Method::Naive2d {
+                    retention,
+                    token_rate,
+                }
+            }
+            "mosaic" | "mosaic-ref" => {
+                let backend = if name == "mosaic" {
+                    MosaicBackend::Optimized
+                } else {
+                    MosaicBackend::Reference
+                };
+                let mut c = CompressConfig::default();
+                let (mut ret, mut g) = (None, 1usize);
+                for (k, v) in &kv {
+                    match k.as_str() {
+                        "rate" => c.token_rate = num(k, v)?,
+                        "ret" => ret = Some(num(k, v)?),
+                        "g" => g = num(k, v)? as usize,
+                        "trunc" => c.truncate_fraction = num(k, v)?,
+                        "sink" => c.sink_tokens = num(k, v)? as usize,
+                        "lin" => c.input_segment_len = num(k, v)? as usize,
+                        "var" => c.variance_threshold = num(k, v)?,
+                        "bs" => {
+                            c.block_sizes = list(k, v)?.into_iter().map(|x| x as usize).collect()
+                        }
+                        "kloss" | "vloss" | "rets" | "gs" => {
+                            let ChannelPolicy::LossThreshold {
+                                key_loss,
+                                value_loss,
+                                retentions,
+                                group_sizes,
+                            } = &mut c.channels
+                            else {
+                                unreachable!("the default policy is loss_threshold")
+                            };
+                            match k.as_str() {
+                                "kloss" => *key_loss = num(k, v)?,
+                                "vloss" => *value_loss = num(k, v)?,
+                                "rets" => *retentions = list(k, v)?,
+                                _ => {
+                                    *group_sizes =
+                                        list(k, v)?.into_iter().map(|x| x as usize).collect()
+                                }
+                            }
+                        }
+                        _ => return Err(unknown(k)),
+                    }
+                }
+                if let Some(retention) = ret {
+                    c.channels = ChannelPolicy::Fixed {
+                        retention,
+                        group_size: g,
+                    };
+                }
+                Method::Mosaic { backend, config: c }
+            }
+            _ => {
+                return Err(EngineError::Invalid(format!(
+                    "unknown method {name:?}; known: full, quest, naive2d, mosaic, mosaic-ref"
+                )))
+            }
+        };
+        method.validate()?;
+        Ok(method)
+    }
+
+    /// Checks the parameters (rates in (0, 1], a valid MosaicKV config for head_dim 64).
+    fn validate(&self) -> Result<()> {
+        let rate = |what: &str, x: f64| {
+            if x > 0.0 && x <= 1.0 {
+                Ok(())
+            } else {
+                Err(EngineError::Invalid(format!("{what} {x} not in (0, 1]")))
+            }
+        };
+        match self {
+            Method::Full => Ok(()),
+            Method::Quest { token_rate } => rate("token_rate", *token_rate),
+            Method::Naive2d {
+                retention,
+                token_rate,
+            } => {
+                rate("token_rate", *token_rate)?;
+                rate("retention", *retention)
+            }
+            Method::Mosaic { config, .. } => config
+                .validate(64)
+                .map_err(|e| EngineError::Invalid(e.to_string())),
+        }
+    }
+
+    /// A short label: the canonical name plus the overrides that differ from the defaults.
+    pub fn label(&self) -> String {
+        self.to_string()
+    }
+
+    /// One empty cache per layer for a model of this configuration.
+    pub fn new_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn LayerKv>>> {
+        let shape = shape_of(cfg)?;
+        (0..cfg.n_layers)
+            .map(|_| -> Result<Box<dyn LayerKv>> {
+                Ok(match self {
+                    Method::Full => Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim)),
+                    Method::Quest { token_rate } => Box::new(KvAdapter(
+                        QuestF16Cache::new(shape, *token_rate).map_err(inv)?,
+                    )),
+                    Method::Naive2d {
+                        retention,
+                        token_rate,
+                    } => Box::new(KvAdapter(
+                        Naive2dCache::new(shape, *token_rate, *retention).map_err(inv)?,
+                    )),
+                    Method::Mosaic {
+                        backend: MosaicBackend::Optimized,
+                        config,
+                    } => Box::new(KvAdapter(
+                        OptimizedMosaicCache::new(shape, config.clone()).map_err(inv)?,
+                    )),
+                    Method::Mosaic {
+                        backend: MosaicBackend::Reference,
+                        config,
+                    } => Box::new(KvAdapter(
+                        MosaicCache::new(shape, config.clone()).map_err(inv)?,
+                    )),
+                })
+            })
+            .collect()
+    }
+
+    /// As [`Method::new_caches`], with caches that can report their attended tokens (for
+    /// `fidelity`). Quest runs on the reference `QuestCache` here (same SPEC.md section 12 rule).
+    pub fn new_probe_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn ProbeKv>>> {
+        let shape = shape_of(cfg)?;
+        (0..cfg.n_layers)
+            .map(|_| -> Result<Box<dyn ProbeKv>> {
+                Ok(match self {
+                    Method::Full => Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim)),
+                    Method::Quest { token_rate } => {
+                        Box::new(KvAdapter(QuestCache::new(shape, *token_rate).map_err(inv)?))
+                    }
+                    Method::Naive2d {
+                        retention,
+                        token_rate,
+                    } => Box::new(KvAdapter(
+                        Naive2dCache::new(shape, *token_rate, *retention).map_err(inv)?,
+                    )),
+                    Method::Mosaic {
+                        backend: MosaicBackend::Optimized,
+                        config,
+                    } => Box::new(KvAdapter(
+                        OptimizedMosaicCache::new(shape, config.clone()).map_err(inv)?,
+                    )),
+                    Method::Mosaic {
+                        backend: MosaicBackend::Reference,
+                        config,
+                    } => Box::new(KvAdapter(
+                        MosaicCache::new(shape, config.clone()).map_err(inv)?,
+                    )),
+                })
+            })
+            .collect()
+    }
+}
+
+fn inv(e: mosaickv_spec::MosaicError) -> EngineError {
+    EngineError::Invalid(e.to_string())
+}
+
+fn shape_of(cfg: &crate::Config) -> Result<KvShape> {
+    KvShape::new(cfg.kv_heads, cfg.q_heads, cfg.head_dim).map_err(inv)
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = CompressConfig::default();
+        match self {
+            Method::Full => write!(f, "full"),
+            Method::Quest { token_rate } => {
+                write!(f, "quest")?;
+                if *token_rate != d.token_rate {
+                    write!(f, ":rate={token_rate}")?;
+                }
+                Ok(())
+            }
+            Method::Naive2d {
+                retention,
+                token_rate,
+            } => {
+                write!(f, "naive2d")?;
+                if *retention != NAIVE2D_DEFAULT_RETENTION {
+                    write!(f, ":ret={retention}")?;
+                }
+                if *token_rate != d.token_rate {
+                    write!(f, ":rate={token_rate}")?;
+                }
+                Ok(())
+            }
+            Method::Mosaic { backend, config: c } => {
+                f.write_str(match backend {
+                    MosaicBackend::Optimized => "mosaic",
+                    MosaicBackend::Reference => "mosaic-ref",
+                })?;
+                if c.token_rate != d.token_rate {
+                    write!(f, ":rate={}", c.token_rate)?;
+                }
+                match (&c.channels, &d.channels) {
+                    (
+                        ChannelPolicy::Fixed {
+                            retention,
+                            group_size,
+                        },
+                        _,
+                    ) => {
+                        write!(f, ":ret={retention}")?;
+                        if *group_size != 1 {
+                            write!(f, ":g={group_size}")?;
+                        }
+                    }
+                    (
+                        ChannelPolicy::LossThreshold {
+                            key_loss,
+                            value_loss,
+                            retentions,
+                            group_sizes,
+                        },
+                        ChannelPolicy::LossThreshold {
+                            key_loss: dk,
+                            value_loss: dv,
+                            retentions: dr,
+                            group_sizes: dg,
+                        },
+                    ) => {
+                        if key_loss != dk {
+                            write!(f, ":kloss={key_loss}")?;
+                        }
+                        if value_loss != dv {
+                            write!(f, ":vloss={value_loss}")?;
+                        }
+                        if retentions != dr {
+                            let s: Vec<String> = retentions.iter().map(|x| x.to_string()).collect();
+                            write!(f, ":rets={}", s.join("/"))?;
+                        }
+                        if group_sizes != dg {
+                            let s: Vec<String> =
+                                group_sizes.iter().map(|x| x.to_string()).collect();
+                            write!(f, ":gs={}", s.join("/"))?;
+                        }
+                    }
+                    _ => {}
+                }
+                if c.truncate_fraction != d.truncate_fraction {
+                    write!(f, ":trunc={}", c.truncate_fraction)?;
+                }
+                if c.sink_tokens != d.sink_tokens {
+                    write!(f, ":sink={}", c.sink_tokens)?;
+                }
+                if c.input_segment_len != d.input_segment_len {
+                    write!(f, ":lin={}", c.input_segment_len)?;
+                }
+                if c.variance_threshold != d.variance_threshold {
+                    write!(f, ":var={}", c.variance_threshold)?;
+                }
+                if c.block_sizes != d.block_sizes {
+                    let s: Vec<String> = c.block_sizes.iter().map(|x| x.to_string()).collect();
+                    write!(f, ":bs={}", s.join("/"))?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for Method {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<Self> {
+        Method::parse(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_round_trip() {
+        for s in [
+            "full",
+            "quest",
+            "naive2d",
+            "mosaic",
+            "mosaic-ref",
+            "naive2d:ret=0.25",
+            "mosaic:ret=0.375",
+            "mosaic:rate=1:trunc=0",
+            "quest:rate=0.2",
+        ] {
+            let m = Method::parse(s).unwrap();
+            assert_eq!(m.to_string(), s);
+            assert_eq!(Method::parse(&m.to_string()).unwrap(), m);
+        }
+        assert!(matches!(
+            Method::parse("mosaic").unwrap(),
+            Method::Mosaic {
+                backend: MosaicBackend::Optimized,
+                ..
+            }
+        ));
+        assert_eq!(
+            Method::parse("naive2d").unwrap(),
+            Method::Naive2d {
+                retention: 0.5,
+                token_rate: 0.1
+            }
+        );
+    }
+
+    #[test]
+    fn bad_names_are_errors() {
+        for s in [
+            "",
+            "dense",
+            "full:rate=1",
+            "quest:rate=2",
+            "mosaic:ret=abc",
+            "mosaic:foo=1",
+            "naive2d:ret=0",
+            "mosaic:g=3:ret=0.5",
+            "mosaic:rate",
+        ] {
+            assert!(Method::parse(s).is_err(), "{s} should not parse");
+        }
+    }
+}
