@@ -438,8 +438,11 @@ pub fn packed_attention(
     let budget = cache.config.budget_tokens(n_seg_tokens);
     let compute = matches!(src, SelectionSource::Compute);
 
+    for sel in &mut sc.sel {
+        sel.clear();
+    }
     // Phase A: rotate queries once per (segment, head); score + select (fused, per KV head).
-    {
+    if nseg > 0 {
         let geom = &sc.geom;
         sc.qrot
             .par_chunks_mut(nseg * qstride)

@@ -464,3 +464,24 @@ fn f64_to_f16_rounds_once_ties_to_even() {
     assert_eq!(f16_from_f64(65519.99), f16::MAX);
     assert!(f16_from_f64(65520.0).is_infinite());
 }
+
+#[test]
+fn sink_and_buffer_only_cache_is_exact_dense_attention() {
+    let shape = KvShape::new(2, 4, 32).unwrap();
+    let (k, v) = kv(40, 2, 32, 41);
+    let q = queries(4, 32, 42);
+    for n in [1usize, 3, 4, 10, 40] {
+        let mut c = OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).unwrap();
+        for t in 0..n {
+            c.append(k.slice(ndarray::s![t, .., ..]), v.slice(ndarray::s![t, .., ..])).unwrap();
+        }
+        assert!(c.compressed().segments.is_empty());
+        let mut out = Array2::from_elem((4, 32), f32::NAN);
+        c.attend(q.view(), out.view_mut()).unwrap();
+        let all: Vec<usize> = (0..n).collect();
+        let e = rel(&out, &naive_full(&k, &v, &q, &shape, &all));
+        assert!(e < 1e-5, "n = {n}: {e}");
+        let sel = CpuBackend::new().select(c.compressed(), q.view()).unwrap();
+        assert!(sel.per_head.iter().all(|s| s.is_empty()));
+    }
+}
