@@ -5,10 +5,11 @@
 //! Each prompt is the first N tokens of a fixed filler text (no chat template), so that another
 //! engine can be fed exactly the same token ids (printed with `--print-tokens`). Decode runs
 //! `--steps` greedy steps after the prefill; the time spent inside the KV cache (append +
-//! attend) is measured separately by wrapping each layer's cache.
+//! attend) is measured separately by wrapping each layer's cache. `fill_s` is the time the
+//! method takes to take over (and compress) the prompt's K/V.
 
 use clap::Parser;
-use mosaickv_engine::{argmax, model_path, DecodeWeights, LayerKv, Model};
+use mosaickv_engine::{argmax, model_path, DecodeWeights, LayerKv, Method, Model};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,6 +29,9 @@ struct Args {
     /// Decode weights: quantized (default) or f32.
     #[arg(long, default_value = "quantized")]
     weights: String,
+    /// KV-cache method for the decode steps (`full`, `mosaic`, ...; see `Method::parse`).
+    #[arg(long, default_value = "full")]
+    method: String,
     /// Print the prompt token ids in the JSON (for feeding another engine the same prompt).
     #[arg(long)]
     print_tokens: bool,
@@ -92,6 +96,7 @@ fn main() -> BoxResult<()> {
         "f32" => DecodeWeights::F32,
         w => return Err(format!("--weights {w}: expected quantized or f32").into()),
     };
+    let method = Method::parse(&args.method)?;
     let t = Instant::now();
     let model = Model::load(&model_path(args.model.as_deref())?)?;
     let load_s = t.elapsed().as_secs_f64();
@@ -105,8 +110,8 @@ fn main() -> BoxResult<()> {
         let pre = model.prefill(&ids)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let ns = Arc::new(AtomicU64::new(0));
-        let mut caches: Vec<Box<dyn LayerKv>> = model
-            .new_full_caches()
+        let mut caches: Vec<Box<dyn LayerKv>> = method
+            .new_caches(model.config())?
             .into_iter()
             .map(|inner| {
                 Box::new(Timed {
@@ -115,7 +120,9 @@ fn main() -> BoxResult<()> {
                 }) as Box<dyn LayerKv>
             })
             .collect();
+        let t = Instant::now();
         pre.fill(&mut caches)?;
+        let fill_s = t.elapsed().as_secs_f64();
         let mut logits = pre.logits.clone();
         drop(pre);
         let mut generated = Vec::new();
@@ -131,6 +138,9 @@ fn main() -> BoxResult<()> {
             "length": n,
             "load_s": load_s,
             "prefill_s": prefill_s,
+            "method": method.label(),
+            "fill_s": fill_s,
+            "kv_bytes": caches.iter().map(|c| c.bytes()).sum::<usize>(),
             "decode_steps": args.steps,
             "decode_s": decode_s,
             "decode_tok_s": args.steps as f64 / decode_s,
