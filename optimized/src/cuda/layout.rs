@@ -125,17 +125,34 @@ impl HostTables {
                         });
                     }
                     if h.keys.count != seg.len || h.values.count != seg.len {
-                        return Err(MosaicError::CorruptPacked(format!("segment {s} head {j}: record count != segment length")));
+                        return Err(MosaicError::CorruptPacked(format!(
+                            "segment {s} head {j}: record count != segment length"
+                        )));
                     }
                     h.keys.validate(kl)?;
                     h.values.validate(vl)?;
                     let bs = h.strategy.block_size.max(1);
                     let blocks = seg.len.div_ceil(bs);
-                    if h.meta.block_size != bs || h.meta.kept_dims != kl.kept_dims || h.meta.min.len() != blocks * kl.kept_dims || h.meta.max.len() != blocks * kl.kept_dims {
-                        return Err(MosaicError::CorruptPacked(format!("segment {s} head {j}: block metadata does not match the strategy")));
+                    if h.meta.block_size != bs
+                        || h.meta.kept_dims != kl.kept_dims
+                        || h.meta.min.len() != blocks * kl.kept_dims
+                        || h.meta.max.len() != blocks * kl.kept_dims
+                    {
+                        return Err(MosaicError::CorruptPacked(format!(
+                            "segment {s} head {j}: block metadata does not match the strategy"
+                        )));
                     }
-                    if let Some(i) = h.meta.min.iter().chain(&h.meta.max).position(|x| !x.is_finite()) {
-                        return Err(MosaicError::NonFinite { what: "block metadata", index: i });
+                    if let Some(i) = h
+                        .meta
+                        .min
+                        .iter()
+                        .chain(&h.meta.max)
+                        .position(|x| !x.is_finite())
+                    {
+                        return Err(MosaicError::NonFinite {
+                            what: "block metadata",
+                            index: i,
+                        });
                     }
                     bmin = bmin.min(bs);
                     bmax = bmax.max(bs);
@@ -185,11 +202,15 @@ impl HostTables {
             let budget = c.config.budget_tokens(seg_tokens);
             t.budget.push(budget as i64);
             if bmin != usize::MAX {
-                t.max_blocks_selected = t.max_blocks_selected.max((budget + bmax) / bmin + c.segments.len());
+                t.max_blocks_selected = t
+                    .max_blocks_selected
+                    .max((budget + bmax) / bmin + c.segments.len());
             }
             // Dense rows: the sink, then the update buffer.
             for rows in [&c.sink, &c.buffer] {
-                if rows.keys.len() != rows.tokens * kv * d || rows.values.len() != rows.tokens * kv * d {
+                if rows.keys.len() != rows.tokens * kv * d
+                    || rows.values.len() != rows.tokens * kv * d
+                {
                     return Err(MosaicError::ShapeMismatch {
                         what: "dense rows",
                         expected: format!("{} x {kv} x {d}", rows.tokens),
@@ -200,13 +221,19 @@ impl HostTables {
                 t.dense_v.extend(rows.values.iter().map(|x| x.to_bits()));
             }
             t.dense_count.push((c.sink.tokens + c.buffer.tokens) as i32);
-            t.dense_base.push(t.dense_base.last().copied().unwrap_or(0) + (c.sink.tokens + c.buffer.tokens) as i64);
+            t.dense_base.push(
+                t.dense_base.last().copied().unwrap_or(0)
+                    + (c.sink.tokens + c.buffer.tokens) as i64,
+            );
         }
         t.dense_base.pop();
         t.block_base.push(0);
         for list in per_bj_blocks {
             t.blocks.extend_from_slice(&list);
-            t.block_owner.extend(std::iter::repeat_n((t.block_base.len() - 1) as i32, list.len()));
+            t.block_owner.extend(std::iter::repeat_n(
+                (t.block_base.len() - 1) as i32,
+                list.len(),
+            ));
             t.block_lens.extend(list.iter().map(|b| b.len));
             t.block_base.push(t.blocks.len() as i64);
         }

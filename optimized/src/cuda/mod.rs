@@ -15,8 +15,8 @@ pub mod layout;
 use device::{drv, DeviceCache, Gpu};
 use layout::HostTables;
 use mosaickv_spec::{
-    validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError, PackedRows, Result, Selection, Side,
-    SideStrategy,
+    validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError,
+    PackedRows, Result, Selection, Side, SideStrategy,
 };
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use std::sync::OnceLock;
@@ -64,7 +64,12 @@ impl CudaBackend {
         DeviceCache::upload(self.gpu()?, t)
     }
 
-    fn upload_queries(&self, cache: &CompressedCache, queries: &ArrayView2<f32>, out_shape: &[usize]) -> Result<cudarc::driver::CudaSlice<f32>> {
+    fn upload_queries(
+        &self,
+        cache: &CompressedCache,
+        queries: &ArrayView2<f32>,
+        out_shape: &[usize],
+    ) -> Result<cudarc::driver::CudaSlice<f32>> {
         validate::queries(&cache.shape, queries, out_shape)?;
         if cache.is_empty() {
             return Err(MosaicError::EmptyCache);
@@ -95,12 +100,22 @@ impl Backend for CudaBackend {
     }
 
     /// Host: eigendecomposition and loss search (SPEC.md 3, 4, 11) run on the CPU backend.
-    fn fit_side(&self, rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+    fn fit_side(
+        &self,
+        rows: ArrayView2<f32>,
+        side: Side,
+        config: &CompressConfig,
+    ) -> Result<SideStrategy> {
         self.host.fit_side(rows, side, config)
     }
 
     /// Host (SPEC.md 11.3), as for `fit_side`.
-    fn fit_block_size(&self, keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+    fn fit_block_size(
+        &self,
+        keys: ArrayView2<f32>,
+        key: &SideStrategy,
+        config: &CompressConfig,
+    ) -> Result<usize> {
         self.host.fit_block_size(keys, key, config)
     }
 
@@ -116,13 +131,20 @@ impl Backend for CudaBackend {
             });
         }
         if l.head_dim > mosaickv_kernels::MAX_HEAD_DIM {
-            return Err(MosaicError::BackendUnavailable(format!("head_dim {} > {}", l.head_dim, mosaickv_kernels::MAX_HEAD_DIM)));
+            return Err(MosaicError::BackendUnavailable(format!(
+                "head_dim {} > {}",
+                l.head_dim,
+                mosaickv_kernels::MAX_HEAD_DIM
+            )));
         }
         validate::finite("rows", rows.iter())?;
         let n = rows.nrows();
         let rb = l.record_bytes();
         if n == 0 {
-            return Ok(PackedRows { count: 0, bytes: Vec::new() });
+            return Ok(PackedRows {
+                count: 0,
+                bytes: Vec::new(),
+            });
         }
         let gpu = self.gpu()?;
         let host: Vec<f32> = rows.iter().copied().collect();
@@ -131,17 +153,37 @@ impl Backend for CudaBackend {
         let out = gpu.zeros::<u8>(n * rb)?;
         let status = gpu.zeros::<i32>(1)?;
         let (nn, stride) = (n as i64, l.head_dim as i64);
-        let (d, dt, r, g, rbi) = (l.head_dim as i32, l.kept_dims as i32, l.r as i32, l.group_size as i32, rb as i32);
+        let (d, dt, r, g, rbi) = (
+            l.head_dim as i32,
+            l.kept_dims as i32,
+            l.r as i32,
+            l.group_size as i32,
+            rb as i32,
+        );
         let smem = mosaickv_kernels::encode_smem_bytes(l.head_dim, l.kept_dims, l.groups());
         let f = gpu.func("mkv_encode");
         let mut b = gpu.stream.launch_builder(f);
         use cudarc::driver::PushKernelArg;
-        b.arg(&d_rows).arg(&nn).arg(&stride).arg(&d_rot).arg(&d).arg(&dt).arg(&r).arg(&g).arg(&rbi).arg(&out).arg(&status);
+        b.arg(&d_rows)
+            .arg(&nn)
+            .arg(&stride)
+            .arg(&d_rot)
+            .arg(&d)
+            .arg(&dt)
+            .arg(&r)
+            .arg(&g)
+            .arg(&rbi)
+            .arg(&out)
+            .arg(&status);
         // SAFETY: argument order and types match mkv_encode; `out` holds n records.
-        unsafe { b.launch(device::cfg(((n as u32).min(1 << 20), 1, 1), 128, smem)) }.map_err(drv("launch"))?;
+        unsafe { b.launch(device::cfg(((n as u32).min(1 << 20), 1, 1), 128, smem)) }
+            .map_err(drv("launch"))?;
         let st = gpu.down(&status)?;
         if st[0] != 0 {
-            return Err(MosaicError::NonFinite { what: "encoded values (f16 overflow)", index: 0 });
+            return Err(MosaicError::NonFinite {
+                what: "encoded values (f16 overflow)",
+                index: 0,
+            });
         }
         let mut bytes = gpu.down(&out)?;
         bytes.truncate(n * rb);
@@ -154,7 +196,12 @@ impl Backend for CudaBackend {
     }
 
     /// Host (fallback); `mkv_block_meta` exists but this single-stage call stays on the CPU.
-    fn block_meta(&self, keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta> {
+    fn block_meta(
+        &self,
+        keys: &PackedRows,
+        key: &SideStrategy,
+        block_size: usize,
+    ) -> Result<BlockMeta> {
         self.host.block_meta(keys, key, block_size)
     }
 
@@ -169,7 +216,12 @@ impl Backend for CudaBackend {
     }
 
     /// Host (fallback); the device selects inside `select`.
-    fn select_blocks(&self, scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+    fn select_blocks(
+        &self,
+        scores: &[f32],
+        block_lens: &[usize],
+        budget_tokens: usize,
+    ) -> Result<Vec<u32>> {
         self.host.select_blocks(scores, block_lens, budget_tokens)
     }
 
@@ -197,7 +249,13 @@ impl Backend for CudaBackend {
     }
 
     /// Device: `mkv_plan_items`, `mkv_packed_attention`, `mkv_merge` (SPEC.md 9).
-    fn attend_selected(&self, cache: &CompressedCache, queries: ArrayView2<f32>, selection: &Selection, mut out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend_selected(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        selection: &Selection,
+        mut out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         let q = self.upload_queries(cache, &queries, out.shape())?;
         let gpu = self.gpu()?;
         let dc = self.upload(&[cache])?;
@@ -221,7 +279,12 @@ impl Backend for CudaBackend {
                     got: format!("({s}, {blk}) for head {j}"),
                 };
                 let s = s as usize;
-                if s >= cache.segments.len() || blk as usize >= cache.segments[s].len.div_ceil(cache.segments[s].heads[j].strategy.block_size.max(1)) {
+                if s >= cache.segments.len()
+                    || blk as usize
+                        >= cache.segments[s]
+                            .len
+                            .div_ceil(cache.segments[s].heads[j].strategy.block_size.max(1))
+                {
                     return Err(bad());
                 }
                 let idx = t.seg_first_block[s * t.kv_heads + j] + blk as i64;
@@ -244,7 +307,12 @@ impl Backend for CudaBackend {
     }
 
     /// Device: one decode step without a host round trip between selection and attention.
-    fn attend(&self, cache: &CompressedCache, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        mut out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         let q = self.upload_queries(cache, &queries, out.shape())?;
         let gpu = self.gpu()?;
         let dc = self.upload(&[cache])?;
