@@ -116,7 +116,14 @@ impl Backend for SharedCuda {
     }
 }
 
-conformance_suite!(cuda, || Box::new(SharedCuda));
+conformance_suite!(
+    cuda,
+    || Box::new(SharedCuda),
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
+);
 
 /// Without a device the stamp must report a reason (so the suite skips, never passes silently).
 #[test]
