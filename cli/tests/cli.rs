@@ -468,10 +468,11 @@ fn damaged_cache_files() {
     both_fail(&c, &q, "checksum mismatch");
 
     // The version is checked before the header checksum, so editing it alone names it.
-    let mut v2 = clean.clone();
-    v2[8..12].copy_from_slice(&2u32.to_le_bytes());
-    std::fs::write(&path, &v2).unwrap();
-    both_fail(&c, &q, "unsupported format version 2");
+    // Version 1 (f16 block metadata, before SPEC.md section 7 went to int8) is refused.
+    let mut v1 = clean.clone();
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    std::fs::write(&path, &v1).unwrap();
+    both_fail(&c, &q, "unsupported format version 1");
 
     let mut magic = clean.clone();
     magic[0] = b'X';

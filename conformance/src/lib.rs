@@ -180,7 +180,8 @@ pub fn check_decode(cand: &dyn Backend, packed: &PackedRows, side: &SideStrategy
     }
 }
 
-/// SPEC 7: metadata is exact (min/max of f16 values).
+/// SPEC 7: metadata is exact: the exact min/max of f16 values, quantized to int8 with one
+/// f32 scale per block by a fully specified outward rounding, so every backend writes the same values.
 pub fn check_block_meta(cand: &dyn Backend, keys: &PackedRows, side: &SideStrategy, block_size: usize) -> Check {
     let want = ReferenceBackend.block_meta(keys, side, block_size).map_err(|e| format!("reference failed: {e}"))?;
     let got = cand.block_meta(keys, side, block_size).map_err(|e| format!("candidate failed: {e}"))?;
@@ -210,7 +211,7 @@ pub fn check_rotate_queries(cand: &dyn Backend, queries: ArrayView2<f32>, side: 
     Ok(())
 }
 
-/// Scale used for score tolerances: `sum_j |q'_j| * max(|M_j|, |m_j|)`, max over group and blocks.
+/// Scale used for score tolerances: `s_b * sum_j |q'_j| * max(|qmax_j|, |qmin_j|)`, max over group and blocks.
 fn score_scale(meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> f64 {
     let dt = meta.kept_dims;
     let mut scale = f64::MIN_POSITIVE;
@@ -218,10 +219,10 @@ fn score_scale(meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> f64 {
         for q in rq.axis_iter(Axis(0)) {
             let mut s = 0.0f64;
             for j in 0..dt {
-                let m = (meta.max[b * dt + j].to_f64().abs()).max(meta.min[b * dt + j].to_f64().abs());
+                let m = f64::from(meta.max[b * dt + j]).abs().max(f64::from(meta.min[b * dt + j]).abs());
                 s += (q[j] as f64).abs() * m;
             }
-            scale = scale.max(s);
+            scale = scale.max(f64::from(meta.scale[b]) * s);
         }
     }
     scale
@@ -407,11 +408,15 @@ pub fn check_nonfinite(cand: &dyn Backend, head_dim: usize, seed: u64, cfg: &Com
     Ok(())
 }
 
-/// Stamps the conformance suite out for one backend: `conformance_suite!(mod_name, || -> Box<dyn Backend>)`.
-/// Unavailable backends make every test print `SKIPPED ... : reason` and return.
+/// Stamps the conformance suite out for one backend:
+/// `conformance_suite!(mod_name, || -> Box<dyn Backend> [, #[attr]...])`; the
+/// attributes go on every test (e.g. an `ignore` when the backend's hardware
+/// is absent, so the harness reports the tests as ignored, not passed).
+/// A backend that is unavailable at run time makes every test print
+/// `SKIPPED ... : reason` and return.
 #[macro_export]
 macro_rules! conformance_suite {
-    ($name:ident, $make:expr) => {
+    ($name:ident, $make:expr $(, #[$attr:meta])*) => {
         mod $name {
             use super::*;
             use $crate::*;
@@ -441,6 +446,7 @@ macro_rules! conformance_suite {
                 vec![CompressConfig::default(), small, fixed]
             }
 
+            $(#[$attr])*
             #[test]
             fn stages_every_head_dim() {
                 let Some(b) = backend("stages_every_head_dim") else { return };
@@ -454,6 +460,7 @@ macro_rules! conformance_suite {
                 }
             }
 
+            $(#[$attr])*
             #[test]
             fn cache_attention_gqa_and_lengths() {
                 let Some(b) = backend("cache_attention_gqa_and_lengths") else { return };
@@ -468,6 +475,7 @@ macro_rules! conformance_suite {
                 }
             }
 
+            $(#[$attr])*
             #[test]
             fn large_cache_attention() {
                 let Some(b) = backend("large_cache_attention") else { return };
@@ -477,6 +485,7 @@ macro_rules! conformance_suite {
                 check_cache_attention(b.as_ref(), shape, &cfg, 3000, 130, 7).unwrap_or_else(|e| panic!("{e}"));
             }
 
+            $(#[$attr])*
             #[test]
             fn nonfinite_inputs_same_error() {
                 let Some(b) = backend("nonfinite_inputs_same_error") else { return };
@@ -487,7 +496,8 @@ macro_rules! conformance_suite {
 
             proptest! {
                 #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
-                #[test]
+                $(#[$attr])*
+            #[test]
                 fn prop_stages(d_idx in 0usize..6, n in 0usize..300, group_idx in 0usize..4, seed in any::<u64>(), cfg_idx in 0usize..3) {
                     let Some(b) = backend("prop_stages") else { return Ok(()) };
                     let d = HEAD_DIMS[d_idx];
@@ -496,7 +506,8 @@ macro_rules! conformance_suite {
                     prop_assert!(r.is_ok(), "{}", r.unwrap_err());
                 }
 
-                #[test]
+                $(#[$attr])*
+            #[test]
                 fn prop_cache_attention(d_idx in 0usize..6, prompt in 0usize..400, appends in 0usize..150, ratio_idx in 0usize..4, kv in 1usize..3, seed in any::<u64>(), cfg_idx in 0usize..3) {
                     let Some(b) = backend("prop_cache_attention") else { return Ok(()) };
                     let shape = KvShape::new(kv, kv * GQA_RATIOS[ratio_idx], HEAD_DIMS[d_idx]).unwrap();
@@ -507,6 +518,7 @@ macro_rules! conformance_suite {
             }
 
             /// quickcheck: identical scores give identical selections, for any scores and budgets.
+            $(#[$attr])*
             #[test]
             fn quickcheck_select() {
                 let Some(_) = backend("quickcheck_select") else { return };

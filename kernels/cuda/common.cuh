@@ -148,13 +148,14 @@ __device__ __forceinline__ int mkv_pow2_lanes(int x) {
 
 // Per (segment, KV head) description of one head's part of a segment, shared
 // by the encode/score/attention kernels. Mirrors `SegHeadDesc` in
-// optimized/src/cuda/layout.rs (80 bytes; checked there at compile time).
+// optimized/src/cuda/layout.rs (88 bytes; checked there at compile time).
 struct SegHead {
     i64 key_rec_off;   // byte offset of record 0 of the keys in the packed-K buffer
     i64 val_rec_off;   // byte offset of record 0 of the values in the packed-V buffer
     i64 key_rot_off;   // f32 offset of R_k (D x D, row-major) in the rotation buffer
     i64 val_rot_off;   // f32 offset of R_v
-    i64 meta_off;      // u16 offset of block 0's min row (and max row) in the meta buffers
+    i64 meta_off;      // i8 offset of block 0's min row (and max row) in the meta buffers
+    i64 scale_off;     // f32 offset of block 0's scale in the meta scale buffer (SPEC.md 7)
     int seg_len;       // tokens in the segment
     int block_size;    // b
     int key_dt, key_r, key_g, key_rb;  // Dt, r, g, record bytes of the K side

@@ -2,7 +2,7 @@
 //   mkv_encode      rotate rows by R (f64 accumulation, one f16 rounding), per-vector
 //                   top-r groups (ties to the lower group), packed records (section 6)
 //   mkv_decode      packed records -> dense rotated rows [n][Dt] (zeros where not kept)
-//   mkv_block_meta  per-block, per-dim min/max of the decoded keys (section 7)
+//   mkv_block_meta  per-block, per-dim min/max of the decoded keys as int8 + f32 scale (section 7)
 // One thread block per row (encode/decode) or per token block (meta); grid-stride loops.
 #include "common.cuh"
 
@@ -95,32 +95,83 @@ extern "C" __global__ void mkv_decode(const u8* __restrict__ packed, i64 n, int 
     }
 }
 
-// Block metadata of one (segment, head)'s packed keys: min and max are
-// [blocks][Dt] f16 (u16 bits). One thread block per token block, one thread per dim.
-// Fold order: the block's first token initializes, later tokens replace only on a
-// strict < (min) or > (max), so -0 vs +0 keeps the earliest token's sign.
+// SPEC.md section 7, the scale of one block: the smallest f32 s with 127 * s >= a
+// (a = the largest |bound|, exact in f64; 127 * s of an f32 is exact in f64).
+__device__ __forceinline__ float mkv_meta_scale(double a) {
+    if (a <= 0.0) return 0.0f;
+    float s = __double2float_ru(a / 127.0);
+    while (127.0 * (double)s < a) s = __uint_as_float(__float_as_uint(s) + 1u);
+    while (s > 0.0f && 127.0 * (double)__uint_as_float(__float_as_uint(s) - 1u) >= a)
+        s = __uint_as_float(__float_as_uint(s) - 1u);
+    return s;
+}
+
+// Section 7: ceil(hi / s) raised until q * s >= hi, floor(lo / s) lowered until
+// q * s <= lo (f64), clamped to [-127, 127]. s > 0.
+__device__ __forceinline__ signed char mkv_meta_qmax(double hi, double s) {
+    double q = ceil(hi / s);
+    if (q * s < hi) q += 1.0;
+    return (signed char)fmin(127.0, fmax(-127.0, q));
+}
+__device__ __forceinline__ signed char mkv_meta_qmin(double lo, double s) {
+    double q = floor(lo / s);
+    if (q * s > lo) q -= 1.0;
+    return (signed char)fmin(127.0, fmax(-127.0, q));
+}
+
+// Block metadata of one (segment, head)'s packed keys (SPEC.md section 7): the exact
+// per-dim min m_j and max M_j over each token block's decoded keys, stored as int8
+// qmin/qmax [blocks][Dt] with one f32 scale per block, rounded outward so that
+// qmin_j * s <= m_j and qmax_j * s >= M_j. One thread block per token block, one
+// thread per dim; Dt <= MKV_MAX_D.
 extern "C" __global__ void mkv_block_meta(const u8* __restrict__ packed, i64 n, int Dt, int r, int g, int rb,
-                                          int block_size, u16* __restrict__ mn, u16* __restrict__ mx) {
+                                          int block_size, signed char* __restrict__ mn,
+                                          signed char* __restrict__ mx, float* __restrict__ scale) {
+    __shared__ float lo_s[MKV_MAX_D];
+    __shared__ float hi_s[MKV_MAX_D];
+    __shared__ float red[32];
+    __shared__ float s_shared;
     const int words = (Dt / g + 63) / 64;
     const i64 blocks = (n + block_size - 1) / block_size;
     for (i64 blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         i64 t0 = blk * block_size;
         i64 t1 = min(n, t0 + block_size);
+        float amax = 0.0f;
         for (int d = threadIdx.x; d < Dt; d += blockDim.x) {
             float lo = 0.0f, hi = 0.0f;
-            u16 lo_bits = 0, hi_bits = 0;
             for (i64 t = t0; t < t1; ++t) {
                 const u8* rec = packed + t * (i64)rb;
                 u64 bm[MKV_MAX_WORDS];
                 for (int w = 0; w < MKV_MAX_WORDS; ++w) bm[w] = w < words ? reinterpret_cast<const u64*>(rec)[w] : 0ull;
                 int vi = mkv_value_index(bm, g, d);
-                u16 bits = vi < 0 ? (u16)0 : reinterpret_cast<const u16*>(rec + 8 * words)[vi];
-                float v = mkv_h2f(bits);
-                if (t == t0 || v < lo) { lo = v; lo_bits = bits; }
-                if (t == t0 || v > hi) { hi = v; hi_bits = bits; }
+                float v = vi < 0 ? 0.0f : mkv_h2f(reinterpret_cast<const u16*>(rec + 8 * words)[vi]);
+                if (t == t0 || v < lo) lo = v;
+                if (t == t0 || v > hi) hi = v;
             }
-            mn[blk * Dt + d] = lo_bits;
-            mx[blk * Dt + d] = hi_bits;
+            lo_s[d] = lo;
+            hi_s[d] = hi;
+            amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
         }
+        amax = mkv_warp_max(amax);
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float a = 0.0f;
+            for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) a = fmaxf(a, red[w]);
+            s_shared = mkv_meta_scale((double)a);
+            scale[blk] = s_shared;
+        }
+        __syncthreads();
+        const float s = s_shared;
+        for (int d = threadIdx.x; d < Dt; d += blockDim.x) {
+            signed char qlo = 0, qhi = 0;
+            if (s > 0.0f) {
+                qlo = mkv_meta_qmin((double)lo_s[d], (double)s);
+                qhi = mkv_meta_qmax((double)hi_s[d], (double)s);
+            }
+            mn[blk * Dt + d] = qlo;
+            mx[blk * Dt + d] = qhi;
+        }
+        __syncthreads();
     }
 }

@@ -35,13 +35,16 @@ extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const
     }
 }
 
-// s(block) = max_h sum_{j<Dt} max(q'_j M_j, q'_j m_j) (SPEC.md 8.2), one warp per block.
+// s(block) = s_b * max_h sum_{j<Dt} max(q'_j qmax_j, q'_j qmin_j) (SPEC.md 8.2) on the
+// int8 bounds and per-block f32 scale s_b >= 0 of section 7, one warp per block.
+// An upper bound of q'.k^: qmin_j s_b <= m_j <= k^_j <= M_j <= qmax_j s_b.
 // blocks: every (b, j)'s global block list, flattened; block_owner[i] = bj of entry i.
 // -0 is stored as +0 so that equal scores tie exactly (section 8.3).
 extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks, const int* __restrict__ block_owner,
                                             i64 total_blocks, const SegHead* __restrict__ sh,
-                                            const u16* __restrict__ meta_min, const u16* __restrict__ meta_max,
-                                            const float* __restrict__ qrot, int kv_heads, int q_heads, int D,
+                                            const signed char* __restrict__ meta_min,
+                                            const signed char* __restrict__ meta_max,
+                                            const float* __restrict__ meta_scale, const float* __restrict__ qrot, int kv_heads, int q_heads, int D,
                                             float* __restrict__ scores) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
@@ -51,8 +54,9 @@ extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks,
         const int j = block_owner[i] % kv_heads;
         const SegHead s = sh[(i64)br.gseg * kv_heads + j];
         const int Dt = s.key_dt;
-        const u16* mn = meta_min + s.meta_off + (i64)br.block * Dt;
-        const u16* mx = meta_max + s.meta_off + (i64)br.block * Dt;
+        const signed char* mn = meta_min + s.meta_off + (i64)br.block * Dt;
+        const signed char* mx = meta_max + s.meta_off + (i64)br.block * Dt;
+        const float sb = meta_scale[s.scale_off + br.block];
         const float* qbase = qrot + ((i64)br.gseg * q_heads + (i64)j * G) * D;
         float best = MKV_NEG_INF;
         for (int h = 0; h < G; ++h) {
@@ -60,11 +64,12 @@ extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks,
             float acc = 0.0f;
             for (int d = lane; d < Dt; d += 32) {
                 float qv = qh[d];
-                acc += fmaxf(qv * mkv_h2f(mx[d]), qv * mkv_h2f(mn[d]));
+                acc += fmaxf(qv * (float)mx[d], qv * (float)mn[d]);
             }
             acc = mkv_warp_sum(acc);
             best = fmaxf(best, acc);
         }
+        best *= sb;
         if (lane == 0) scores[i] = best == 0.0f ? 0.0f : best;
     }
 }

@@ -470,6 +470,7 @@ pub fn packed_attention(
                             gm.dtk,
                             &hs.meta.min,
                             &hs.meta.max,
+                            &hs.meta.scale,
                             &mut scores[gm.first..gm.first + gm.blocks],
                         );
                         bmin = bmin.min(gm.block);

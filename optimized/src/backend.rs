@@ -136,6 +136,8 @@ impl CpuBackend {
                     || m.tokens != seg.len
                     || m.min.len() != m.blocks() * dt
                     || m.max.len() != m.min.len()
+                    || m.scale.len() != m.blocks()
+                    || m.validate().is_err()
                 {
                     return Err(MosaicError::CorruptPacked(
                         "block metadata does not match its segment".into(),
@@ -257,9 +259,12 @@ impl Backend for CpuBackend {
         if meta.block_size == 0
             || meta.min.len() != meta.blocks() * dt
             || meta.max.len() != meta.min.len()
+            || meta.scale.len() != meta.blocks()
         {
             return Err(MosaicError::CorruptPacked("block metadata sizes".into()));
         }
+        meta.validate()
+            .map_err(|e| MosaicError::CorruptPacked(format!("block metadata: {e}")))?;
         validate::finite("rotated_queries", rotated_queries.iter())?;
         let g = rotated_queries.nrows();
         let dp = pad8(dt);
@@ -271,7 +276,7 @@ impl Backend for CpuBackend {
         }
         let mut out = vec![0f32; meta.blocks()];
         self.path
-            .score_blocks(&q, g, dp, dt, &meta.min, &meta.max, &mut out);
+            .score_blocks(&q, g, dp, dt, &meta.min, &meta.max, &meta.scale, &mut out);
         Ok(out)
     }
 

@@ -421,7 +421,7 @@ impl KvCache for QuestF16Cache {
                     return;
                 }
                 let others = pages - 1;
-                path.score_blocks(
+                path.score_pages_f16(
                     &qv[h * g * dp..],
                     g,
                     dp,

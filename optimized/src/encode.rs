@@ -513,32 +513,30 @@ pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
     out
 }
 
-/// SPEC 7: block min/max over dense decoded keys `[n][dt]`.
+/// SPEC 7: block min/max over dense decoded keys `[n][dt]`, stored as int8
+/// bounds with one f32 scale per block, rounded outward ([`BlockMeta::push_block`]).
 pub fn block_meta_dense(keys: &[f32], dt: usize, block_size: usize) -> BlockMeta {
     let n = keys.len() / dt.max(1);
     let blocks = n.div_ceil(block_size);
-    let mut min = vec![f16::ZERO; blocks * dt];
-    let mut max = vec![f16::ZERO; blocks * dt];
+    let mut meta = BlockMeta::empty(block_size, dt);
+    meta.min.reserve(blocks * dt);
+    meta.max.reserve(blocks * dt);
+    meta.scale.reserve(blocks);
+    let mut lo = vec![0f32; dt];
+    let mut hi = vec![0f32; dt];
     for b in 0..blocks {
         let rows = &keys[b * block_size * dt..((b + 1) * block_size).min(n) * dt];
-        for j in 0..dt {
-            let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-            for row in rows.chunks_exact(dt) {
-                lo = lo.min(row[j]);
-                hi = hi.max(row[j]);
+        lo.fill(f32::INFINITY);
+        hi.fill(f32::NEG_INFINITY);
+        for row in rows.chunks_exact(dt) {
+            for j in 0..dt {
+                lo[j] = lo[j].min(row[j]);
+                hi[j] = hi[j].max(row[j]);
             }
-            // A zero bound is stored as +0 (SPEC 7), whatever the sign of the zeros it came from.
-            min[b * dt + j] = f16::from_f32(if lo == 0.0 { 0.0 } else { lo });
-            max[b * dt + j] = f16::from_f32(if hi == 0.0 { 0.0 } else { hi });
         }
+        meta.push_block(&lo, &hi, rows.len() / dt.max(1));
     }
-    BlockMeta {
-        block_size,
-        kept_dims: dt,
-        tokens: n,
-        min,
-        max,
-    }
+    meta
 }
 
 /// SPEC 11.3: the block size from dense decoded keys `[n][dt]`:

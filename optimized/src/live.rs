@@ -986,6 +986,7 @@ impl LiveCache {
             let cut = (k / b) * hs.meta.kept_dims;
             hs.meta.min.drain(..cut);
             hs.meta.max.drain(..cut);
+            hs.meta.scale.drain(..k / b);
             hs.meta.tokens -= k;
         }
         seg.start += k;
@@ -1123,13 +1124,7 @@ impl LiveCache {
             let heads = strategies
                 .into_iter()
                 .map(|strategy| HeadSegment {
-                    meta: BlockMeta {
-                        block_size: strategy.block_size,
-                        kept_dims: strategy.key.layout.kept_dims,
-                        tokens: 0,
-                        min: Vec::new(),
-                        max: Vec::new(),
-                    },
+                    meta: BlockMeta::empty(strategy.block_size, strategy.key.layout.kept_dims),
                     strategy,
                     keys: Default::default(),
                     values: Default::default(),
@@ -1518,9 +1513,7 @@ fn append_part(hs: &mut HeadSegment, p: Part) {
         0,
         "open segments hold whole blocks"
     );
-    hs.meta.min.extend_from_slice(&p.meta.min);
-    hs.meta.max.extend_from_slice(&p.meta.max);
-    hs.meta.tokens += p.meta.tokens;
+    hs.meta.append(&p.meta);
 }
 
 impl KvCache for LiveCache {

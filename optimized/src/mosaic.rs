@@ -180,13 +180,10 @@ impl OptimizedMosaicCache {
             let heads = strategies
                 .into_iter()
                 .map(|strategy| HeadSegment {
-                    meta: mosaickv_spec::BlockMeta {
-                        block_size: strategy.block_size,
-                        kept_dims: strategy.key.layout.kept_dims,
-                        tokens: 0,
-                        min: Vec::new(),
-                        max: Vec::new(),
-                    },
+                    meta: mosaickv_spec::BlockMeta::empty(
+                        strategy.block_size,
+                        strategy.key.layout.kept_dims,
+                    ),
                     strategy,
                     keys: Default::default(),
                     values: Default::default(),
@@ -239,9 +236,8 @@ impl OptimizedMosaicCache {
             let dt = hs.strategy.key.layout.kept_dims;
             if old_len % b == 0 {
                 let m = encode::block_meta_dense(&dense, dt, b);
-                hs.meta.min.extend_from_slice(&m.min);
-                hs.meta.max.extend_from_slice(&m.max);
-                hs.meta.tokens += n;
+                debug_assert_eq!(m.tokens, n);
+                hs.meta.append(&m);
             } else {
                 let all = encode::decode_trusted(&hs.keys, &hs.strategy.key.layout);
                 hs.meta = encode::block_meta_dense(&all, dt, b);

@@ -76,9 +76,42 @@ impl Path {
         }
     }
 
-    /// Quest bound of every block (SPEC.md section 8.2), max over the `g` query rows of `q`
-    /// (`[g][stride]`, first `dt` entries used). `min`/`max` are `[blocks][dt]`. Bit-identical across paths.
+    /// Quest bound of every block on int8 metadata (SPEC.md section 8.2):
+    /// `scale[b] * max_h sum_j max(q_hj * max[b][j], q_hj * min[b][j])`, max over the `g`
+    /// query rows of `q` (`[g][stride]`, first `dt` entries used). `min`/`max` are
+    /// `[blocks][dt]` i8 (exact in f32), `scale` is `[blocks]` (>= 0, so scaling after the
+    /// max over heads is the same as before it). Bit-identical across paths.
+    #[allow(clippy::too_many_arguments)]
     pub fn score_blocks(
+        self,
+        q: &[f32],
+        g: usize,
+        stride: usize,
+        dt: usize,
+        min: &[i8],
+        max: &[i8],
+        scale: &[f32],
+        out: &mut [f32],
+    ) {
+        let blocks = out.len();
+        assert!(
+            min.len() == blocks * dt
+                && max.len() == blocks * dt
+                && scale.len() == blocks
+                && q.len() >= (g - 1) * stride + dt
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 => unsafe { x86::score_blocks(q, g, stride, dt, min, max, scale, out) },
+            _ => portable_score_blocks(q, g, stride, dt, min, max, scale, out),
+        }
+    }
+
+    /// Quest's page bound on f16 page metadata (SPEC.md section 12): `sum_j max(q_j M_j, q_j m_j)`,
+    /// max over the `g` query rows of `q` (`[g][stride]`, first `dt` entries used). `min`/`max`
+    /// are `[pages][dt]`. Bit-identical across paths.
+    pub fn score_pages_f16(
         self,
         q: &[f32],
         g: usize,
@@ -97,8 +130,8 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 => unsafe { x86::score_blocks(q, g, stride, dt, min, max, out) },
-            _ => portable_score_blocks(q, g, stride, dt, min, max, out),
+            Path::Avx2 => unsafe { x86::score_pages_f16(q, g, stride, dt, min, max, out) },
+            _ => portable_score_pages_f16(q, g, stride, dt, min, max, out),
         }
     }
 
@@ -384,7 +417,51 @@ fn reduce8(a: &[f32; 8]) -> f32 {
     t[0] + t[1]
 }
 
+#[allow(clippy::too_many_arguments)]
 fn portable_score_blocks(
+    q: &[f32],
+    g: usize,
+    stride: usize,
+    dt: usize,
+    min: &[i8],
+    max: &[i8],
+    scale: &[f32],
+    out: &mut [f32],
+) {
+    let d8 = dt / 8 * 8;
+    let mut mx = vec![0f32; dt];
+    let mut mn = vec![0f32; dt];
+    for (b, o) in out.iter_mut().enumerate() {
+        for j in 0..dt {
+            mx[j] = f32::from(max[b * dt + j]);
+            mn[j] = f32::from(min[b * dt + j]);
+        }
+        let mut best = f32::NEG_INFINITY;
+        for h in 0..g {
+            let qh = &q[h * stride..h * stride + dt];
+            let mut acc = [0f32; 8];
+            for c in (0..d8).step_by(8) {
+                for l in 0..8 {
+                    let a = qh[c + l] * mx[c + l];
+                    let bb = qh[c + l] * mn[c + l];
+                    acc[l] += if a > bb { a } else { bb };
+                }
+            }
+            let mut s = reduce8(&acc);
+            for j in d8..dt {
+                let a = qh[j] * mx[j];
+                let bb = qh[j] * mn[j];
+                s += if a > bb { a } else { bb };
+            }
+            if h == 0 || s > best {
+                best = s;
+            }
+        }
+        *o = best * scale[b];
+    }
+}
+
+fn portable_score_pages_f16(
     q: &[f32],
     g: usize,
     stride: usize,
@@ -508,10 +585,94 @@ mod x86 {
         }
     }
 
-    /// Lane sums of the Quest bound for N heads over the first `d8` dims of one block.
+    /// 8 i8 -> 8 f32 (exact): `vpmovsxbd` then `vcvtdq2ps`.
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[inline]
+    unsafe fn load_i8(p: *const i8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    /// Lane sums of the Quest bound (unscaled int8 bounds) for N heads over the first `d8`
+    /// dims of one block.
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     #[inline]
     unsafe fn score_heads<const N: usize>(
+        q: *const f32,
+        stride: usize,
+        d8: usize,
+        mxp: *const i8,
+        mnp: *const i8,
+        out: &mut [f32; 4],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut c = 0;
+        while c < d8 {
+            let mx = load_i8(mxp.add(c));
+            let mn = load_i8(mnp.add(c));
+            for k in 0..N {
+                let qv = _mm256_loadu_ps(q.add(k * stride + c));
+                // mul, mul, max, add (no FMA): bit-identical to the portable path.
+                let t = _mm256_max_ps(_mm256_mul_ps(qv, mx), _mm256_mul_ps(qv, mn));
+                acc[k] = _mm256_add_ps(acc[k], t);
+            }
+            c += 8;
+        }
+        for k in 0..N {
+            out[k] = hsum(acc[k]);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    pub unsafe fn score_blocks(
+        q: &[f32],
+        g: usize,
+        stride: usize,
+        dt: usize,
+        min: &[i8],
+        max: &[i8],
+        scale: &[f32],
+        out: &mut [f32],
+    ) {
+        let d8 = dt / 8 * 8;
+        for (b, o) in out.iter_mut().enumerate() {
+            let mxp = max.as_ptr().add(b * dt);
+            let mnp = min.as_ptr().add(b * dt);
+            let mut best = f32::NEG_INFINITY;
+            let mut h0 = 0;
+            while h0 < g {
+                let hn = (g - h0).min(4);
+                let mut sums = [0f32; 4];
+                let qp = q.as_ptr().add(h0 * stride);
+                match hn {
+                    1 => score_heads::<1>(qp, stride, d8, mxp, mnp, &mut sums),
+                    2 => score_heads::<2>(qp, stride, d8, mxp, mnp, &mut sums),
+                    3 => score_heads::<3>(qp, stride, d8, mxp, mnp, &mut sums),
+                    _ => score_heads::<4>(qp, stride, d8, mxp, mnp, &mut sums),
+                }
+                for (k, &s0) in sums.iter().enumerate().take(hn) {
+                    let h = h0 + k;
+                    let mut s = s0;
+                    for j in d8..dt {
+                        let qj = q[h * stride + j];
+                        let x = qj * f32::from(*mxp.add(j));
+                        let y = qj * f32::from(*mnp.add(j));
+                        s += if x > y { x } else { y };
+                    }
+                    if h == 0 || s > best {
+                        best = s;
+                    }
+                }
+                h0 += 4;
+            }
+            *o = best * scale[b];
+        }
+    }
+
+    /// Lane sums of the Quest bound for N heads over the first `d8` dims of one block.
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[inline]
+    unsafe fn score_heads_f16<const N: usize>(
         q: *const f32,
         stride: usize,
         d8: usize,
@@ -538,7 +699,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn score_blocks(
+    pub unsafe fn score_pages_f16(
         q: &[f32],
         g: usize,
         stride: usize,
@@ -558,10 +719,10 @@ mod x86 {
                 let mut sums = [0f32; 4];
                 let qp = q.as_ptr().add(h0 * stride);
                 match hn {
-                    1 => score_heads::<1>(qp, stride, d8, mxp, mnp, &mut sums),
-                    2 => score_heads::<2>(qp, stride, d8, mxp, mnp, &mut sums),
-                    3 => score_heads::<3>(qp, stride, d8, mxp, mnp, &mut sums),
-                    _ => score_heads::<4>(qp, stride, d8, mxp, mnp, &mut sums),
+                    1 => score_heads_f16::<1>(qp, stride, d8, mxp, mnp, &mut sums),
+                    2 => score_heads_f16::<2>(qp, stride, d8, mxp, mnp, &mut sums),
+                    3 => score_heads_f16::<3>(qp, stride, d8, mxp, mnp, &mut sums),
+                    _ => score_heads_f16::<4>(qp, stride, d8, mxp, mnp, &mut sums),
                 }
                 for (k, &s0) in sums.iter().enumerate().take(hn) {
                     let h = h0 + k;

@@ -119,6 +119,7 @@ fn check_coverage(live: &LiveCache) {
                 h.meta.min.len(),
                 seg.len.div_ceil(h.meta.block_size) * h.meta.kept_dims
             );
+            assert_eq!(h.meta.scale.len(), seg.len.div_ceil(h.meta.block_size));
         }
     }
     // Token counts by holder add up to the cache's own counts.

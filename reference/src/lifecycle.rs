@@ -311,13 +311,7 @@ impl MosaicCache {
                     strategy: st.clone(),
                     keys: Default::default(),
                     values: Default::default(),
-                    meta: mosaickv_spec::BlockMeta {
-                        block_size: st.block_size,
-                        kept_dims: st.key.layout.kept_dims,
-                        tokens: 0,
-                        min: Vec::new(),
-                        max: Vec::new(),
-                    },
+                    meta: mosaickv_spec::BlockMeta::empty(st.block_size, st.key.layout.kept_dims),
                 })
                 .collect();
             self.compressed.segments.push(Segment {
@@ -346,9 +340,7 @@ impl MosaicCache {
                     head.keys.bytes.extend_from_slice(&part.keys.bytes);
                     head.values.count += part.values.count;
                     head.values.bytes.extend_from_slice(&part.values.bytes);
-                    head.meta.tokens += part.meta.tokens;
-                    head.meta.min.extend_from_slice(&part.meta.min);
-                    head.meta.max.extend_from_slice(&part.meta.max);
+                    head.meta.append(&part.meta);
                 }
                 self.open_loss = sums;
             }

@@ -43,42 +43,56 @@ pub fn rotate_queries(queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Ar
 }
 
 /// SPEC.md section 8.2 for one block and one rotated query (f64):
-/// `s = sum_{j<Dt} max(q'_j * M_j, q'_j * m_j)`.
+/// `s = s_b * sum_{j<Dt} max(q'_j * qmax_j, q'_j * qmin_j)`.
+///
+/// Upper bound: for every decoded key `k^` of the block and every `j`,
+/// `qmin_j s_b <= m_j <= k^_j <= M_j <= qmax_j s_b` (section 7 rounds the
+/// stored bounds outward), so `q'_j k^_j <= max(q'_j qmax_j s_b, q'_j qmin_j s_b)`
+/// (a linear function of `k^_j` on an interval is largest at an end point);
+/// summing over `j` and taking `s_b >= 0` out of the max gives
+/// `q' . k^ <= s_b * sum_j max(q'_j qmax_j, q'_j qmin_j)`.
 pub fn block_score_f64(meta: &BlockMeta, block: usize, q: &[f64]) -> f64 {
     let dt = meta.kept_dims;
     let mut s = 0.0;
     for j in 0..dt {
-        let hi = f64::from(meta.max[block * dt + j].to_f32());
-        let lo = f64::from(meta.min[block * dt + j].to_f32());
+        let hi = f64::from(meta.max[block * dt + j]);
+        let lo = f64::from(meta.min[block * dt + j]);
         s += (q[j] * hi).max(q[j] * lo);
     }
-    s
+    f64::from(meta.scale[block]) * s
 }
 
-/// Checks a block metadata's internal sizes.
+/// Checks a block metadata's internal sizes and values ([`BlockMeta::validate`]).
 pub fn check_meta(meta: &BlockMeta) -> Result<()> {
     let want = meta.blocks() * meta.kept_dims;
-    if meta.block_size == 0 || meta.min.len() != want || meta.max.len() != want {
+    if meta.block_size == 0
+        || meta.min.len() != want
+        || meta.max.len() != want
+        || meta.scale.len() != meta.blocks()
+    {
         return Err(MosaicError::ShapeMismatch {
             what: "block metadata",
-            expected: format!("{want} min and max values (block_size > 0)"),
+            expected: format!(
+                "{want} min and max values, {} scales (block_size > 0)",
+                meta.blocks()
+            ),
             got: format!(
-                "{} min, {} max, block_size {}",
+                "{} min, {} max, {} scales, block_size {}",
                 meta.min.len(),
                 meta.max.len(),
+                meta.scale.len(),
                 meta.block_size
             ),
         });
     }
-    for (index, v) in meta.min.iter().chain(&meta.max).enumerate() {
-        if !v.is_finite() {
-            return Err(MosaicError::NonFinite {
-                what: "block metadata",
-                index,
-            });
-        }
+    if let Some(index) = meta.scale.iter().position(|s| !s.is_finite()) {
+        return Err(MosaicError::NonFinite {
+            what: "block metadata scale",
+            index,
+        });
     }
-    Ok(())
+    meta.validate()
+        .map_err(|e| MosaicError::CorruptPacked(format!("block metadata: {e}")))
 }
 
 /// SPEC.md section 8.2: per block, the score (f64 accumulation, rounded

@@ -261,8 +261,22 @@ fn block_score_bounds_every_key_of_its_block() {
         let rq = b.rotate_queries(queries.view(), &side).unwrap();
         let scores = b.score_blocks(&meta, rq.view()).unwrap();
         assert_eq!(scores.len(), n.div_ceil(block));
+        assert_eq!(meta.scale.len(), scores.len());
         for (blk, &score) in scores.iter().enumerate() {
+            let sc = f64::from(meta.scale[blk]);
             for t in blk * block..((blk + 1) * block).min(n) {
+                // Section 7: the int8 bounds times the block scale enclose every decoded value.
+                for j in 0..meta.kept_dims {
+                    let x = f64::from(decoded[[t, j]]);
+                    let (lo, hi) = (
+                        meta.min[blk * meta.kept_dims + j],
+                        meta.max[blk * meta.kept_dims + j],
+                    );
+                    assert!(
+                        f64::from(lo) * sc <= x && x <= f64::from(hi) * sc,
+                        "case {case} block {blk} token {t} dim {j}"
+                    );
+                }
                 for m in 0..3 {
                     let mut dot = 0.0f64;
                     let mut mag = 0.0f64;

@@ -222,18 +222,75 @@ fn check_record(layout: &RecordLayout, rec: &[u8]) -> std::result::Result<(), St
     Ok(())
 }
 
-/// Per-block, per-channel min and max of a segment's decoded rotated keys
-/// (SPEC.md section 7). `min` and `max` are `[blocks][kept_dims]`, row-major.
+/// Per-block, per-channel bounds of a segment's decoded rotated keys
+/// (SPEC.md section 7), stored as int8 with one f32 scale per block.
+///
+/// `min` and `max` are `[blocks][kept_dims]`, row-major; `scale` is
+/// `[blocks]`. Block `b`'s bounds are `min[b][j] * scale[b] <= m_j` and
+/// `max[b][j] * scale[b] >= M_j` (exactly, in real arithmetic), where `m_j`
+/// and `M_j` are the exact min and max over the block's decoded keys; see
+/// [`BlockMeta::push_block`] for the rounding.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct BlockMeta {
     pub block_size: usize,
     pub kept_dims: usize,
     pub tokens: usize,
-    pub min: Vec<f16>,
-    pub max: Vec<f16>,
+    pub min: Vec<i8>,
+    pub max: Vec<i8>,
+    pub scale: Vec<f32>,
+}
+
+/// SPEC.md section 7: the scale of one block from `a = max_j max(|m_j|, |M_j|)`:
+/// the smallest f32 `s` with `127 * s >= a` (exact; `127 * s` of an f32 is
+/// exact in f64), i.e. `a / 127` rounded up to f32. `a = 0` gives 0.
+pub fn meta_scale(a: f64) -> f32 {
+    if a <= 0.0 {
+        return 0.0;
+    }
+    let mut s = (a / 127.0) as f32;
+    // The f64 quotient rounded to nearest f32 is within one f32 step of the
+    // answer; these two loops make it exactly the smallest s with 127 s >= a.
+    while 127.0 * f64::from(s) < a {
+        s = f32::from_bits(s.to_bits() + 1);
+    }
+    while s > 0.0 && 127.0 * f64::from(f32::from_bits(s.to_bits() - 1)) >= a {
+        s = f32::from_bits(s.to_bits() - 1);
+    }
+    s
+}
+
+/// SPEC.md section 7: `ceil(hi / s)` (f64), raised by one if `q * s < hi`,
+/// clamped to [-127, 127]. `s > 0`.
+pub fn meta_quant_max(hi: f64, s: f64) -> i8 {
+    let mut q = (hi / s).ceil();
+    if q * s < hi {
+        q += 1.0;
+    }
+    q.clamp(-127.0, 127.0) as i8
+}
+
+/// SPEC.md section 7: `floor(lo / s)` (f64), lowered by one if `q * s > lo`,
+/// clamped to [-127, 127]. `s > 0`.
+pub fn meta_quant_min(lo: f64, s: f64) -> i8 {
+    let mut q = (lo / s).floor();
+    if q * s > lo {
+        q -= 1.0;
+    }
+    q.clamp(-127.0, 127.0) as i8
 }
 
 impl BlockMeta {
+    /// Empty metadata (no block yet) for `kept_dims` dims and blocks of `block_size`.
+    pub fn empty(block_size: usize, kept_dims: usize) -> Self {
+        Self {
+            block_size,
+            kept_dims,
+            tokens: 0,
+            min: Vec::new(),
+            max: Vec::new(),
+            scale: Vec::new(),
+        }
+    }
     pub fn blocks(&self) -> usize {
         self.tokens.div_ceil(self.block_size.max(1))
     }
@@ -241,7 +298,156 @@ impl BlockMeta {
     pub fn block_len(&self, i: usize) -> usize {
         (self.tokens - i * self.block_size).min(self.block_size)
     }
+    /// Device bytes: `2 * blocks * kept_dims` (i8 min and max) + `4 * blocks` (f32 scales).
     pub fn bytes(&self) -> usize {
-        2 * (self.min.len() + self.max.len())
+        self.min.len() + self.max.len() + 4 * self.scale.len()
+    }
+
+    /// SPEC.md section 7: appends one block of `len` tokens from its exact
+    /// per-dim bounds `lo[j] = m_j`, `hi[j] = M_j` (finite, `lo[j] <= hi[j]`,
+    /// `kept_dims` each): scale `s` = [`meta_scale`] of the largest magnitude,
+    /// `qmax_j` = [`meta_quant_max`], `qmin_j` = [`meta_quant_min`]; `s = 0`
+    /// stores all zeros. Afterwards `qmin_j * s <= m_j` and `qmax_j * s >= M_j`.
+    pub fn push_block(&mut self, lo: &[f32], hi: &[f32], len: usize) {
+        debug_assert!(lo.len() == self.kept_dims && hi.len() == self.kept_dims);
+        let a = lo
+            .iter()
+            .chain(hi)
+            .fold(0.0f64, |a, &x| a.max(f64::from(x).abs()));
+        let s = meta_scale(a);
+        self.scale.push(s);
+        if s == 0.0 {
+            self.min.resize(self.min.len() + lo.len(), 0);
+            self.max.resize(self.max.len() + hi.len(), 0);
+        } else {
+            let sd = f64::from(s);
+            self.min
+                .extend(lo.iter().map(|&x| meta_quant_min(f64::from(x), sd)));
+            self.max
+                .extend(hi.iter().map(|&x| meta_quant_max(f64::from(x), sd)));
+        }
+        self.tokens += len;
+    }
+
+    /// Appends `other`'s blocks (same block size and dims); `self` must end on a block boundary.
+    pub fn append(&mut self, other: &BlockMeta) {
+        self.min.extend_from_slice(&other.min);
+        self.max.extend_from_slice(&other.max);
+        self.scale.extend_from_slice(&other.scale);
+        self.tokens += other.tokens;
+    }
+
+    /// Internal consistency: `block_size > 0`, `blocks * kept_dims` min and
+    /// max values, `blocks` scales, every scale finite and `>= 0`, every
+    /// quantized bound in [-127, 127] with `min <= max`.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let n = self.blocks() * self.kept_dims;
+        if self.block_size == 0
+            || self.min.len() != n
+            || self.max.len() != n
+            || self.scale.len() != self.blocks()
+        {
+            return Err(format!(
+                "expected {n} min and max values and {} scales (block_size > 0), got {} min, {} max, {} scales, block_size {}",
+                self.blocks(),
+                self.min.len(),
+                self.max.len(),
+                self.scale.len(),
+                self.block_size
+            ));
+        }
+        if let Some(b) = self
+            .scale
+            .iter()
+            .position(|s| !(s.is_finite() && *s >= 0.0))
+        {
+            return Err(format!(
+                "block {b}: scale {} is not finite and >= 0",
+                self.scale[b]
+            ));
+        }
+        if let Some(i) = self
+            .min
+            .iter()
+            .zip(&self.max)
+            .position(|(&lo, &hi)| lo == i8::MIN || hi == i8::MIN || lo > hi)
+        {
+            return Err(format!(
+                "value {i}: quantized bounds [{}, {}] are not in [-127, 127] with min <= max",
+                self.min[i], self.max[i]
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every magnitude the bounds can take (f16 values, zeros, subnormals) and
+    /// random mixtures: the stored bounds enclose the exact ones, the scale is
+    /// the smallest f32 with `127 s >= a`, and the i8 range is respected.
+    #[test]
+    fn quantized_bounds_enclose_the_exact_ones() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for case in 0..4000 {
+            let dt = 1 + (next() % 20) as usize;
+            let mag = [1e-7f32, 6e-5, 0.01, 1.0, 300.0, 65504.0][case % 6];
+            let mut lo = Vec::new();
+            let mut hi = Vec::new();
+            for _ in 0..dt {
+                let v = |n: u64| {
+                    let x = ((n % 20001) as f32 / 10000.0 - 1.0) * mag;
+                    half::f16::from_f32(if n % 7 == 0 { 0.0 } else { x }).to_f32()
+                };
+                let (a, b) = (v(next()), v(next()));
+                lo.push(a.min(b));
+                hi.push(a.max(b));
+            }
+            let mut m = BlockMeta::empty(16, dt);
+            m.push_block(&lo, &hi, 16);
+            m.validate().unwrap();
+            let s = f64::from(m.scale[0]);
+            let a = lo
+                .iter()
+                .chain(&hi)
+                .fold(0f64, |a, &x| a.max(f64::from(x).abs()));
+            assert!(127.0 * s >= a);
+            if s > 0.0 {
+                let below = f64::from(f32::from_bits(m.scale[0].to_bits() - 1));
+                assert!(127.0 * below < a, "scale not the smallest");
+            } else {
+                assert_eq!(a, 0.0);
+            }
+            for j in 0..dt {
+                assert!(
+                    f64::from(m.min[j]) * s <= f64::from(lo[j]),
+                    "case {case} dim {j}"
+                );
+                assert!(
+                    f64::from(m.max[j]) * s >= f64::from(hi[j]),
+                    "case {case} dim {j}"
+                );
+                assert!(m.min[j] != i8::MIN && m.max[j] != i8::MIN);
+            }
+        }
+        let mut m = BlockMeta::empty(4, 3);
+        m.push_block(&[0.0, -0.0, 0.0], &[0.0, 0.0, 0.0], 2);
+        assert_eq!(
+            (m.scale[0], m.min.clone(), m.max.clone(), m.tokens),
+            (0.0, vec![0; 3], vec![0; 3], 2)
+        );
+        assert_eq!(m.bytes(), 3 + 3 + 4);
+        // The largest magnitude maps to exactly +-127.
+        let mut m = BlockMeta::empty(4, 2);
+        m.push_block(&[-2.0, 0.5], &[1.0, 0.5], 4);
+        assert_eq!((m.min[0], m.max[1]), (-127, 32));
     }
 }

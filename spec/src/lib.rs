@@ -15,6 +15,9 @@ pub mod validate;
 pub use cache::{CompressedCache, DenseRows, HeadSegment, MemoryReport, Segment, SegmentState};
 pub use config::{ceil_to, ChannelPolicy, CompressConfig, KvShape};
 pub use error::{MosaicError, Result};
-pub use layout::{BlockMeta, PackedRows, RecordLayout, SideStrategy, Strategy, ValueDtype};
-pub use traits::{Availability, Backend, KvCache, Selection, Side};
 pub use half::f16;
+pub use layout::{
+    meta_quant_max, meta_quant_min, meta_scale, BlockMeta, PackedRows, RecordLayout, SideStrategy,
+    Strategy, ValueDtype,
+};
+pub use traits::{Availability, Backend, KvCache, Selection, Side};

@@ -24,7 +24,9 @@ use std::path::Path;
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version 2 (SPEC.md section 7): block metadata stored as int8 bounds plus
+/// one f32 scale per block; version 1 files (f16 bounds) are refused.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// File header (SPEC.md section 15.1), 24 bytes at offset 0.
 ///
@@ -137,6 +139,9 @@ impl Buf {
             self.0.extend_from_slice(&x.to_le_bytes());
         }
     }
+    fn i8s(&mut self, xs: &[i8]) {
+        self.0.extend(xs.iter().map(|&x| x as u8));
+    }
     fn f16s(&mut self, xs: &[f16]) {
         self.0.reserve(2 * xs.len());
         for x in xs {
@@ -221,9 +226,11 @@ fn head_payload(seg: usize, head: usize, h: &HeadSegment) -> Result<Vec<u8>> {
     b.u64(m.kept_dims);
     b.u64(m.tokens);
     b.u64(m.min.len());
-    b.f16s(&m.min);
+    b.i8s(&m.min);
     b.u64(m.max.len());
-    b.f16s(&m.max);
+    b.i8s(&m.max);
+    b.u64(m.scale.len());
+    b.f32s(&m.scale);
     Ok(b.0)
 }
 
@@ -362,6 +369,9 @@ impl<'a> Cursor<'a> {
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect())
+    }
+    fn i8s(&mut self, n: usize, field: &str) -> Result<Vec<i8>> {
+        Ok(self.array(n, 1, field)?.iter().map(|&x| x as i8).collect())
     }
     fn f16s(&mut self, n: usize, field: &str) -> Result<Vec<f16>> {
         let raw = self.array(n, 2, field)?;
@@ -542,9 +552,11 @@ fn parse_head(payload: &[u8], shape: &KvShape, seg: usize, head: usize) -> Resul
     let meta_kept = c.size("meta kept_dims")?;
     let meta_tokens = c.size("meta tokens")?;
     let n_min = c.size("meta min count")?;
-    let min = c.f16s(n_min, "meta min")?;
+    let min = c.i8s(n_min, "meta min")?;
     let n_max = c.size("meta max count")?;
-    let max = c.f16s(n_max, "meta max")?;
+    let max = c.i8s(n_max, "meta max")?;
+    let n_scale = c.size("meta scale count")?;
+    let scale = c.f32s(n_scale, "meta scale")?;
     c.finish()?;
     Ok(HeadSegment {
         strategy: Strategy {
@@ -560,6 +572,7 @@ fn parse_head(payload: &[u8], shape: &KvShape, seg: usize, head: usize) -> Resul
             tokens: meta_tokens,
             min,
             max,
+            scale,
         },
     })
 }
@@ -816,13 +829,20 @@ pub fn validate_structure(
                 ));
             }
             let n = m.blocks() * m.kept_dims;
-            if m.min.len() != n || m.max.len() != n {
+            if m.min.len() != n || m.max.len() != n || m.scale.len() != m.blocks() {
                 return Err(shape_err(
                     "block metadata",
-                    format!("{n} min and max values"),
-                    format!("{} min, {} max", m.min.len(), m.max.len()),
+                    format!("{n} min and max values, {} scales", m.blocks()),
+                    format!(
+                        "{} min, {} max, {} scales",
+                        m.min.len(),
+                        m.max.len(),
+                        m.scale.len()
+                    ),
                 ));
             }
+            m.validate()
+                .map_err(|e| MosaicError::InvalidConfig(format!("block metadata: {e}")))?;
         }
         next += seg.len;
     }

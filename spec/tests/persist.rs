@@ -83,14 +83,12 @@ fn head(rng: &mut Rng, tokens: usize, block_size: usize) -> HeadSegment {
     let value = side(rng, 6, 4, 2);
     let keys = packed(rng, &key.layout, tokens);
     let values = packed(rng, &value.layout, tokens);
-    let n = tokens.div_ceil(block_size) * 6;
-    let meta = BlockMeta {
-        block_size,
-        kept_dims: 6,
-        tokens,
-        min: (0..n).map(|_| f16::from_f32(-rng.f32().abs())).collect(),
-        max: (0..n).map(|_| f16::from_f32(rng.f32().abs())).collect(),
-    };
+    let mut meta = BlockMeta::empty(block_size, 6);
+    for b in 0..tokens.div_ceil(block_size) {
+        let lo: Vec<f32> = (0..6).map(|_| -rng.f32().abs()).collect();
+        let hi: Vec<f32> = (0..6).map(|_| rng.f32().abs()).collect();
+        meta.push_block(&lo, &hi, (tokens - b * block_size).min(block_size));
+    }
     HeadSegment {
         strategy: Strategy {
             key,
@@ -223,8 +221,22 @@ fn write_refuses_inconsistent_caches() {
     let e = write_cache(&mut Vec::new(), &c, &hk, &hv).unwrap_err();
     assert!(matches!(e, MosaicError::CorruptPacked(_)), "{e}");
     // Metadata of the wrong length.
-    let mut c = cache;
+    let mut c = cache.clone();
     c.segments[1].heads[0].meta.min.pop();
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+    // A missing scale, a negative scale, an i8 bound of -128, min above max.
+    let mut c = cache.clone();
+    c.segments[1].heads[0].meta.scale.pop();
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+    let mut c = cache.clone();
+    c.segments[0].heads[0].meta.scale[0] = -1.0;
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+    let mut c = cache.clone();
+    c.segments[0].heads[0].meta.min[0] = i8::MIN;
+    assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
+    let mut c = cache;
+    c.segments[0].heads[0].meta.min[0] = 100;
+    c.segments[0].heads[0].meta.max[0] = 99;
     assert!(write_cache(&mut Vec::new(), &c, &hk, &hv).is_err());
 }
 
@@ -328,11 +340,19 @@ fn resigned_mutations_never_panic() {
 fn other_version_is_named() {
     let (cache, hk, hv) = sample();
     let mut b = save(&cache, &hk, &hv);
-    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    b[8..12].copy_from_slice(&3u32.to_le_bytes());
     resign(&mut b);
     let e = read_cache(&b).unwrap_err();
     assert!(
-        matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 2")),
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 3")),
+        "{e}"
+    );
+    // Version 1 (f16 block metadata) is no longer read: a clean BadFormat.
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("unsupported format version 1")),
         "{e}"
     );
     let e = read_cache(b"NOTMOSAIC and more bytes").unwrap_err();

@@ -152,6 +152,7 @@ fn prefix(full: &CompressedCache, end: usize) -> CompressedCache {
                 let keep = len.div_ceil(h.meta.block_size) * h.meta.kept_dims;
                 h.meta.min.truncate(keep);
                 h.meta.max.truncate(keep);
+                h.meta.scale.truncate(len.div_ceil(h.meta.block_size));
                 h.meta.tokens = len;
             }
         }

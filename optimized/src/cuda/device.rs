@@ -110,8 +110,9 @@ pub struct DeviceCache {
     packed_k: CudaSlice<u8>,
     packed_v: CudaSlice<u8>,
     rot: CudaSlice<f32>,
-    meta_min: CudaSlice<u16>,
-    meta_max: CudaSlice<u16>,
+    meta_min: CudaSlice<u8>,
+    meta_max: CudaSlice<u8>,
+    meta_scale: CudaSlice<f32>,
     seg: CudaSlice<u8>,
     seg_batch: CudaSlice<i32>,
     seg_base: CudaSlice<i32>,
@@ -137,6 +138,7 @@ impl DeviceCache {
             rot: gpu.up(&t.rot)?,
             meta_min: gpu.up(&t.meta_min)?,
             meta_max: gpu.up(&t.meta_max)?,
+            meta_scale: gpu.up(&t.meta_scale)?,
             seg: gpu.up(bytemuck::cast_slice::<_, u8>(&t.seg))?,
             seg_batch: gpu.up(&t.seg_batch)?,
             seg_base: gpu.up(&t.seg_base)?,
@@ -194,7 +196,8 @@ impl DeviceCache {
                 .arg(&total)
                 .arg(&self.seg)
                 .arg(&self.meta_min)
-                .arg(&self.meta_max);
+                .arg(&self.meta_max)
+                .arg(&self.meta_scale);
             l.arg(&qrot).arg(&kv).arg(&qh).arg(&d).arg(&scores);
             let grid = (t.blocks.len().div_ceil(8) as u32).clamp(1, 65535 * 16);
             // SAFETY: as above for mkv_score_blocks.

@@ -13,6 +13,7 @@ pub struct SegHeadDesc {
     pub key_rot_off: i64,
     pub val_rot_off: i64,
     pub meta_off: i64,
+    pub scale_off: i64,
     pub seg_len: i32,
     pub block_size: i32,
     pub key_dt: i32,
@@ -24,7 +25,7 @@ pub struct SegHeadDesc {
     pub val_g: i32,
     pub val_rb: i32,
 }
-const _: () = assert!(std::mem::size_of::<SegHeadDesc>() == 80);
+const _: () = assert!(std::mem::size_of::<SegHeadDesc>() == 88);
 
 /// One block of a KV head's global block order (SPEC.md section 8.3).
 #[repr(C)]
@@ -49,8 +50,10 @@ pub struct HostTables {
     pub packed_k: Vec<u8>,
     pub packed_v: Vec<u8>,
     pub rot: Vec<f32>,
-    pub meta_min: Vec<u16>,
-    pub meta_max: Vec<u16>,
+    /// Block metadata (SPEC.md 7): int8 bounds as bytes, one f32 scale per block.
+    pub meta_min: Vec<u8>,
+    pub meta_max: Vec<u8>,
+    pub meta_scale: Vec<f32>,
     pub seg: Vec<SegHeadDesc>,
     pub seg_batch: Vec<i32>,
     pub seg_base: Vec<i32>,
@@ -137,23 +140,23 @@ impl HostTables {
                         || h.meta.kept_dims != kl.kept_dims
                         || h.meta.min.len() != blocks * kl.kept_dims
                         || h.meta.max.len() != blocks * kl.kept_dims
+                        || h.meta.scale.len() != blocks
                     {
                         return Err(MosaicError::CorruptPacked(format!(
                             "segment {s} head {j}: block metadata does not match the strategy"
                         )));
                     }
-                    if let Some(i) = h
-                        .meta
-                        .min
-                        .iter()
-                        .chain(&h.meta.max)
-                        .position(|x| !x.is_finite())
-                    {
+                    if let Some(i) = h.meta.scale.iter().position(|x| !x.is_finite()) {
                         return Err(MosaicError::NonFinite {
-                            what: "block metadata",
+                            what: "block metadata scale",
                             index: i,
                         });
                     }
+                    h.meta.validate().map_err(|e| {
+                        MosaicError::CorruptPacked(format!(
+                            "segment {s} head {j}: block metadata: {e}"
+                        ))
+                    })?;
                     bmin = bmin.min(bs);
                     bmax = bmax.max(bs);
                     // Keep every meta chunk 8-element aligned.
@@ -167,6 +170,7 @@ impl HostTables {
                         key_rot_off: t.rot.len() as i64,
                         val_rot_off: (t.rot.len() + d * d) as i64,
                         meta_off: t.meta_min.len() as i64,
+                        scale_off: t.meta_scale.len() as i64,
                         seg_len: seg.len as i32,
                         block_size: bs as i32,
                         key_dt: kl.kept_dims as i32,
@@ -182,8 +186,9 @@ impl HostTables {
                     t.packed_v.extend_from_slice(&h.values.bytes);
                     t.rot.extend_from_slice(&h.strategy.key.rotation);
                     t.rot.extend_from_slice(&h.strategy.value.rotation);
-                    t.meta_min.extend(h.meta.min.iter().map(|x| x.to_bits()));
-                    t.meta_max.extend(h.meta.max.iter().map(|x| x.to_bits()));
+                    t.meta_min.extend(h.meta.min.iter().map(|&x| x as u8));
+                    t.meta_max.extend(h.meta.max.iter().map(|&x| x as u8));
+                    t.meta_scale.extend_from_slice(&h.meta.scale);
                     t.seg.push(desc);
                     let list = &mut per_bj_blocks[b * kv + j];
                     t.seg_first_block.push(list.len() as i64);
