@@ -3,7 +3,6 @@
 
 use crate::error::CliError;
 use mosaickv_engine::{argmax, model_path, LayerKv, Method, Model, Prefill};
-use mosaickv_tasks::{Sample, Task};
 use std::path::Path;
 use std::time::Instant;
 
@@ -79,57 +78,7 @@ pub fn bytes_per_token(caches: &[Box<dyn LayerKv>]) -> f64 {
     }
 }
 
-/// Generation budget per task (tokens), RULER's 128 cut to what the answers need: a niah
-/// answer with one 7-digit number is about 10 tokens (digits are single tokens), four numbers
-/// about 40; `vt` names five 5-letter variables; `cwe` lists ten words.
-pub fn answer_budget(task: Task) -> usize {
-    match task {
-        Task::NiahSingle1 | Task::NiahMultikey => 24,
-        Task::NiahMultivalue | Task::NiahMultiquery => 48,
-        Task::Vt => 32,
-        Task::Cwe => 64,
-    }
-}
-
-/// The prompt as the model sees it: chat template around the task text, then the answer prefix
-/// opening the assistant turn.
-pub fn task_prompt_ids(model: &Model, sample: &Sample) -> Result<Vec<u32>, CliError> {
-    let text = format!(
-        "{}{}",
-        model.tokenizer().chat.render(&sample.context),
-        sample.answer_prefix
-    );
-    Ok(model.encode_raw(&text)?)
-}
-
-/// Generates a task sample whose chat-templated prompt plus the answer budget fits `length`.
-/// The counter tokenizes the whole text inside the template (the template's tokens around the
-/// user turn are the same whether the answer prefix sits before or after `<|im_end|>...`); the
-/// exact prompt is then re-counted and the haystack shrunk if it still overshoots.
-pub fn task_sample(
-    model: &Model,
-    task: Task,
-    length: usize,
-    seed: u64,
-) -> Result<(Sample, Vec<u32>), CliError> {
-    let budget = answer_budget(task);
-    let count = |s: &str| -> usize {
-        model
-            .encode_raw(&model.tokenizer().chat.render(s))
-            .map(|v| v.len())
-            .unwrap_or(usize::MAX)
-    };
-    let mut size = mosaickv_tasks::haystack_size_for(task, length, budget, seed, &count)
-        .map_err(|e| CliError::Input(e.to_string()))?;
-    loop {
-        let sample = mosaickv_tasks::render(task, size, seed, length);
-        let ids = task_prompt_ids(model, &sample)?;
-        if ids.len() + budget <= length || size == 0 {
-            return Ok((sample, ids));
-        }
-        size -= 1;
-    }
-}
+pub use mosaickv_engine::suite::{answer_budget, task_sample};
 
 /// Seconds as a short string.
 pub fn secs(s: f64) -> String {

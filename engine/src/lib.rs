@@ -18,6 +18,7 @@ mod kv;
 pub mod methods;
 mod model;
 pub mod probe;
+pub mod suite;
 mod quant;
 mod tokenizer;
 

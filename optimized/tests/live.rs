@@ -27,6 +27,9 @@ fn config() -> CompressConfig {
         buffer_capacity: 16,
         block_sizes: vec![8, 16],
         max_segment_len: 128,
+        // the pre-calibration defaults (SPEC.md section 2 before 2026-11-29), under which
+        // these drifting keys close and re-encode segments
+        truncate_fraction: 0.25,
         ..CompressConfig::default()
     }
 }

@@ -57,8 +57,8 @@ pub enum ChannelPolicy {
 impl Default for ChannelPolicy {
     fn default() -> Self {
         ChannelPolicy::LossThreshold {
-            key_loss: 0.02,
-            value_loss: 0.05,
+            key_loss: 0.01,
+            value_loss: 0.03,
             retentions: vec![0.125, 0.25, 0.375, 0.5, 0.625, 0.75],
             group_sizes: vec![1, 2, 4],
         }
@@ -95,9 +95,9 @@ pub struct CompressConfig {
 impl Default for CompressConfig {
     fn default() -> Self {
         Self {
-            token_rate: 0.10,
+            token_rate: 0.20,
             channels: ChannelPolicy::default(),
-            truncate_fraction: 0.25,
+            truncate_fraction: 0.0,
             block_sizes: vec![16, 32, 64],
             variance_threshold: 0.25,
             sink_tokens: 4,
@@ -110,9 +110,12 @@ impl Default for CompressConfig {
 }
 
 impl CompressConfig {
-    /// The paper's fixed setting: 25 % channels, g = 1, everything else default.
+    /// The paper's fixed setting: 25 % channels, g = 1, 10 % token rate, 25 % truncation,
+    /// blocks of 16, everything else default.
     pub fn paper_fixed() -> Self {
         Self {
+            token_rate: 0.10,
+            truncate_fraction: 0.25,
             channels: ChannelPolicy::Fixed {
                 retention: 0.25,
                 group_size: 1,
