@@ -520,8 +520,9 @@ mod tests {
             "mosaic-ref",
             "naive2d:ret=0.25",
             "mosaic:ret=0.375",
-            "mosaic:rate=1:trunc=0",
-            "quest:rate=0.2",
+            "mosaic:rate=1:trunc=0.25",
+            "mosaic:kloss=0.02:vloss=0.05",
+            "quest:rate=0.3",
         ] {
             let m = Method::parse(s).unwrap();
             assert_eq!(m.to_string(), s);
@@ -538,7 +539,7 @@ mod tests {
             Method::parse("naive2d").unwrap(),
             Method::Naive2d {
                 retention: 0.5,
-                token_rate: 0.1
+                token_rate: CompressConfig::default().token_rate
             }
         );
     }
