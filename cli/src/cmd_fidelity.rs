@@ -119,11 +119,9 @@ pub fn layer_fidelity(
     pre.fill(&mut caches)?;
     log.lock().expect("probe log").enabled = true;
     let mut tok = argmax(&pre.logits);
-    let mut pos = ids.len();
-    for _ in 0..steps {
+    for pos in ids.len()..ids.len() + steps {
         let logits = model.decode_step(tok, pos, &mut caches)?;
         tok = argmax(&logits);
-        pos += 1;
     }
     let log = log.lock().expect("probe log");
     let mut out = Vec::new();

@@ -51,7 +51,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
             if text.len() > printed && text.is_char_boundary(printed) && !text.ends_with('\u{fffd}')
             {
                 if let Err(e) = out
-                    .write_all(text[printed..].as_bytes())
+                    .write_all(&text.as_bytes()[printed..])
                     .and_then(|_| out.flush())
                 {
                     write_err.get_or_insert(e);
@@ -62,7 +62,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
     })?;
     let text = model.decode(&d.ids)?;
     if text.len() > printed && text.is_char_boundary(printed) {
-        out.write_all(text[printed..].as_bytes()).ok();
+        out.write_all(&text.as_bytes()[printed..]).ok();
     }
     writeln!(out).ok();
     drop(out);
