@@ -76,13 +76,14 @@ pub fn run(a: Args) -> Result<(), CliError> {
         0.0
     };
     eprintln!(
-        "[{method}] prompt {} tokens, prefill {:.2} s; {} tokens generated, decode {:.1} tok/s; KV {:.1} bytes/token (dense f16: {})",
+        "[{method}] prompt {} tokens, prefill {:.2} s; {} tokens generated, decode {:.1} tok/s; KV {:.1} device bytes/token (dense f16: {}), {:.2} MiB host rows",
         ids.len(),
         prefill_s,
         d.ids.len(),
         tok_s,
         d.bytes_per_token,
-        4 * model.config().kv_heads * model.config().head_dim
+        4 * model.config().kv_heads * model.config().head_dim,
+        d.host_bytes as f64 / (1 << 20) as f64
     );
     Ok(())
 }

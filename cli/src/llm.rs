@@ -27,6 +27,8 @@ pub struct Decoded {
     pub step_s: Vec<f64>,
     /// Device bytes per cached token, averaged over layers, at the end of the decode.
     pub bytes_per_token: f64,
+    /// Host-side bytes (full-precision rows kept for background compression), all layers.
+    pub host_bytes: usize,
 }
 
 /// Greedy decode from a shared prefill: the method's caches take the prompt K/V, then up to
@@ -64,6 +66,7 @@ pub fn decode_greedy(
         ids,
         step_s,
         bytes_per_token: bytes_per_token(&caches),
+        host_bytes: caches.iter().map(|c| c.host_bytes()).sum(),
     })
 }
 

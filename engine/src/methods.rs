@@ -9,7 +9,7 @@
 
 use crate::kv::{FullKv, LayerKv};
 use crate::{EngineError, Result};
-use mosaickv_optimized::{CpuBackend, OptimizedMosaicCache, QuestF16Cache};
+use mosaickv_optimized::{CpuBackend, LiveCache, Mode, OptimizedMosaicCache, QuestF16Cache};
 use mosaickv_reference::{MosaicCache, Naive2dCache, QuestCache};
 use mosaickv_spec::{
     Backend as _, ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape,
@@ -37,6 +37,9 @@ impl<C: KvCache> LayerKv for KvAdapter<C> {
     fn bytes(&self) -> usize {
         self.0.memory().device_bytes()
     }
+    fn host_bytes(&self) -> usize {
+        self.0.memory().host_rows
+    }
 }
 
 /// A boxed [`KvCache`] as a [`LayerKv`].
@@ -57,6 +60,9 @@ impl LayerKv for BoxedKv {
     }
     fn bytes(&self) -> usize {
         self.0.memory().device_bytes()
+    }
+    fn host_bytes(&self) -> usize {
+        self.0.memory().host_rows
     }
 }
 
@@ -339,11 +345,14 @@ impl Method {
                     } => Box::new(KvAdapter(
                         Naive2dCache::new(shape, *token_rate, *retention).map_err(inv)?,
                     )),
+                    // Decode runs on the live cache (SPEC.md section 10.4): generated
+                    // tokens are compressed as they arrive and segment closes run on a
+                    // background worker per layer.
                     Method::Mosaic {
                         backend: MosaicBackend::Optimized,
                         config,
                     } => Box::new(KvAdapter(
-                        OptimizedMosaicCache::new(shape, config.clone()).map_err(inv)?,
+                        LiveCache::new(shape, config.clone(), Mode::Async).map_err(inv)?,
                     )),
                     Method::Mosaic {
                         backend: MosaicBackend::Reference,

@@ -21,16 +21,32 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     fn from_source(source: &str) -> Result<Self> {
-        let bad = |why: &str| EngineError::Format(format!("unexpected tokenizer.chat_template ({why}): {source}"));
+        let bad = |why: &str| {
+            EngineError::Format(format!(
+                "unexpected tokenizer.chat_template ({why}): {source}"
+            ))
+        };
         let start = "<|im_start|>system\n";
-        let i = source.find(start).ok_or_else(|| bad("no default system turn"))? + start.len();
-        let j = source[i..].find("<|im_end|>").ok_or_else(|| bad("system turn not closed"))? + i;
-        for needle in ["'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'", "'<|im_start|>assistant\n'"] {
+        let i = source
+            .find(start)
+            .ok_or_else(|| bad("no default system turn"))?
+            + start.len();
+        let j = source[i..]
+            .find("<|im_end|>")
+            .ok_or_else(|| bad("system turn not closed"))?
+            + i;
+        for needle in [
+            "'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'",
+            "'<|im_start|>assistant\n'",
+        ] {
             if !source.contains(needle) {
                 return Err(bad(&format!("missing {needle:?}")));
             }
         }
-        Ok(Self { system: source[i..j].to_string(), source: source.to_string() })
+        Ok(Self {
+            system: source[i..j].to_string(),
+            source: source.to_string(),
+        })
     }
 
     /// One user turn with the default system message and the generation prompt.
@@ -52,7 +68,9 @@ pub struct Tok {
 }
 
 fn meta<'a>(c: &'a Content, key: &str) -> Result<&'a Value> {
-    c.metadata.get(key).ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))
+    c.metadata
+        .get(key)
+        .ok_or_else(|| EngineError::Format(format!("GGUF metadata lacks {key}")))
 }
 
 impl Tok {
@@ -60,31 +78,47 @@ impl Tok {
         let fmt = |e: candle_core::Error| EngineError::Format(e.to_string());
         let model = meta(c, "tokenizer.ggml.model")?.to_string().map_err(fmt)?;
         if model != "gpt2" {
-            return Err(EngineError::Format(format!("tokenizer.ggml.model {model}, only gpt2 (byte-level BPE) is supported")));
+            return Err(EngineError::Format(format!(
+                "tokenizer.ggml.model {model}, only gpt2 (byte-level BPE) is supported"
+            )));
         }
         let pre = meta(c, "tokenizer.ggml.pre")?.to_string().map_err(fmt)?;
         if pre != "smollm" {
-            return Err(EngineError::Format(format!("tokenizer.ggml.pre {pre}, only smollm is supported")));
+            return Err(EngineError::Format(format!(
+                "tokenizer.ggml.pre {pre}, only smollm is supported"
+            )));
         }
         let tokens = meta(c, "tokenizer.ggml.tokens")?.to_vec().map_err(fmt)?;
-        let types = meta(c, "tokenizer.ggml.token_type")?.to_vec().map_err(fmt)?;
+        let types = meta(c, "tokenizer.ggml.token_type")?
+            .to_vec()
+            .map_err(fmt)?;
         let merges = meta(c, "tokenizer.ggml.merges")?.to_vec().map_err(fmt)?;
         let mut vocab = Map::new();
         let mut added = Vec::new();
         let mut names = Vec::with_capacity(tokens.len());
         for (id, t) in tokens.iter().enumerate() {
             let s = t.to_string().map_err(fmt)?.clone();
-            let ty = types.get(id).map(|v| v.to_i32()).transpose().map_err(fmt)?.unwrap_or(1);
+            let ty = types
+                .get(id)
+                .map(|v| v.to_i32())
+                .transpose()
+                .map_err(fmt)?
+                .unwrap_or(1);
             // llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte
             if ty == 3 || ty == 4 {
-                added.push(json!({"id": id, "content": s, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": ty == 3}));
+                added.push(
+                    json!({"id": id, "content": s, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": ty == 3}),
+                );
             }
             vocab.insert(s.clone(), json!(id));
             names.push(s);
         }
-        let merges: Vec<Json> =
-            merges.iter().map(|m| m.to_string().map(|s| Json::String(s.clone()))).collect::<Result<_, _>>().map_err(fmt)?;
+        let merges: Vec<Json> = merges
+            .iter()
+            .map(|m| m.to_string().map(|s| Json::String(s.clone())))
+            .collect::<Result<_, _>>()
+            .map_err(fmt)?;
         let spec = json!({
             "version": "1.0",
             "truncation": null,
@@ -101,12 +135,21 @@ impl Tok {
                 "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                 "vocab": vocab, "merges": merges}
         });
-        let inner: tokenizers::Tokenizer =
-            spec.to_string().parse().map_err(|e: tokenizers::Error| EngineError::Tokenizer(e.to_string()))?;
-        let chat = ChatTemplate::from_source(meta(c, "tokenizer.chat_template")?.to_string().map_err(fmt)?)?;
+        let inner: tokenizers::Tokenizer = spec
+            .to_string()
+            .parse()
+            .map_err(|e: tokenizers::Error| EngineError::Tokenizer(e.to_string()))?;
+        let chat = ChatTemplate::from_source(
+            meta(c, "tokenizer.chat_template")?
+                .to_string()
+                .map_err(fmt)?,
+        )?;
         let mut eos_ids = Vec::new();
         for name in ["<|im_end|>", "<|endoftext|>"] {
-            let id = names.iter().position(|n| n == name).ok_or_else(|| EngineError::Format(format!("vocab lacks {name}")))?;
+            let id = names
+                .iter()
+                .position(|n| n == name)
+                .ok_or_else(|| EngineError::Format(format!("vocab lacks {name}")))?;
             eos_ids.push(id as u32);
         }
         if let Some(v) = c.metadata.get("tokenizer.ggml.eos_token_id") {
@@ -115,18 +158,27 @@ impl Tok {
                 eos_ids.push(id);
             }
         }
-        Ok(Self { inner, chat, eos_ids })
+        Ok(Self {
+            inner,
+            chat,
+            eos_ids,
+        })
     }
 
     /// Encodes text as is (control tokens written in the text are recognised; no BOS).
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Decodes ids to text (control tokens are kept in the text).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| EngineError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {

