@@ -13,8 +13,8 @@ pub mod tolerances;
 
 use mosaickv_reference::ReferenceBackend;
 use mosaickv_spec::{
-    Availability, Backend, CompressConfig, CompressedCache, KvCache, KvShape, MosaicError, PackedRows, Selection, Side,
-    SideStrategy,
+    Availability, Backend, CompressConfig, CompressedCache, KvCache, KvShape, MosaicError,
+    PackedRows, Selection, Side, SideStrategy,
 };
 use ndarray::{Array2, Array3, ArrayView2, Axis};
 use rand::{Rng, SeedableRng};
@@ -48,7 +48,9 @@ pub fn report_skip(backend: &str, test: &str, reason: &str) {
 /// channels, and a little noise. Deterministic from `seed`.
 pub fn structured_rows(n: usize, d: usize, seed: u64) -> Array2<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mix: Vec<f32> = (0..d * d).map(|_| rng.gen_range(-1.0..1.0) / (d as f32).sqrt()).collect();
+    let mix: Vec<f32> = (0..d * d)
+        .map(|_| rng.gen_range(-1.0..1.0) / (d as f32).sqrt())
+        .collect();
     let scale: Vec<f32> = (0..d).map(|c| 4.0 / (1.0 + c as f32)).collect();
     let out1 = rng.gen_range(0..d);
     let out2 = (out1 + d / 2) % d;
@@ -72,12 +74,25 @@ pub fn structured_rows(n: usize, d: usize, seed: u64) -> Array2<f32> {
 }
 
 /// K/V `[tokens, kv_heads, head_dim]` built from [`structured_rows`], one seed per head and side.
-pub fn structured_kv(tokens: usize, kv_heads: usize, head_dim: usize, seed: u64) -> (Array3<f32>, Array3<f32>) {
+pub fn structured_kv(
+    tokens: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seed: u64,
+) -> (Array3<f32>, Array3<f32>) {
     let mut k = Array3::zeros((tokens, kv_heads, head_dim));
     let mut v = Array3::zeros((tokens, kv_heads, head_dim));
     for h in 0..kv_heads {
-        let kr = structured_rows(tokens, head_dim, seed.wrapping_mul(31).wrapping_add(2 * h as u64));
-        let vr = structured_rows(tokens, head_dim, seed.wrapping_mul(31).wrapping_add(2 * h as u64 + 1));
+        let kr = structured_rows(
+            tokens,
+            head_dim,
+            seed.wrapping_mul(31).wrapping_add(2 * h as u64),
+        );
+        let vr = structured_rows(
+            tokens,
+            head_dim,
+            seed.wrapping_mul(31).wrapping_add(2 * h as u64 + 1),
+        );
         k.index_axis_mut(Axis(1), h).assign(&kr);
         v.index_axis_mut(Axis(1), h).assign(&vr);
     }
@@ -92,7 +107,10 @@ pub fn queries(q_heads: usize, head_dim: usize, seed: u64) -> Array2<f32> {
 }
 
 fn max_abs_diff(a: impl IntoIterator<Item = f64>, b: impl IntoIterator<Item = f64>) -> f64 {
-    a.into_iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    a.into_iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 /// Relative L2 distance `||a - b|| / ||b||` (0 when both are zero).
@@ -113,11 +131,23 @@ pub fn rel_l2(a: ArrayView2<f32>, b: ArrayView2<f32>) -> f64 {
 /// SPEC 3, 11: the candidate's fitted side strategy matches the reference's:
 /// identical layout (r, g, kept dims, dtype), rotation within `ROTATION_ABS`,
 /// fit loss within `FIT_LOSS_ABS`. Only for rows with a separated spectrum.
-pub fn check_fit_side(cand: &dyn Backend, rows: ArrayView2<f32>, side: Side, cfg: &CompressConfig) -> Check {
-    let want = ReferenceBackend.fit_side(rows, side, cfg).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.fit_side(rows, side, cfg).map_err(|e| format!("candidate failed: {e}"))?;
+pub fn check_fit_side(
+    cand: &dyn Backend,
+    rows: ArrayView2<f32>,
+    side: Side,
+    cfg: &CompressConfig,
+) -> Check {
+    let want = ReferenceBackend
+        .fit_side(rows, side, cfg)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .fit_side(rows, side, cfg)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want.layout != got.layout {
-        return Err(format!("layout differs: reference {:?}, candidate {:?}", want.layout, got.layout));
+        return Err(format!(
+            "layout differs: reference {:?}, candidate {:?}",
+            want.layout, got.layout
+        ));
     }
     let d = rows.ncols();
     // Eigenvalues of C = X^T X along the reference's columns; only columns
@@ -126,14 +156,27 @@ pub fn check_fit_side(cand: &dyn Backend, rows: ArrayView2<f32>, side: Side, cfg
     let lambda: Vec<f64> = (0..d)
         .map(|j| {
             rows.axis_iter(Axis(0))
-                .map(|x| (0..d).map(|i| x[i] as f64 * want.rotation[i * d + j] as f64).sum::<f64>().powi(2))
+                .map(|x| {
+                    (0..d)
+                        .map(|i| x[i] as f64 * want.rotation[i * d + j] as f64)
+                        .sum::<f64>()
+                        .powi(2)
+                })
                 .sum()
         })
         .collect();
     let top = lambda.iter().cloned().fold(f64::MIN_POSITIVE, f64::max);
     for j in 0..d {
-        let gap_lo = if j > 0 { lambda[j - 1] - lambda[j] } else { f64::INFINITY };
-        let gap_hi = if j + 1 < d { lambda[j] - lambda[j + 1] } else { f64::INFINITY };
+        let gap_lo = if j > 0 {
+            lambda[j - 1] - lambda[j]
+        } else {
+            f64::INFINITY
+        };
+        let gap_hi = if j + 1 < d {
+            lambda[j] - lambda[j + 1]
+        } else {
+            f64::INFINITY
+        };
         if gap_lo.min(gap_hi) < 1e-3 * top {
             continue;
         }
@@ -141,7 +184,9 @@ pub fn check_fit_side(cand: &dyn Backend, rows: ArrayView2<f32>, side: Side, cfg
             .map(|i| (want.rotation[i * d + j] as f64 - got.rotation[i * d + j] as f64).abs())
             .fold(0.0, f64::max);
         if diff > ROTATION_ABS {
-            return Err(format!("rotation column {j} differs by {diff:e} > {ROTATION_ABS:e}"));
+            return Err(format!(
+                "rotation column {j} differs by {diff:e} > {ROTATION_ABS:e}"
+            ));
         }
     }
     if (want.fit_loss - got.fit_loss).abs() > FIT_LOSS_ABS {
@@ -152,29 +197,53 @@ pub fn check_fit_side(cand: &dyn Backend, rows: ArrayView2<f32>, side: Side, cfg
 
 /// SPEC 5-6: encoding the same rows with the same strategy gives the same bytes.
 pub fn check_encode(cand: &dyn Backend, rows: ArrayView2<f32>, side: &SideStrategy) -> Check {
-    let want = ReferenceBackend.encode(rows, side).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.encode(rows, side).map_err(|e| format!("candidate failed: {e}"))?;
+    let want = ReferenceBackend
+        .encode(rows, side)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .encode(rows, side)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want.count != got.count {
         return Err(format!("record count {} vs {}", want.count, got.count));
     }
     if let Some(i) = want.bytes.iter().zip(&got.bytes).position(|(a, b)| a != b) {
         let rb = side.layout.record_bytes();
-        return Err(format!("packed bytes differ first at byte {i} (record {}, offset {})", i / rb, i % rb));
+        return Err(format!(
+            "packed bytes differ first at byte {i} (record {}, offset {})",
+            i / rb,
+            i % rb
+        ));
     }
     if want.bytes.len() != got.bytes.len() {
-        return Err(format!("packed length {} vs {}", want.bytes.len(), got.bytes.len()));
+        return Err(format!(
+            "packed length {} vs {}",
+            want.bytes.len(),
+            got.bytes.len()
+        ));
     }
     Ok(())
 }
 
 /// SPEC 6: decoding is exact (f16 to f32), so outputs must be bit-identical.
 pub fn check_decode(cand: &dyn Backend, packed: &PackedRows, side: &SideStrategy) -> Check {
-    let want = ReferenceBackend.decode(packed, side).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.decode(packed, side).map_err(|e| format!("candidate failed: {e}"))?;
+    let want = ReferenceBackend
+        .decode(packed, side)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .decode(packed, side)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want.shape() != got.shape() {
-        return Err(format!("decoded shape {:?} vs {:?}", want.shape(), got.shape()));
+        return Err(format!(
+            "decoded shape {:?} vs {:?}",
+            want.shape(),
+            got.shape()
+        ));
     }
-    match want.iter().zip(got.iter()).position(|(a, b)| a.to_bits() != b.to_bits()) {
+    match want
+        .iter()
+        .zip(got.iter())
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
         Some(i) => Err(format!("decoded value {i} differs")),
         None => Ok(()),
     }
@@ -182,9 +251,18 @@ pub fn check_decode(cand: &dyn Backend, packed: &PackedRows, side: &SideStrategy
 
 /// SPEC 7: metadata is exact: the exact min/max of f16 values, quantized to int8 with one
 /// f32 scale per block by a fully specified outward rounding, so every backend writes the same values.
-pub fn check_block_meta(cand: &dyn Backend, keys: &PackedRows, side: &SideStrategy, block_size: usize) -> Check {
-    let want = ReferenceBackend.block_meta(keys, side, block_size).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.block_meta(keys, side, block_size).map_err(|e| format!("candidate failed: {e}"))?;
+pub fn check_block_meta(
+    cand: &dyn Backend,
+    keys: &PackedRows,
+    side: &SideStrategy,
+    block_size: usize,
+) -> Check {
+    let want = ReferenceBackend
+        .block_meta(keys, side, block_size)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .block_meta(keys, side, block_size)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want != got {
         return Err("block metadata differs".into());
     }
@@ -192,20 +270,35 @@ pub fn check_block_meta(cand: &dyn Backend, keys: &PackedRows, side: &SideStrate
 }
 
 /// SPEC 8.1 within `ROTATE_QUERY_REL` of `||q||`.
-pub fn check_rotate_queries(cand: &dyn Backend, queries: ArrayView2<f32>, side: &SideStrategy) -> Check {
-    let want = ReferenceBackend.rotate_queries(queries, side).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.rotate_queries(queries, side).map_err(|e| format!("candidate failed: {e}"))?;
+pub fn check_rotate_queries(
+    cand: &dyn Backend,
+    queries: ArrayView2<f32>,
+    side: &SideStrategy,
+) -> Check {
+    let want = ReferenceBackend
+        .rotate_queries(queries, side)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .rotate_queries(queries, side)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want.shape() != got.shape() {
         return Err(format!("shape {:?} vs {:?}", want.shape(), got.shape()));
     }
     for (h, q) in queries.axis_iter(Axis(0)).enumerate() {
-        let norm = q.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+        let norm = q
+            .iter()
+            .map(|x| (*x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            .max(f64::MIN_POSITIVE);
         let d = max_abs_diff(
             want.row(h).iter().map(|x| *x as f64),
             got.row(h).iter().map(|x| *x as f64),
         );
         if d > ROTATE_QUERY_REL * norm {
-            return Err(format!("head {h}: rotated query differs by {d:e} (|q| = {norm:e})"));
+            return Err(format!(
+                "head {h}: rotated query differs by {d:e} (|q| = {norm:e})"
+            ));
         }
     }
     Ok(())
@@ -219,7 +312,9 @@ fn score_scale(meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> f64 {
         for q in rq.axis_iter(Axis(0)) {
             let mut s = 0.0f64;
             for j in 0..dt {
-                let m = f64::from(meta.max[b * dt + j]).abs().max(f64::from(meta.min[b * dt + j]).abs());
+                let m = f64::from(meta.max[b * dt + j])
+                    .abs()
+                    .max(f64::from(meta.min[b * dt + j]).abs());
                 s += (q[j] as f64).abs() * m;
             }
             scale = scale.max(f64::from(meta.scale[b]) * s);
@@ -229,14 +324,25 @@ fn score_scale(meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> f64 {
 }
 
 /// SPEC 8.2 within `SCORE_REL` of the score scale.
-pub fn check_score(cand: &dyn Backend, meta: &mosaickv_spec::BlockMeta, rq: ArrayView2<f32>) -> Check {
-    let want = ReferenceBackend.score_blocks(meta, rq).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.score_blocks(meta, rq).map_err(|e| format!("candidate failed: {e}"))?;
+pub fn check_score(
+    cand: &dyn Backend,
+    meta: &mosaickv_spec::BlockMeta,
+    rq: ArrayView2<f32>,
+) -> Check {
+    let want = ReferenceBackend
+        .score_blocks(meta, rq)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .score_blocks(meta, rq)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want.len() != got.len() {
         return Err(format!("{} scores vs {}", want.len(), got.len()));
     }
     let tol = SCORE_REL * score_scale(meta, rq);
-    let d = max_abs_diff(want.iter().map(|x| *x as f64), got.iter().map(|x| *x as f64));
+    let d = max_abs_diff(
+        want.iter().map(|x| *x as f64),
+        got.iter().map(|x| *x as f64),
+    );
     if d > tol {
         return Err(format!("scores differ by {d:e} > {tol:e}"));
     }
@@ -245,24 +351,42 @@ pub fn check_score(cand: &dyn Backend, meta: &mosaickv_spec::BlockMeta, rq: Arra
 
 /// SPEC 8.3: identical scores give identical selections.
 pub fn check_select(cand: &dyn Backend, scores: &[f32], lens: &[usize], budget: usize) -> Check {
-    let want = ReferenceBackend.select_blocks(scores, lens, budget).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.select_blocks(scores, lens, budget).map_err(|e| format!("candidate failed: {e}"))?;
+    let want = ReferenceBackend
+        .select_blocks(scores, lens, budget)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .select_blocks(scores, lens, budget)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want != got {
-        return Err(format!("selection differs: reference {want:?}, candidate {got:?}"));
+        return Err(format!(
+            "selection differs: reference {want:?}, candidate {got:?}"
+        ));
     }
     Ok(())
 }
 
 /// SPEC 8 on a whole cache. Selections must be equal, except that blocks whose
 /// reference scores are within `NEAR_TIE_REL` of the budget boundary may swap.
-pub fn check_cache_select(cand: &dyn Backend, cache: &CompressedCache, queries: ArrayView2<f32>) -> Check {
-    let want = ReferenceBackend.select(cache, queries).map_err(|e| format!("reference failed: {e}"))?;
-    let got = cand.select(cache, queries).map_err(|e| format!("candidate failed: {e}"))?;
+pub fn check_cache_select(
+    cand: &dyn Backend,
+    cache: &CompressedCache,
+    queries: ArrayView2<f32>,
+) -> Check {
+    let want = ReferenceBackend
+        .select(cache, queries)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let got = cand
+        .select(cache, queries)
+        .map_err(|e| format!("candidate failed: {e}"))?;
     if want == got {
         return Ok(());
     }
     if want.per_head.len() != got.per_head.len() {
-        return Err(format!("{} heads vs {}", want.per_head.len(), got.per_head.len()));
+        return Err(format!(
+            "{} heads vs {}",
+            want.per_head.len(),
+            got.per_head.len()
+        ));
     }
     let g = cache.shape.group();
     for (h, (w, c)) in want.per_head.iter().zip(&got.per_head).enumerate() {
@@ -275,8 +399,12 @@ pub fn check_cache_select(cand: &dyn Backend, cache: &CompressedCache, queries: 
         let qh = queries.slice(ndarray::s![h * g..(h + 1) * g, ..]);
         for (si, seg) in cache.segments.iter().enumerate() {
             let hs = &seg.heads[h];
-            let rq = ReferenceBackend.rotate_queries(qh, &hs.strategy.key).map_err(|e| e.to_string())?;
-            let s = ReferenceBackend.score_blocks(&hs.meta, rq.view()).map_err(|e| e.to_string())?;
+            let rq = ReferenceBackend
+                .rotate_queries(qh, &hs.strategy.key)
+                .map_err(|e| e.to_string())?;
+            let s = ReferenceBackend
+                .score_blocks(&hs.meta, rq.view())
+                .map_err(|e| e.to_string())?;
             scale = scale.max(score_scale(&hs.meta, rq.view()));
             for (bi, x) in s.into_iter().enumerate() {
                 scores.insert((si as u32, bi as u32), x as f64);
@@ -299,8 +427,14 @@ pub fn check_cache_select(cand: &dyn Backend, cache: &CompressedCache, queries: 
 
 /// SPEC 9 for a given selection: output within `ATTEND_REL_L2` of the reference.
 /// The output is poisoned with NaN first and must come back fully written.
-pub fn check_attend_selected(cand: &dyn Backend, cache: &CompressedCache, queries: ArrayView2<f32>) -> Check {
-    let sel: Selection = ReferenceBackend.select(cache, queries).map_err(|e| format!("reference failed: {e}"))?;
+pub fn check_attend_selected(
+    cand: &dyn Backend,
+    cache: &CompressedCache,
+    queries: ArrayView2<f32>,
+) -> Check {
+    let sel: Selection = ReferenceBackend
+        .select(cache, queries)
+        .map_err(|e| format!("reference failed: {e}"))?;
     let shape = (cache.shape.q_heads, cache.shape.head_dim);
     let mut want = Array2::<f32>::from_elem(shape, f32::NAN);
     ReferenceBackend
@@ -322,26 +456,45 @@ pub fn check_attend_selected(cand: &dyn Backend, cache: &CompressedCache, querie
 /// Runs every stage check on one head's rows: fit (when the spectrum is
 /// separated, i.e. enough rows), encode, decode, metadata, query rotation,
 /// scores, selection.
-pub fn check_stages(cand: &dyn Backend, tokens: usize, head_dim: usize, group: usize, seed: u64, cfg: &CompressConfig) -> Check {
+pub fn check_stages(
+    cand: &dyn Backend,
+    tokens: usize,
+    head_dim: usize,
+    group: usize,
+    seed: u64,
+    cfg: &CompressConfig,
+) -> Check {
     let rows = structured_rows(tokens, head_dim, seed);
     if tokens >= 4 * head_dim {
-        check_fit_side(cand, rows.view(), Side::Key, cfg).map_err(|e| format!("fit_side(K): {e}"))?;
-        check_fit_side(cand, rows.view(), Side::Value, cfg).map_err(|e| format!("fit_side(V): {e}"))?;
+        check_fit_side(cand, rows.view(), Side::Key, cfg)
+            .map_err(|e| format!("fit_side(K): {e}"))?;
+        check_fit_side(cand, rows.view(), Side::Value, cfg)
+            .map_err(|e| format!("fit_side(V): {e}"))?;
     }
-    let side = ReferenceBackend.fit_side(rows.view(), Side::Key, cfg).map_err(|e| e.to_string())?;
+    let side = ReferenceBackend
+        .fit_side(rows.view(), Side::Key, cfg)
+        .map_err(|e| e.to_string())?;
     check_encode(cand, rows.view(), &side).map_err(|e| format!("encode: {e}"))?;
-    let packed = ReferenceBackend.encode(rows.view(), &side).map_err(|e| e.to_string())?;
+    let packed = ReferenceBackend
+        .encode(rows.view(), &side)
+        .map_err(|e| e.to_string())?;
     check_decode(cand, &packed, &side).map_err(|e| format!("decode: {e}"))?;
     for &b in &cfg.block_sizes {
         check_block_meta(cand, &packed, &side, b).map_err(|e| format!("block_meta(b={b}): {e}"))?;
     }
     let b = cfg.block_sizes[0];
-    let meta = ReferenceBackend.block_meta(&packed, &side, b).map_err(|e| e.to_string())?;
+    let meta = ReferenceBackend
+        .block_meta(&packed, &side, b)
+        .map_err(|e| e.to_string())?;
     let q = queries(group, head_dim, seed);
     check_rotate_queries(cand, q.view(), &side).map_err(|e| format!("rotate_queries: {e}"))?;
-    let rq = ReferenceBackend.rotate_queries(q.view(), &side).map_err(|e| e.to_string())?;
+    let rq = ReferenceBackend
+        .rotate_queries(q.view(), &side)
+        .map_err(|e| e.to_string())?;
     check_score(cand, &meta, rq.view()).map_err(|e| format!("score_blocks: {e}"))?;
-    let scores = ReferenceBackend.score_blocks(&meta, rq.view()).map_err(|e| e.to_string())?;
+    let scores = ReferenceBackend
+        .score_blocks(&meta, rq.view())
+        .map_err(|e| e.to_string())?;
     let lens: Vec<usize> = (0..meta.blocks()).map(|i| meta.block_len(i)).collect();
     let budget = cfg.budget_tokens(tokens);
     check_select(cand, &scores, &lens, budget).map_err(|e| format!("select_blocks: {e}"))?;
@@ -349,10 +502,19 @@ pub fn check_stages(cand: &dyn Backend, tokens: usize, head_dim: usize, group: u
 }
 
 /// Builds a reference MosaicCache from a prefill plus `appends` generated tokens.
-pub fn reference_cache(shape: KvShape, cfg: &CompressConfig, prompt: usize, appends: usize, seed: u64) -> Result<CompressedCache, MosaicError> {
+pub fn reference_cache(
+    shape: KvShape,
+    cfg: &CompressConfig,
+    prompt: usize,
+    appends: usize,
+    seed: u64,
+) -> Result<CompressedCache, MosaicError> {
     let (k, v) = structured_kv(prompt + appends, shape.kv_heads, shape.head_dim, seed);
     let mut cache = mosaickv_reference::MosaicCache::new(shape, cfg.clone())?;
-    cache.prefill(k.slice(ndarray::s![..prompt, .., ..]), v.slice(ndarray::s![..prompt, .., ..]))?;
+    cache.prefill(
+        k.slice(ndarray::s![..prompt, .., ..]),
+        v.slice(ndarray::s![..prompt, .., ..]),
+    )?;
     for t in prompt..prompt + appends {
         cache.append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))?;
     }
@@ -360,8 +522,16 @@ pub fn reference_cache(shape: KvShape, cfg: &CompressConfig, prompt: usize, appe
 }
 
 /// SPEC 8-9 on whole caches built by the reference: selection and attention.
-pub fn check_cache_attention(cand: &dyn Backend, shape: KvShape, cfg: &CompressConfig, prompt: usize, appends: usize, seed: u64) -> Check {
-    let cache = reference_cache(shape, cfg, prompt, appends, seed).map_err(|e| format!("building cache: {e}"))?;
+pub fn check_cache_attention(
+    cand: &dyn Backend,
+    shape: KvShape,
+    cfg: &CompressConfig,
+    prompt: usize,
+    appends: usize,
+    seed: u64,
+) -> Check {
+    let cache = reference_cache(shape, cfg, prompt, appends, seed)
+        .map_err(|e| format!("building cache: {e}"))?;
     let q = queries(shape.q_heads, shape.head_dim, seed);
     if cache.is_empty() {
         return check_same_error(cand, &cache, q.view(), Some(MosaicError::EmptyCache));
@@ -371,7 +541,12 @@ pub fn check_cache_attention(cand: &dyn Backend, shape: KvShape, cfg: &CompressC
 }
 
 /// Bad input gives the same error in both backends (and, if given, the expected one).
-pub fn check_same_error(cand: &dyn Backend, cache: &CompressedCache, queries: ArrayView2<f32>, expected: Option<MosaicError>) -> Check {
+pub fn check_same_error(
+    cand: &dyn Backend,
+    cache: &CompressedCache,
+    queries: ArrayView2<f32>,
+    expected: Option<MosaicError>,
+) -> Check {
     let shape = (cache.shape.q_heads, cache.shape.head_dim);
     let mut o1 = Array2::<f32>::zeros(shape);
     let mut o2 = Array2::<f32>::zeros(shape);
@@ -387,14 +562,27 @@ pub fn check_same_error(cand: &dyn Backend, cache: &CompressedCache, queries: Ar
 }
 
 /// NaN/Inf in queries and in rows to encode give identical `NonFinite` errors.
-pub fn check_nonfinite(cand: &dyn Backend, head_dim: usize, seed: u64, cfg: &CompressConfig) -> Check {
+pub fn check_nonfinite(
+    cand: &dyn Backend,
+    head_dim: usize,
+    seed: u64,
+    cfg: &CompressConfig,
+) -> Check {
     let shape = KvShape::new(2, 4, head_dim).map_err(|e| e.to_string())?;
     let cache = reference_cache(shape, cfg, 40, 0, seed).map_err(|e| e.to_string())?;
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         let mut q = queries(4, head_dim, seed);
         q[[1, head_dim / 2]] = bad;
-        check_same_error(cand, &cache, q.view(), Some(MosaicError::NonFinite { what: "queries", index: head_dim + head_dim / 2 }))
-            .map_err(|e| format!("query {bad}: {e}"))?;
+        check_same_error(
+            cand,
+            &cache,
+            q.view(),
+            Some(MosaicError::NonFinite {
+                what: "queries",
+                index: head_dim + head_dim / 2,
+            }),
+        )
+        .map_err(|e| format!("query {bad}: {e}"))?;
         let mut rows = structured_rows(20, head_dim, seed);
         rows[[7, 3]] = bad;
         let side = &cache.segments[0].heads[0].strategy.key;
@@ -402,7 +590,11 @@ pub fn check_nonfinite(cand: &dyn Backend, head_dim: usize, seed: u64, cfg: &Com
         let got = cand.encode(rows.view(), side);
         match (&want, &got) {
             (Err(MosaicError::NonFinite { .. }), Err(_)) if want == got => {}
-            _ => return Err(format!("encode with {bad}: reference {want:?}, candidate {got:?}")),
+            _ => {
+                return Err(format!(
+                    "encode with {bad}: reference {want:?}, candidate {got:?}"
+                ))
+            }
         }
     }
     Ok(())

@@ -3,7 +3,7 @@
 //! the reference baselines against the optimized ones, replaying the same
 //! operation sequences.
 
-use mosaickv_conformance::{rel_l2, structured_kv, queries, tolerances::ATTEND_REL_L2};
+use mosaickv_conformance::{queries, rel_l2, structured_kv, tolerances::ATTEND_REL_L2};
 use mosaickv_optimized::{DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
 use mosaickv_reference::{FullCache, MosaicCache, QuestCache};
 use mosaickv_spec::{CompressConfig, KvCache, KvShape, MosaicError};
@@ -12,7 +12,15 @@ use proptest::prelude::*;
 
 /// Replays prefill(prompt) then `appends` appends, attending every `every` steps;
 /// returns the worst relative error seen between `a` and `b` outputs.
-fn replay(a: &mut dyn KvCache, b: &mut dyn KvCache, shape: KvShape, prompt: usize, appends: usize, every: usize, seed: u64) -> Result<f64, String> {
+fn replay(
+    a: &mut dyn KvCache,
+    b: &mut dyn KvCache,
+    shape: KvShape,
+    prompt: usize,
+    appends: usize,
+    every: usize,
+    seed: u64,
+) -> Result<f64, String> {
     let (k, v) = structured_kv(prompt + appends, shape.kv_heads, shape.head_dim, seed);
     let ra = a.prefill(k.slice(s![..prompt, .., ..]), v.slice(s![..prompt, .., ..]));
     let rb = b.prefill(k.slice(s![..prompt, .., ..]), v.slice(s![..prompt, .., ..]));
@@ -64,9 +72,17 @@ fn small_config() -> CompressConfig {
 fn same_structure(r: &MosaicCache, o: &OptimizedMosaicCache) -> Result<(), String> {
     let (a, b) = (r.compressed(), o.compressed());
     if a.sink.tokens != b.sink.tokens || a.buffer.tokens != b.buffer.tokens {
-        return Err(format!("sink/buffer {}/{} vs {}/{}", a.sink.tokens, a.buffer.tokens, b.sink.tokens, b.buffer.tokens));
+        return Err(format!(
+            "sink/buffer {}/{} vs {}/{}",
+            a.sink.tokens, a.buffer.tokens, b.sink.tokens, b.buffer.tokens
+        ));
     }
-    let bounds = |c: &mosaickv_spec::CompressedCache| c.segments.iter().map(|s| (s.start, s.len, s.state)).collect::<Vec<_>>();
+    let bounds = |c: &mosaickv_spec::CompressedCache| {
+        c.segments
+            .iter()
+            .map(|s| (s.start, s.len, s.state))
+            .collect::<Vec<_>>()
+    };
     if bounds(a) != bounds(b) {
         return Err(format!("segments {:?} vs {:?}", bounds(a), bounds(b)));
     }
@@ -95,14 +111,33 @@ fn mosaic_lifecycle_matches_reference() {
     .into_iter()
     .enumerate()
     {
-        for &(prompt, appends) in &[(0usize, 0usize), (0, 70), (3, 1), (5, 200), (300, 300), (1000, 129)] {
+        for &(prompt, appends) in &[
+            (0usize, 0usize),
+            (0, 70),
+            (3, 1),
+            (5, 200),
+            (300, 300),
+            (1000, 129),
+        ] {
             let shape = KvShape::new(2, 6, 64).unwrap();
             let mut r = MosaicCache::new(shape, cfg.clone()).unwrap();
             let mut o = OptimizedMosaicCache::new(shape, cfg.clone()).unwrap();
-            let worst = replay(&mut r, &mut o, shape, prompt, appends, 17, (ci * 10 + prompt) as u64)
+            let worst = replay(
+                &mut r,
+                &mut o,
+                shape,
+                prompt,
+                appends,
+                17,
+                (ci * 10 + prompt) as u64,
+            )
+            .unwrap_or_else(|e| panic!("cfg {ci} prompt {prompt} appends {appends}: {e}"));
+            same_structure(&r, &o)
                 .unwrap_or_else(|e| panic!("cfg {ci} prompt {prompt} appends {appends}: {e}"));
-            same_structure(&r, &o).unwrap_or_else(|e| panic!("cfg {ci} prompt {prompt} appends {appends}: {e}"));
-            assert!(worst <= ATTEND_REL_L2, "cfg {ci} prompt {prompt}: attention rel error {worst:e}");
+            assert!(
+                worst <= ATTEND_REL_L2,
+                "cfg {ci} prompt {prompt}: attention rel error {worst:e}"
+            );
         }
     }
 }
@@ -137,16 +172,26 @@ fn bad_input_same_error_and_cache_unchanged() {
     assert!(matches!(er, Err(MosaicError::NonFinite { .. })), "{er:?}");
     assert_eq!(er, eo);
     assert_eq!(er, r.append(bad.view(), v.index_axis(Axis(0), 0)));
-    assert_eq!(before, (o.len(), o.memory(), o.compressed().clone()), "a failed append changed the cache");
+    assert_eq!(
+        before,
+        (o.len(), o.memory(), o.compressed().clone()),
+        "a failed append changed the cache"
+    );
     let ep = o.prefill(k.view(), v.view());
     assert_eq!(ep, r.prefill(k.view(), v.view()));
     assert!(matches!(ep, Err(MosaicError::AlreadyPrefilled(_))));
     let wrong = Array2::<f32>::zeros((3, 32));
     let mut out = Array2::<f32>::zeros((4, 32));
-    assert_eq!(o.attend(wrong.view(), out.view_mut()), r.attend(wrong.view(), out.view_mut()));
+    assert_eq!(
+        o.attend(wrong.view(), out.view_mut()),
+        r.attend(wrong.view(), out.view_mut())
+    );
     let mut empty = OptimizedMosaicCache::new(shape, small_config()).unwrap();
     let q = queries(4, 32, 1);
-    assert_eq!(empty.attend(q.view(), out.view_mut()), Err(MosaicError::EmptyCache));
+    assert_eq!(
+        empty.attend(q.view(), out.view_mut()),
+        Err(MosaicError::EmptyCache)
+    );
 }
 
 proptest! {

@@ -18,11 +18,20 @@ fn hex(bytes: &[u8], record: usize) -> String {
 #[test]
 fn packed_records_fixed_seed() {
     let mut out = String::new();
-    for (d, cfg) in [(32usize, CompressConfig::default()), (80, CompressConfig::paper_fixed())] {
+    for (d, cfg) in [
+        (32usize, CompressConfig::default()),
+        (80, CompressConfig::paper_fixed()),
+    ] {
         let rows = structured_rows(6, d, 42);
-        let side = ReferenceBackend.fit_side(rows.view(), Side::Key, &cfg).unwrap();
+        let side = ReferenceBackend
+            .fit_side(rows.view(), Side::Key, &cfg)
+            .unwrap();
         let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
-        out += &format!("D={d} layout={:?}\n{}\n", side.layout, hex(&packed.bytes, side.layout.record_bytes()));
+        out += &format!(
+            "D={d} layout={:?}\n{}\n",
+            side.layout,
+            hex(&packed.bytes, side.layout.record_bytes())
+        );
     }
     insta::assert_snapshot!(out);
 }
@@ -38,6 +47,15 @@ fn small_attention_output_fixed_seed() {
     let q = queries(4, 32, 9);
     let mut o = Array2::<f32>::zeros((4, 32));
     cache.attend(q.view(), o.view_mut()).unwrap();
-    let text: Vec<String> = o.rows().into_iter().map(|r| r.iter().map(|x| format!("{x:.5}")).collect::<Vec<_>>().join(" ")).collect();
+    let text: Vec<String> = o
+        .rows()
+        .into_iter()
+        .map(|r| {
+            r.iter()
+                .map(|x| format!("{x:.5}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
     insta::assert_snapshot!(text.join("\n"));
 }

@@ -31,7 +31,11 @@ pub const HEADERS: &[(&str, &str)] = &[("common.cuh", COMMON_CUH)];
 
 /// Every kernel file: `(file name, source, entry points)`.
 pub const KERNELS: &[(&str, &str, &[&str])] = &[
-    ("encode.cu", ENCODE_CU, &["mkv_encode", "mkv_decode", "mkv_block_meta"]),
+    (
+        "encode.cu",
+        ENCODE_CU,
+        &["mkv_encode", "mkv_decode", "mkv_block_meta"],
+    ),
     (
         "select.cu",
         SELECT_CU,
@@ -44,7 +48,11 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
             "mkv_page_score",
         ],
     ),
-    ("attention.cu", ATTENTION_CU, &["mkv_packed_attention", "mkv_dense_decode", "mkv_merge"]),
+    (
+        "attention.cu",
+        ATTENTION_CU,
+        &["mkv_packed_attention", "mkv_dense_decode", "mkv_merge"],
+    ),
 ];
 
 /// Threads per block `mkv_packed_attention` is compiled for (`MKV_ATT_THREADS`).
@@ -75,7 +83,9 @@ pub fn packed_attention_smem_bytes(g: usize, d: usize) -> usize {
 
 /// Names every entry point must carry in its file; used by tests to check the table.
 pub fn entry_points() -> impl Iterator<Item = (&'static str, &'static str)> {
-    KERNELS.iter().flat_map(|(file, _, entries)| entries.iter().map(move |e| (*file, *e)))
+    KERNELS
+        .iter()
+        .flat_map(|(file, _, entries)| entries.iter().map(move |e| (*file, *e)))
 }
 
 #[cfg(test)]
@@ -86,20 +96,31 @@ mod tests {
     fn every_listed_entry_point_is_an_extern_c_global_in_its_file() {
         for (file, src, entries) in KERNELS {
             for e in *entries {
-                let decl = src.contains(&format!("__global__ void {e}(")) || src.contains(&format!("\n{e}("));
+                let decl = src.contains(&format!("__global__ void {e}("))
+                    || src.contains(&format!("\n{e}("));
                 assert!(decl, "{file} lacks entry point {e}");
             }
             let declared = src.matches("extern \"C\" __global__").count();
-            assert_eq!(declared, entries.len(), "{file}: entry point list out of date");
+            assert_eq!(
+                declared,
+                entries.len(),
+                "{file}: entry point list out of date"
+            );
         }
     }
 
     #[test]
     fn every_file_includes_only_known_headers() {
         for (file, src, _) in KERNELS {
-            for line in src.lines().filter(|l| l.trim_start().starts_with("#include")) {
+            for line in src
+                .lines()
+                .filter(|l| l.trim_start().starts_with("#include"))
+            {
                 let name = line.split('"').nth(1).unwrap_or("");
-                assert!(HEADERS.iter().any(|(h, _)| *h == name), "{file} includes unknown header {line}");
+                assert!(
+                    HEADERS.iter().any(|(h, _)| *h == name),
+                    "{file} includes unknown header {line}"
+                );
             }
         }
     }

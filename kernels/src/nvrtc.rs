@@ -11,7 +11,14 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 
 type Prog = *mut c_void;
-type CreateFn = unsafe extern "C" fn(*mut Prog, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int;
+type CreateFn = unsafe extern "C" fn(
+    *mut Prog,
+    *const c_char,
+    *const c_char,
+    c_int,
+    *const *const c_char,
+    *const *const c_char,
+) -> c_int;
 type CompileFn = unsafe extern "C" fn(Prog, c_int, *const *const c_char) -> c_int;
 type SizeFn = unsafe extern "C" fn(Prog, *mut usize) -> c_int;
 type GetFn = unsafe extern "C" fn(Prog, *mut c_char) -> c_int;
@@ -56,9 +63,9 @@ impl Nvrtc {
                 let mut files: Vec<PathBuf> = entries
                     .filter_map(|e| e.ok().map(|e| e.path()))
                     .filter(|p| {
-                        p.file_name()
-                            .and_then(|n| n.to_str())
-                            .is_some_and(|n| n.starts_with("libnvrtc-builtins") && !n.contains(".alt."))
+                        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                            n.starts_with("libnvrtc-builtins") && !n.contains(".alt.")
+                        })
                     })
                     .collect();
                 files.sort();
@@ -72,7 +79,8 @@ impl Nvrtc {
             }
         }
         // SAFETY: as above; the library is NVRTC, whose initializers have no preconditions.
-        let lib = unsafe { libloading::Library::new(&path) }.map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+        let lib = unsafe { libloading::Library::new(&path) }
+            .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
         let me = Self {
             lib,
             _builtins: builtins,
@@ -94,7 +102,10 @@ impl Nvrtc {
                 Err(e) => errs.push(e),
             }
         }
-        Err(format!("no NVRTC library found (set {NVRTC_ENV}): {}", errs.join("; ")))
+        Err(format!(
+            "no NVRTC library found (set {NVRTC_ENV}): {}",
+            errs.join("; ")
+        ))
     }
 
     pub fn path(&self) -> &Path {
@@ -104,9 +115,13 @@ impl Nvrtc {
     fn sym<T: Copy>(&self, name: &[u8]) -> Result<T, String> {
         // SAFETY: every call site names an NVRTC C function and gives `T` its exact
         // C signature from nvrtc.h.
-        unsafe { self.lib.get::<T>(name) }
-            .map(|s| *s)
-            .map_err(|e| format!("{}: missing symbol {}: {e}", self.path.display(), String::from_utf8_lossy(name)))
+        unsafe { self.lib.get::<T>(name) }.map(|s| *s).map_err(|e| {
+            format!(
+                "{}: missing symbol {}: {e}",
+                self.path.display(),
+                String::from_utf8_lossy(name)
+            )
+        })
     }
 
     /// NVRTC's `(major, minor)` version.
@@ -123,7 +138,13 @@ impl Nvrtc {
 
     /// Compiles `source` (named `name`, with `headers` as `(include name, source)`) to PTX.
     /// `Err` holds the error code and the log; `Ok` still carries the log (warnings).
-    pub fn compile(&self, name: &str, source: &str, headers: &[(&str, &str)], options: &[&str]) -> Result<Compiled, String> {
+    pub fn compile(
+        &self,
+        name: &str,
+        source: &str,
+        headers: &[(&str, &str)],
+        options: &[&str],
+    ) -> Result<Compiled, String> {
         let create: CreateFn = self.sym(b"nvrtcCreateProgram\0")?;
         let compile: CompileFn = self.sym(b"nvrtcCompileProgram\0")?;
         let log_size: SizeFn = self.sym(b"nvrtcGetProgramLogSize\0")?;
@@ -134,17 +155,33 @@ impl Nvrtc {
         let cstr = |s: &str| CString::new(s).map_err(|_| format!("NUL byte in {s:?}"));
         let src = cstr(source)?;
         let cname = cstr(name)?;
-        let hsrc = headers.iter().map(|(_, s)| cstr(s)).collect::<Result<Vec<_>, _>>()?;
-        let hname = headers.iter().map(|(n, _)| cstr(n)).collect::<Result<Vec<_>, _>>()?;
+        let hsrc = headers
+            .iter()
+            .map(|(_, s)| cstr(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let hname = headers
+            .iter()
+            .map(|(n, _)| cstr(n))
+            .collect::<Result<Vec<_>, _>>()?;
         let hsrc_p: Vec<*const c_char> = hsrc.iter().map(|c| c.as_ptr()).collect();
         let hname_p: Vec<*const c_char> = hname.iter().map(|c| c.as_ptr()).collect();
-        let opts = options.iter().map(|o| cstr(o)).collect::<Result<Vec<_>, _>>()?;
+        let opts = options
+            .iter()
+            .map(|o| cstr(o))
+            .collect::<Result<Vec<_>, _>>()?;
         let opts_p: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
         let mut prog: Prog = std::ptr::null_mut();
         // SAFETY: every pointer refers to a NUL-terminated string alive for this call;
         // the two header arrays have `headers.len()` entries.
         let rc = unsafe {
-            create(&mut prog, src.as_ptr(), cname.as_ptr(), headers.len() as c_int, hsrc_p.as_ptr(), hname_p.as_ptr())
+            create(
+                &mut prog,
+                src.as_ptr(),
+                cname.as_ptr(),
+                headers.len() as c_int,
+                hsrc_p.as_ptr(),
+                hname_p.as_ptr(),
+            )
         };
         if rc != 0 {
             return Err(format!("nvrtcCreateProgram({name}) failed: {rc}"));
@@ -163,7 +200,9 @@ impl Nvrtc {
                 if get_fn(prog, buf.as_mut_ptr() as *mut c_char) != 0 {
                     return String::new();
                 }
-                CStr::from_bytes_until_nul(&buf).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
+                CStr::from_bytes_until_nul(&buf)
+                    .map(|c| c.to_string_lossy().into_owned())
+                    .unwrap_or_default()
             }
         };
         let log = read(log_size, get_log).trim().to_string();

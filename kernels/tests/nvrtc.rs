@@ -20,14 +20,30 @@ fn nvrtc() -> Option<Nvrtc> {
 #[test]
 fn every_kernel_compiles_for_sm90_without_warnings() {
     let Some(nv) = nvrtc() else { return };
-    println!("NVRTC {:?} from {}", nv.version().unwrap(), nv.path().display());
+    println!(
+        "NVRTC {:?} from {}",
+        nv.version().unwrap(),
+        nv.path().display()
+    );
     for (file, src, entries) in KERNELS {
-        let out = nv.compile_kernel(file, src, "compute_90").unwrap_or_else(|e| panic!("{e}"));
-        assert!(out.log.is_empty(), "{file}: NVRTC warnings (treated as errors):\n{}", out.log);
+        let out = nv
+            .compile_kernel(file, src, "compute_90")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            out.log.is_empty(),
+            "{file}: NVRTC warnings (treated as errors):\n{}",
+            out.log
+        );
         for e in *entries {
-            assert!(out.ptx.contains(&format!(".entry {e}(")), "{file}: PTX lacks entry {e}");
+            assert!(
+                out.ptx.contains(&format!(".entry {e}(")),
+                "{file}: PTX lacks entry {e}"
+            );
         }
-        println!("{file}: {} bytes of PTX, entries {entries:?}", out.ptx.len());
+        println!(
+            "{file}: {} bytes of PTX, entries {entries:?}",
+            out.ptx.len()
+        );
     }
     assert_eq!(entry_points().count(), 12);
 }
@@ -37,13 +53,24 @@ fn a_warning_fails_the_check() {
     // The check above relies on NVRTC reporting warnings in the log: prove it does.
     let Some(nv) = nvrtc() else { return };
     let src = "extern \"C\" __global__ void k(float* p) { int unused = 3; p[0] = 1.0f; }";
-    let out = nv.compile_kernel("warn.cu", src, "compute_90").expect("compiles");
-    assert!(!out.log.is_empty(), "expected a warning for an unused variable");
+    let out = nv
+        .compile_kernel("warn.cu", src, "compute_90")
+        .expect("compiles");
+    assert!(
+        !out.log.is_empty(),
+        "expected a warning for an unused variable"
+    );
 }
 
 #[test]
 fn a_broken_kernel_is_an_error_with_its_log() {
     let Some(nv) = nvrtc() else { return };
-    let err = nv.compile_kernel("bad.cu", "extern \"C\" __global__ void k() { undefined_fn(); }", "compute_90").unwrap_err();
+    let err = nv
+        .compile_kernel(
+            "bad.cu",
+            "extern \"C\" __global__ void k() { undefined_fn(); }",
+            "compute_90",
+        )
+        .unwrap_err();
     assert!(err.contains("undefined_fn"), "{err}");
 }

@@ -473,7 +473,11 @@ fn sink_and_buffer_only_cache_is_exact_dense_attention() {
     for n in [1usize, 3, 4, 10, 40] {
         let mut c = OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).unwrap();
         for t in 0..n {
-            c.append(k.slice(ndarray::s![t, .., ..]), v.slice(ndarray::s![t, .., ..])).unwrap();
+            c.append(
+                k.slice(ndarray::s![t, .., ..]),
+                v.slice(ndarray::s![t, .., ..]),
+            )
+            .unwrap();
         }
         assert!(c.compressed().segments.is_empty());
         let mut out = Array2::from_elem((4, 32), f32::NAN);

@@ -327,10 +327,7 @@ fn lagging_worker_swaps_reencode_and_converge() {
     // proves provisional segments existed even when no sampling point above
     // happened to observe one (that depends on thread scheduling).
     eprintln!("provisional segment observed at a sampling point: {saw_provisional}");
-    assert!(
-        st.reencodes > 0 && st.closes > 0,
-        "lag exercised: {st:?}"
-    );
+    assert!(st.reencodes > 0 && st.closes > 0, "lag exercised: {st:?}");
     assert!(swaps_seen > 0, "some attend applied a swap");
     assert_eq!(asy.compressed(), sync.compressed());
     assert!(!asy

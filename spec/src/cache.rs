@@ -53,7 +53,11 @@ impl DenseRows {
         let o = (token * shape.kv_heads + head) * shape.head_dim;
         &self.values[o..o + shape.head_dim]
     }
-    pub fn push(&mut self, key: impl IntoIterator<Item = f32>, value: impl IntoIterator<Item = f32>) {
+    pub fn push(
+        &mut self,
+        key: impl IntoIterator<Item = f32>,
+        value: impl IntoIterator<Item = f32>,
+    ) {
         self.keys.extend(key.into_iter().map(f16::from_f32));
         self.values.extend(value.into_iter().map(f16::from_f32));
         self.tokens += 1;
@@ -154,7 +158,13 @@ pub struct MemoryReport {
 
 impl MemoryReport {
     pub fn device_bytes(&self) -> usize {
-        self.values + self.bitmaps + self.padding + self.block_meta + self.rotations + self.dense + self.segment_headers
+        self.values
+            + self.bitmaps
+            + self.padding
+            + self.block_meta
+            + self.rotations
+            + self.dense
+            + self.segment_headers
     }
     /// Device bytes per cached token (0 for an empty cache).
     pub fn bytes_per_token(&self) -> f64 {

@@ -21,7 +21,9 @@ impl KvShape {
             return Err(MosaicError::GqaMismatch { q_heads, kv_heads });
         }
         if head_dim == 0 {
-            return Err(MosaicError::InvalidConfig("head_dim must be positive".into()));
+            return Err(MosaicError::InvalidConfig(
+                "head_dim must be positive".into(),
+            ));
         }
         Ok(Self {
             kv_heads,
@@ -130,7 +132,9 @@ impl CompressConfig {
         let cfg: Self = serde_json::from_str(text).map_err(|e| {
             let msg = e.to_string();
             match msg.strip_prefix("unknown field `") {
-                Some(rest) => MosaicError::UnknownConfigKey(rest.split('`').next().unwrap_or("").to_string()),
+                Some(rest) => {
+                    MosaicError::UnknownConfigKey(rest.split('`').next().unwrap_or("").to_string())
+                }
                 None => MosaicError::InvalidConfig(msg),
             }
         })?;
@@ -144,10 +148,16 @@ impl CompressConfig {
             return bad(format!("token_rate {} not in (0, 1]", self.token_rate));
         }
         if !(0.0..1.0).contains(&self.truncate_fraction) {
-            return bad(format!("truncate_fraction {} not in [0, 1)", self.truncate_fraction));
+            return bad(format!(
+                "truncate_fraction {} not in [0, 1)",
+                self.truncate_fraction
+            ));
         }
         if self.block_sizes.is_empty()
-            || self.block_sizes.iter().any(|&b| b == 0 || self.buffer_capacity % b != 0)
+            || self
+                .block_sizes
+                .iter()
+                .any(|&b| b == 0 || self.buffer_capacity % b != 0)
             || self.block_sizes.windows(2).any(|w| w[0] >= w[1])
         {
             return bad(format!(
@@ -156,19 +166,27 @@ impl CompressConfig {
             ));
         }
         if !(self.variance_threshold >= 0.0 && self.variance_threshold.is_finite()) {
-            return bad(format!("variance_threshold {} must be >= 0", self.variance_threshold));
+            return bad(format!(
+                "variance_threshold {} must be >= 0",
+                self.variance_threshold
+            ));
         }
         if self.input_segment_len == 0 || self.buffer_capacity == 0 {
             return bad("input_segment_len and buffer_capacity must be positive".into());
         }
-        if self.max_segment_len < self.buffer_capacity || self.max_segment_len % self.buffer_capacity != 0 {
+        if self.max_segment_len < self.buffer_capacity
+            || self.max_segment_len % self.buffer_capacity != 0
+        {
             return bad(format!(
                 "max_segment_len {} must be a positive multiple of buffer_capacity {}",
                 self.max_segment_len, self.buffer_capacity
             ));
         }
         if !(self.segment_loss_margin >= 0.0 && self.segment_loss_margin.is_finite()) {
-            return bad(format!("segment_loss_margin {} must be >= 0", self.segment_loss_margin));
+            return bad(format!(
+                "segment_loss_margin {} must be >= 0",
+                self.segment_loss_margin
+            ));
         }
         let check_g = |g: usize| -> Result<()> {
             if g == 0 || head_dim % g != 0 {
@@ -196,7 +214,9 @@ impl CompressConfig {
                 group_sizes,
             } => {
                 if group_sizes.is_empty() || retentions.is_empty() {
-                    return bad("loss_threshold needs at least one retention and one group size".into());
+                    return bad(
+                        "loss_threshold needs at least one retention and one group size".into(),
+                    );
                 }
                 for &g in group_sizes {
                     check_g(g)?;

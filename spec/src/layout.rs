@@ -24,7 +24,9 @@ impl ValueDtype {
     pub fn from_tag(tag: u8) -> Result<Self> {
         match tag {
             1 => Ok(ValueDtype::F16),
-            t => Err(MosaicError::CorruptPacked(format!("unknown value dtype tag {t}"))),
+            t => Err(MosaicError::CorruptPacked(format!(
+                "unknown value dtype tag {t}"
+            ))),
         }
     }
 }
@@ -51,7 +53,12 @@ pub const fn bitmap_words_for(groups: usize) -> usize {
 }
 
 /// Size in bytes of one record: bitmap words, values, padding to 8 bytes.
-pub const fn record_bytes_for(kept_dims: usize, r: usize, group_size: usize, value_size: usize) -> usize {
+pub const fn record_bytes_for(
+    kept_dims: usize,
+    r: usize,
+    group_size: usize,
+    value_size: usize,
+) -> usize {
     let raw = 8 * bitmap_words_for(kept_dims / group_size) + r * value_size;
     raw.div_ceil(8) * 8
 }
@@ -105,7 +112,12 @@ impl RecordLayout {
         self.r * self.dtype.size_bytes()
     }
     pub fn record_bytes(&self) -> usize {
-        record_bytes_for(self.kept_dims, self.r, self.group_size, self.dtype.size_bytes())
+        record_bytes_for(
+            self.kept_dims,
+            self.r,
+            self.group_size,
+            self.dtype.size_bytes(),
+        )
     }
     pub fn padding_bytes(&self) -> usize {
         self.record_bytes() - self.bitmap_bytes() - self.value_bytes()
@@ -140,7 +152,10 @@ impl SideStrategy {
             });
         }
         if let Some(i) = self.rotation.iter().position(|x| !x.is_finite()) {
-            return Err(MosaicError::NonFinite { what: "rotation", index: i });
+            return Err(MosaicError::NonFinite {
+                what: "rotation",
+                index: i,
+            });
         }
         Ok(())
     }
@@ -182,7 +197,8 @@ impl PackedRows {
             )));
         }
         for i in 0..self.count {
-            check_record(layout, self.record(layout, i)).map_err(|m| MosaicError::CorruptPacked(format!("record {i}: {m}")))?;
+            check_record(layout, self.record(layout, i))
+                .map_err(|m| MosaicError::CorruptPacked(format!("record {i}: {m}")))?;
         }
         Ok(())
     }
@@ -213,7 +229,10 @@ fn check_record(layout: &RecordLayout, rec: &[u8]) -> std::result::Result<(), St
         ones += word.count_ones() as usize;
     }
     if ones != layout.kept_groups() {
-        return Err(format!("bitmap popcount {ones}, expected {}", layout.kept_groups()));
+        return Err(format!(
+            "bitmap popcount {ones}, expected {}",
+            layout.kept_groups()
+        ));
     }
     let pad_start = layout.bitmap_bytes() + layout.value_bytes();
     if rec[pad_start..].iter().any(|&b| b != 0) {

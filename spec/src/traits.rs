@@ -35,17 +35,36 @@ pub trait Backend: Send + Sync {
     fn availability(&self) -> Availability;
 
     /// SPEC 3, 4, 11: rotation + `(r, g)` for one side of one head's segment rows `[n, D]`.
-    fn fit_side(&self, rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy>;
+    fn fit_side(
+        &self,
+        rows: ArrayView2<f32>,
+        side: Side,
+        config: &CompressConfig,
+    ) -> Result<SideStrategy>;
 
     /// SPEC 11.3: the block size for a segment's keys under a fitted key strategy.
-    fn fit_block_size(&self, keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize>;
+    fn fit_block_size(
+        &self,
+        keys: ArrayView2<f32>,
+        key: &SideStrategy,
+        config: &CompressConfig,
+    ) -> Result<usize>;
 
     /// SPEC 11: the whole strategy of one head's segment.
-    fn fit_strategy(&self, keys: ArrayView2<f32>, values: ArrayView2<f32>, config: &CompressConfig) -> Result<Strategy> {
+    fn fit_strategy(
+        &self,
+        keys: ArrayView2<f32>,
+        values: ArrayView2<f32>,
+        config: &CompressConfig,
+    ) -> Result<Strategy> {
         let key = self.fit_side(keys, Side::Key, config)?;
         let value = self.fit_side(values, Side::Value, config)?;
         let block_size = self.fit_block_size(keys, &key, config)?;
-        Ok(Strategy { key, value, block_size })
+        Ok(Strategy {
+            key,
+            value,
+            block_size,
+        })
     }
 
     /// SPEC 5, 6: rotate rows `[n, D]` and pack each one's top-r groups.
@@ -55,7 +74,12 @@ pub trait Backend: Send + Sync {
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>>;
 
     /// SPEC 7: block min/max of packed keys.
-    fn block_meta(&self, keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta>;
+    fn block_meta(
+        &self,
+        keys: &PackedRows,
+        key: &SideStrategy,
+        block_size: usize,
+    ) -> Result<BlockMeta>;
 
     /// SPEC 8.1: `q' = R^T q` for queries `[m, D]`, truncated to `kept_dims` columns.
     fn rotate_queries(&self, queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Array2<f32>>;
@@ -64,7 +88,12 @@ pub trait Backend: Send + Sync {
     fn score_blocks(&self, meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Result<Vec<f32>>;
 
     /// SPEC 8.3: top-k blocks by score under a token budget; indices ascending.
-    fn select_blocks(&self, scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>>;
+    fn select_blocks(
+        &self,
+        scores: &[f32],
+        block_lens: &[usize],
+        budget_tokens: usize,
+    ) -> Result<Vec<u32>>;
 
     /// SPEC 8: the selection of a whole cache for queries `[q_heads, D]`.
     fn select(&self, cache: &CompressedCache, queries: ArrayView2<f32>) -> Result<Selection>;
@@ -79,7 +108,12 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// SPEC 8 + 9: one decode step's attention.
-    fn attend(&self, cache: &CompressedCache, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         let selection = self.select(cache, queries)?;
         self.attend_selected(cache, queries, &selection, out)
     }

@@ -24,11 +24,19 @@ fn mismatch(what: &'static str, expected: String, got: &[usize]) -> MosaicError 
 pub fn prompt_kv(shape: &KvShape, keys: &ArrayView3<f32>, values: &ArrayView3<f32>) -> Result<()> {
     for (what, s) in [("keys", keys.shape()), ("values", values.shape())] {
         if s[1] != shape.kv_heads || s[2] != shape.head_dim {
-            return Err(mismatch(what, format!("[tokens, {}, {}]", shape.kv_heads, shape.head_dim), s));
+            return Err(mismatch(
+                what,
+                format!("[tokens, {}, {}]", shape.kv_heads, shape.head_dim),
+                s,
+            ));
         }
     }
     if keys.shape()[0] != values.shape()[0] {
-        return Err(mismatch("values", format!("{} tokens like keys", keys.shape()[0]), values.shape()));
+        return Err(mismatch(
+            "values",
+            format!("{} tokens like keys", keys.shape()[0]),
+            values.shape(),
+        ));
     }
     finite("keys", keys.iter())?;
     finite("values", values.iter())
@@ -38,7 +46,11 @@ pub fn prompt_kv(shape: &KvShape, keys: &ArrayView3<f32>, values: &ArrayView3<f3
 pub fn token_kv(shape: &KvShape, key: &ArrayView2<f32>, value: &ArrayView2<f32>) -> Result<()> {
     for (what, s) in [("key", key.shape()), ("value", value.shape())] {
         if s != [shape.kv_heads, shape.head_dim] {
-            return Err(mismatch(what, format!("[{}, {}]", shape.kv_heads, shape.head_dim), s));
+            return Err(mismatch(
+                what,
+                format!("[{}, {}]", shape.kv_heads, shape.head_dim),
+                s,
+            ));
         }
     }
     finite("key", key.iter())?;
@@ -48,10 +60,18 @@ pub fn token_kv(shape: &KvShape, key: &ArrayView2<f32>, value: &ArrayView2<f32>)
 /// Queries `[q_heads, head_dim]`, finite; output of the same shape.
 pub fn queries(shape: &KvShape, queries: &ArrayView2<f32>, out_shape: &[usize]) -> Result<()> {
     if queries.shape() != [shape.q_heads, shape.head_dim] {
-        return Err(mismatch("queries", format!("[{}, {}]", shape.q_heads, shape.head_dim), queries.shape()));
+        return Err(mismatch(
+            "queries",
+            format!("[{}, {}]", shape.q_heads, shape.head_dim),
+            queries.shape(),
+        ));
     }
     if out_shape != [shape.q_heads, shape.head_dim] {
-        return Err(mismatch("out", format!("[{}, {}]", shape.q_heads, shape.head_dim), out_shape));
+        return Err(mismatch(
+            "out",
+            format!("[{}, {}]", shape.q_heads, shape.head_dim),
+            out_shape,
+        ));
     }
     finite("queries", queries.iter())
 }
