@@ -42,30 +42,6 @@ impl<C: KvCache> LayerKv for KvAdapter<C> {
     }
 }
 
-/// A boxed [`KvCache`] as a [`LayerKv`].
-pub struct BoxedKv(pub Box<dyn KvCache>);
-
-impl LayerKv for BoxedKv {
-    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
-        self.0.prefill(keys, values).map_err(|e| e.to_string())
-    }
-    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<(), String> {
-        self.0.append(key, value).map_err(|e| e.to_string())
-    }
-    fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<(), String> {
-        self.0.attend(queries, out).map_err(|e| e.to_string())
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn bytes(&self) -> usize {
-        self.0.memory().device_bytes()
-    }
-    fn host_bytes(&self) -> usize {
-        self.0.memory().host_rows
-    }
-}
-
 /// A layer cache that can also say which tokens it attends for given queries (for recall@k,
 /// SPEC.md section 16). `None`: every token.
 pub trait ProbeKv: LayerKv {
@@ -79,32 +55,21 @@ impl ProbeKv for FullKv {
     }
 }
 
-impl ProbeKv for KvAdapter<MosaicCache> {
-    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
-        self.0
-            .attended_tokens(queries)
-            .map(Some)
-            .map_err(|e| e.to_string())
-    }
+/// The reference caches report their attended tokens themselves.
+macro_rules! probe_via_attended_tokens {
+    ($($cache:ty),*) => {$(
+        impl ProbeKv for KvAdapter<$cache> {
+            fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+                self.0
+                    .attended_tokens(queries)
+                    .map(Some)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    )*};
 }
 
-impl ProbeKv for KvAdapter<QuestCache> {
-    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
-        self.0
-            .attended_tokens(queries)
-            .map(Some)
-            .map_err(|e| e.to_string())
-    }
-}
-
-impl ProbeKv for KvAdapter<Naive2dCache> {
-    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
-        self.0
-            .attended_tokens(queries)
-            .map(Some)
-            .map_err(|e| e.to_string())
-    }
-}
+probe_via_attended_tokens!(MosaicCache, QuestCache, Naive2dCache);
 
 impl ProbeKv for KvAdapter<OptimizedMosaicCache> {
     fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
