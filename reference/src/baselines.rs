@@ -81,6 +81,16 @@ impl PagedStore {
         }
     }
 
+    /// Stores every token of a (validated) prompt `[tokens, kv_heads, D]`, in order.
+    fn push_prompt(&mut self, keys: &ArrayView3<f32>, values: &ArrayView3<f32>) {
+        for t in 0..keys.shape()[0] {
+            self.push(
+                keys.index_axis(ndarray::Axis(0), t),
+                values.index_axis(ndarray::Axis(0), t),
+            );
+        }
+    }
+
     /// Stores one (validated) token `[kv_heads, D]` and updates its page's min/max.
     fn push(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) {
         let kvh = self.shape.kv_heads;
@@ -290,12 +300,7 @@ impl KvCache for FullCache {
     }
     fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
         validate_prompt(&self.store.shape, &keys, &values, self.len())?;
-        for t in 0..keys.shape()[0] {
-            self.store.push(
-                keys.index_axis(ndarray::Axis(0), t),
-                values.index_axis(ndarray::Axis(0), t),
-            );
-        }
+        self.store.push_prompt(&keys, &values);
         Ok(())
     }
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
@@ -360,12 +365,7 @@ impl KvCache for QuestCache {
     }
     fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
         validate_prompt(&self.store.shape, &keys, &values, self.len())?;
-        for t in 0..keys.shape()[0] {
-            self.store.push(
-                keys.index_axis(ndarray::Axis(0), t),
-                values.index_axis(ndarray::Axis(0), t),
-            );
-        }
+        self.store.push_prompt(&keys, &values);
         Ok(())
     }
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
@@ -487,12 +487,7 @@ impl KvCache for Naive2dCache {
         validate_prompt(&self.shape, &keys, &values, self.len())?;
         self.fix_masks(&keys, &values);
         if let Some(store) = self.store.as_mut() {
-            for t in 0..keys.shape()[0] {
-                store.push(
-                    keys.index_axis(ndarray::Axis(0), t),
-                    values.index_axis(ndarray::Axis(0), t),
-                );
-            }
+            store.push_prompt(&keys, &values);
         }
         Ok(())
     }
