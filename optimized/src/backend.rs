@@ -11,11 +11,15 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use std::borrow::Cow;
 use std::sync::Mutex;
 
-/// The optimized CPU backend. `new()` picks AVX2/FMA/F16C when the CPU has them
-/// (unless `MOSAICKV_FORCE_PORTABLE=1`); `portable()` always uses the scalar path.
+/// The optimized CPU backend. `new()` picks the widest kernels the CPU has (AVX-512, else
+/// AVX2/FMA/F16C; see `Path::detect` for the environment switches); `portable()` always uses
+/// the scalar path; `forced(path)` asks for one path and reports the backend unavailable
+/// (running nothing) where the CPU lacks it.
 #[derive(Debug)]
 pub struct CpuBackend {
     path: Path,
+    /// Why the requested path cannot run here (`forced` on a CPU without it).
+    unavailable: Option<String>,
     scratch: Mutex<MosaicScratch>,
 }
 
@@ -27,7 +31,10 @@ impl Default for CpuBackend {
 
 impl Clone for CpuBackend {
     fn clone(&self) -> Self {
-        Self::with_path(self.path)
+        Self {
+            unavailable: self.unavailable.clone(),
+            ..Self::with_path(self.path)
+        }
     }
 }
 
@@ -61,9 +68,37 @@ impl CpuBackend {
         }
     }
 
+    /// The AVX-512 path, or `BackendUnavailable` when the CPU lacks AVX-512 F/BW/VL/VBMI2
+    /// (or AVX2/FMA/F16C).
+    pub fn avx512() -> Result<Self> {
+        if crate::simd::avx512_available() {
+            Ok(Self::with_path(Path::Avx512))
+        } else {
+            Err(MosaicError::BackendUnavailable(
+                "CPU lacks avx512f/bw/vl/vbmi2".into(),
+            ))
+        }
+    }
+
+    /// Exactly `path`: where the CPU cannot run it, a backend whose
+    /// [`Backend::availability`] says why (the conformance suite then reports it skipped)
+    /// and whose operations run the portable kernels.
+    pub fn forced(path: Path) -> Self {
+        let made = match path {
+            Path::Portable => Ok(Self::portable()),
+            Path::Avx2 => Self::avx2(),
+            Path::Avx512 => Self::avx512(),
+        };
+        made.unwrap_or_else(|e| Self {
+            unavailable: Some(e.to_string()),
+            ..Self::portable()
+        })
+    }
+
     pub(crate) fn with_path(path: Path) -> Self {
         Self {
             path,
+            unavailable: None,
             scratch: Mutex::new(MosaicScratch::default()),
         }
     }
@@ -153,12 +188,16 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         match self.path {
             Path::Avx2 => "cpu-avx2",
+            Path::Avx512 => "cpu-avx512",
             Path::Portable => "cpu-portable",
         }
     }
 
     fn availability(&self) -> Availability {
-        Availability::Available
+        match &self.unavailable {
+            None => Availability::Available,
+            Some(reason) => Availability::Unavailable(reason.clone()),
+        }
     }
 
     fn fit_side(

@@ -8,8 +8,10 @@
 //!   re-encoding on a background worker (SPEC.md section 10.4), chunked prefill, host/device memory.
 //! - [`DenseF16Cache`], [`QuestF16Cache`]: the section 12 baselines on the same kernels.
 //!
-//! Kernels: AVX2 + FMA + F16C via `std::arch`, detected at run time, or a portable
-//! scalar path; `MOSAICKV_FORCE_PORTABLE=1` (or the `portable()` constructors) forces the latter.
+//! Kernels: AVX-512 (F/BW/VL/VBMI2) for the hottest kernels, AVX2 + FMA + F16C via
+//! `std::arch`, detected at run time, or a portable scalar path;
+//! `MOSAICKV_FORCE_PORTABLE=1` (or the `portable()` constructors) forces the latter and
+//! `MOSAICKV_FORCE_AVX2=1` stops at AVX2.
 
 // Index loops mirror the SPEC's formulas; kernels take many scalar geometry arguments.
 #![allow(
@@ -20,6 +22,8 @@
 )]
 
 pub mod attend;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod backend;
 pub mod baselines;
 #[cfg(feature = "cuda")]

@@ -124,6 +124,7 @@ impl OptimizedMosaicCache {
     pub fn backend_name(&self) -> &'static str {
         match self.path {
             Path::Avx2 => "cpu-avx2",
+            Path::Avx512 => "cpu-avx512",
             Path::Portable => "cpu-portable",
         }
     }

@@ -1,11 +1,15 @@
-//! Inner kernels with two implementations: AVX2 + FMA + F16C (`std::arch`,
-//! chosen at run time) and a portable scalar path written in 8-lane arrays.
+//! Inner kernels with three implementations, chosen at run time: AVX-512
+//! (F/BW/VL/VBMI2, `crate::avx512`, for the hottest kernels; the rest as
+//! AVX2), AVX2 + FMA + F16C (`std::arch`), and a portable scalar path
+//! written in 8-lane arrays.
 //!
-//! Kernels that feed token selection ([`Path::rotate_query`],
-//! [`Path::score_blocks`]) are bit-identical across the two paths: same lane
-//! structure, same reduction tree, no FMA (SPEC.md section 8 selections must
-//! not depend on the machine). Attention kernels may use FMA (their outputs
-//! are compared with a tolerance).
+//! [`Path::rotate_query`] and [`Path::score_blocks`] are bit-identical
+//! between the AVX2 and the portable path: same lane structure, same
+//! reduction tree, no FMA. The AVX-512 scores use FMA and 16 lanes, so they
+//! differ in the last bits; the conformance suite holds every backend's
+//! scores to `SCORE_REL` of the reference and accepts selection differences
+//! only between near-tied blocks (SPEC.md section 8). Attention kernels may
+//! use FMA (their outputs are compared with a tolerance).
 
 use half::f16;
 
@@ -17,20 +21,24 @@ pub const TILE: usize = 16;
 pub enum Path {
     /// `std::arch` AVX2, FMA and F16C, detected at run time.
     Avx2,
+    /// AVX-512 F/BW/VL/VBMI2 on top of [`Path::Avx2`], detected at run time: expansion,
+    /// tile and score kernels 16 lanes wide; everything else as `Avx2`.
+    Avx512,
     /// Plain Rust, no target features beyond the build's baseline.
     Portable,
 }
 
 impl Path {
-    /// The fastest path this CPU supports, unless `MOSAICKV_FORCE_PORTABLE=1`.
+    /// The fastest path this CPU supports, unless `MOSAICKV_FORCE_PORTABLE=1` (portable) or
+    /// `MOSAICKV_FORCE_AVX2=1` (AVX2 even where AVX-512 exists).
     pub fn detect() -> Path {
-        if std::env::var("MOSAICKV_FORCE_PORTABLE")
-            .map(|v| v == "1")
-            .unwrap_or(false)
-        {
+        let set = |name: &str| std::env::var(name).map(|v| v == "1").unwrap_or(false);
+        if set("MOSAICKV_FORCE_PORTABLE") {
             return Path::Portable;
         }
-        if avx2_available() {
+        if avx512_available() && !set("MOSAICKV_FORCE_AVX2") {
+            Path::Avx512
+        } else if avx2_available() {
             Path::Avx2
         } else {
             Path::Portable
@@ -44,7 +52,7 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Path::Avx2` is only constructed after run-time detection of avx2/fma/f16c.
-            Path::Avx2 => unsafe { x86::f16_to_f32(src, dst) },
+            Path::Avx2 | Path::Avx512 => unsafe { x86::f16_to_f32(src, dst) },
             _ => {
                 for (d, s) in dst.iter_mut().zip(src) {
                     *d = f16_bits_to_f32(s.to_bits());
@@ -63,7 +71,7 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; slice bounds asserted above.
-            Path::Avx2 => unsafe { x86::rotate_query(rot, d, q, out) },
+            Path::Avx2 | Path::Avx512 => unsafe { x86::rotate_query(rot, d, q, out) },
             _ => {
                 for i in 0..d {
                     let qi = q[i];
@@ -103,7 +111,23 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 => unsafe { x86::score_blocks(q, g, stride, dt, min, max, scale, out) },
+            Path::Avx512 if dt <= crate::avx512::SCORE_MAX_DT => unsafe {
+                crate::avx512::score_blocks(
+                    q,
+                    g,
+                    stride,
+                    dt,
+                    min.as_ptr(),
+                    max.as_ptr(),
+                    Some(scale),
+                    out,
+                )
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 | Path::Avx512 => unsafe {
+                x86::score_blocks(q, g, stride, dt, min, max, scale, out)
+            },
             _ => portable_score_blocks(q, g, stride, dt, min, max, scale, out),
         }
     }
@@ -130,7 +154,23 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 => unsafe { x86::score_pages_f16(q, g, stride, dt, min, max, out) },
+            Path::Avx512 if dt <= crate::avx512::SCORE_MAX_DT => unsafe {
+                crate::avx512::score_pages_f16(
+                    q,
+                    g,
+                    stride,
+                    dt,
+                    min.as_ptr(),
+                    max.as_ptr(),
+                    None,
+                    out,
+                )
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 | Path::Avx512 => unsafe {
+                x86::score_pages_f16(q, g, stride, dt, min, max, out)
+            },
             _ => portable_score_pages_f16(q, g, stride, dt, min, max, out),
         }
     }
@@ -157,7 +197,7 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 => unsafe { x86::tile_logits(q, g, dp, rows, n, scale, out) },
+            Path::Avx2 | Path::Avx512 => unsafe { x86::tile_logits(q, g, dp, rows, n, scale, out) },
             _ => {
                 for h in 0..g {
                     for t in 0..n {
@@ -190,7 +230,7 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 => unsafe { x86::tile_accumulate(p, g, dp, rows, n, acc) },
+            Path::Avx2 | Path::Avx512 => unsafe { x86::tile_accumulate(p, g, dp, rows, n, acc) },
             _ => {
                 for h in 0..g {
                     let a = &mut acc[h * dp..(h + 1) * dp];
@@ -209,7 +249,7 @@ impl Path {
     #[inline]
     pub fn prefetch(self, bytes: &[u8]) {
         #[cfg(target_arch = "x86_64")]
-        if self == Path::Avx2 {
+        if self != Path::Portable {
             // SAFETY: prefetch hints never fault; only addresses inside `bytes` are named.
             unsafe { x86::prefetch(bytes) }
         }
@@ -218,7 +258,7 @@ impl Path {
     /// Whether the fused f16-row tile kernels apply (AVX2 path, `d` a multiple of 8).
     #[inline]
     pub fn fused_f16(self, d: usize) -> bool {
-        self == Path::Avx2 && d % 8 == 0
+        self != Path::Portable && d % 8 == 0
     }
 
     /// [`Path::tile_logits`] reading f16 rows `rows[t * stride ..][..dp]` directly. Only when
@@ -284,7 +324,7 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; equal lengths asserted.
-            Path::Avx2 => unsafe { x86::dot(a, b) },
+            Path::Avx2 | Path::Avx512 => unsafe { x86::dot(a, b) },
             _ => dot8(a, b),
         }
     }
@@ -316,7 +356,20 @@ impl Path {
                 && 8 * words + 2 * r <= rb
         );
         #[cfg(target_arch = "x86_64")]
-        if self == Path::Avx2 && g == 1 {
+        if self == Path::Avx512
+            && g == 1
+            && 4 * dt.div_ceil(32) <= 8 * words
+            && dp <= 32 * dt.div_ceil(32)
+        {
+            // SAFETY: AVX-512 detected; records, rows and the bitmap bytes read are in bounds
+            // (asserted above and in the condition).
+            unsafe {
+                crate::avx512::expand_g1(bytes.as_ptr(), n, rb, words, r, dt, dp, out.as_mut_ptr())
+            };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self != Path::Portable && g == 1 {
             for t in 0..n {
                 let rec = &bytes[t * rb..(t + 1) * rb];
                 // Bytes readable after this record's values: the rest of the record, later records, slack.
@@ -352,6 +405,22 @@ impl Path {
                 }
             }
         }
+    }
+}
+
+/// Whether AVX-512 F, BW, VL and VBMI2 are available on top of [`avx2_available`].
+pub fn avx512_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2_available()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vbmi2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 

@@ -30,6 +30,11 @@ fn main() {
         _ => Box::new(OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).unwrap()),
     };
     c.prefill(k.view(), v.view()).unwrap();
+    eprintln!(
+        "{method} {ctx}: memory per token {:.1} B: {:?}",
+        c.memory().bytes_per_token(),
+        c.memory()
+    );
     let mut out = Array2::zeros((32, 128));
     let t = Instant::now();
     for _ in 0..steps {

@@ -1,0 +1,106 @@
+//! Single-thread cost of each decode-step kernel on L1/L2-resident data, in ns per unit:
+//! `kernel_cost` (uses the run-time detected path; `MOSAICKV_FORCE_AVX2=1` / `MOSAICKV_FORCE_PORTABLE=1`
+//! select the others). Separates arithmetic cost from memory cost: multiply by the units of a
+//! step (blocks scored, records expanded, tokens attended) to get the step's compute floor.
+
+use half::f16;
+use mosaickv_optimized::simd::{Path, TILE};
+use std::hint::black_box;
+use std::time::Instant;
+
+fn time(label: &str, units: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let t = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    let ns = t.elapsed().as_secs_f64() * 1e9 / (reps * units) as f64;
+    println!("{label:<34} {ns:8.2} ns/unit");
+    ns
+}
+
+fn main() {
+    let path = Path::detect();
+    println!("path {path:?}");
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let (g, dt, r, dp) = (4usize, 96usize, 32usize, 96usize);
+    // Score: 512 blocks of int8 metadata (100 KB, L2).
+    let blocks = 512;
+    let mn: Vec<i8> = (0..blocks * dt).map(|_| -((rnd() % 127) as i8)).collect();
+    let mx: Vec<i8> = (0..blocks * dt).map(|_| (rnd() % 127) as i8).collect();
+    let sc: Vec<f32> = (0..blocks).map(|_| 0.01).collect();
+    let q: Vec<f32> = (0..g * dp)
+        .map(|_| (rnd() % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let mut out = vec![0f32; blocks];
+    time("score_blocks (per block, g=4)", blocks, 2000, || {
+        path.score_blocks(&q, g, dp, dt, &mn, &mx, &sc, &mut out);
+        black_box(&out);
+    });
+    // Records: 16 g=1 records, r of dt bits set.
+    let words = dt.div_ceil(64);
+    let rb = 8 * words + 2 * r;
+    let mut bytes = vec![0u8; TILE * rb + 64];
+    for t in 0..TILE {
+        let mut set = 0;
+        while set < r {
+            let d = (rnd() % dt as u64) as usize;
+            let (w, b) = (d / 8, d % 8);
+            if bytes[t * rb + w] & (1 << b) == 0 {
+                bytes[t * rb + w] |= 1 << b;
+                set += 1;
+            }
+        }
+        for k in 0..r {
+            let h = f16::from_f32(0.5).to_bits().to_le_bytes();
+            bytes[t * rb + 8 * words + 2 * k] = h[0];
+            bytes[t * rb + 8 * words + 2 * k + 1] = h[1];
+        }
+    }
+    let mut tile = vec![0f32; TILE * dp];
+    time("expand_records (per record)", TILE, 200_000, || {
+        path.expand_records(&bytes, 64, TILE, rb, words, 1, dt, r, dp, &mut tile);
+        black_box(&tile);
+    });
+    let mut lg = vec![0f32; g * TILE];
+    time("tile_logits (per token, g=4, 96)", TILE, 200_000, || {
+        path.tile_logits(&q, g, dp, &tile, TILE, 0.1, &mut lg);
+        black_box(&lg);
+    });
+    let mut acc = vec![0f32; g * dp];
+    let p: Vec<f32> = (0..g * TILE).map(|i| 1e-3 * i as f32).collect();
+    time("tile_accumulate (per token)", TILE, 200_000, || {
+        path.tile_accumulate(&p, g, dp, &tile, TILE, &mut acc);
+        black_box(&acc);
+    });
+    // Dense f16 rows, d = 128 (full attention's inner loop).
+    let d = 128;
+    let rows: Vec<f16> = (0..TILE * d)
+        .map(|i| f16::from_f32((i % 7) as f32 * 0.1))
+        .collect();
+    let q128: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();
+    if path.fused_f16(d) {
+        time("tile_logits_f16 (per token, 128)", TILE, 200_000, || {
+            path.tile_logits_f16(&q128, g, d, &rows, d, TILE, 0.1, &mut lg);
+            black_box(&lg);
+        });
+        let mut acc = vec![0f32; g * d];
+        time("tile_accumulate_f16 (per token)", TILE, 200_000, || {
+            path.tile_accumulate_f16(&p, g, d, &rows, d, TILE, &mut acc);
+            black_box(&acc);
+        });
+    }
+    // A dependent chain of 1e9 integer adds: about 1 cycle each, so ns per add ~ 1 / GHz.
+    let mut s = 0u64;
+    time("dependent add (~1 cycle)", 1 << 28, 1, || {
+        for i in 0..(1u64 << 28) {
+            s = black_box(s.wrapping_add(i));
+        }
+    });
+}

@@ -1,0 +1,154 @@
+//! Every SIMD kernel path against the portable one, on the inputs where the
+//! paths differ most: odd `Dt` (16- and 32-lane tails), 1..9 blocks (the
+//! AVX-512 score runs 4 blocks per pass plus single-block tails), GQA groups
+//! 1..8 (heads in groups of 4). A path this CPU lacks is reported and skipped.
+
+use half::f16;
+use mosaickv_optimized::simd::{avx2_available, avx512_available, Path};
+
+fn paths() -> Vec<Path> {
+    let mut p = Vec::new();
+    if avx2_available() {
+        p.push(Path::Avx2);
+    } else {
+        eprintln!("SKIPPED kernel_paths avx2: CPU lacks avx2/fma/f16c");
+    }
+    if avx512_available() {
+        p.push(Path::Avx512);
+    } else {
+        eprintln!("SKIPPED kernel_paths avx512: CPU lacks avx512f/bw/vl/vbmi2");
+    }
+    p
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// Valid g = 1 records (SPEC.md section 6): `r` of `dt` bits set, f16 values, zero padding.
+fn records(rng: &mut Rng, n: usize, dt: usize, r: usize) -> (Vec<u8>, usize, usize) {
+    let words = dt.div_ceil(64);
+    let rb = (8 * words + 2 * r).div_ceil(8) * 8;
+    let mut bytes = vec![0u8; n * rb];
+    for t in 0..n {
+        let mut kept = vec![false; dt];
+        let mut set = 0;
+        while set < r {
+            let d = rng.below(dt);
+            if !kept[d] {
+                kept[d] = true;
+                set += 1;
+            }
+        }
+        for (d, _) in kept.iter().enumerate().filter(|(_, &k)| k) {
+            bytes[t * rb + d / 8] |= 1 << (d % 8);
+        }
+        for k in 0..r {
+            let h = f16::from_f32(4.0 * rng.unit()).to_bits().to_le_bytes();
+            bytes[t * rb + 8 * words + 2 * k..t * rb + 8 * words + 2 * k + 2].copy_from_slice(&h);
+        }
+    }
+    (bytes, words, rb)
+}
+
+#[test]
+fn expansion_is_bit_identical_on_every_path() {
+    let mut rng = Rng(0x5eed_1234_abcd_ef01);
+    for path in paths() {
+        for dt in [
+            8usize, 24, 40, 48, 60, 64, 72, 96, 100, 128, 160, 192, 250, 256,
+        ] {
+            for r in [0, 1, dt / 4, dt / 2, dt - 1, dt] {
+                let n = 1 + rng.below(16);
+                let (bytes, words, rb) = records(&mut rng, n, dt, r);
+                let dp = dt.div_ceil(8) * 8;
+                let mut want = vec![f32::NAN; n * dp];
+                let mut got = vec![f32::NAN; n * dp];
+                Path::Portable.expand_records(&bytes, 0, n, rb, words, 1, dt, r, dp, &mut want);
+                path.expand_records(&bytes, 0, n, rb, words, 1, dt, r, dp, &mut got);
+                let same = want
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{path:?} dt {dt} r {r} n {n}: expansion differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn scores_agree_with_portable_within_score_rel() {
+    let mut rng = Rng(0x0dd_ba11_5eed_0001);
+    for path in paths() {
+        for dt in [8usize, 16, 24, 40, 48, 60, 96, 100, 128, 256] {
+            for g in [1, 2, 3, 4, 5, 8] {
+                for blocks in 1..10 {
+                    let stride = dt.div_ceil(8) * 8;
+                    let q: Vec<f32> = (0..g * stride).map(|_| rng.unit()).collect();
+                    let mx: Vec<i8> = (0..blocks * dt).map(|_| rng.below(128) as i8).collect();
+                    let mn: Vec<i8> = mx
+                        .iter()
+                        .map(|&m| m - rng.below(128) as i8 / 2 - 1)
+                        .collect();
+                    let scale: Vec<f32> = (0..blocks).map(|_| rng.unit().abs() * 0.01).collect();
+                    let mut want = vec![f32::NAN; blocks];
+                    let mut got = vec![f32::NAN; blocks];
+                    Path::Portable.score_blocks(&q, g, stride, dt, &mn, &mx, &scale, &mut want);
+                    path.score_blocks(&q, g, stride, dt, &mn, &mx, &scale, &mut got);
+                    // f16 pages: Quest's bound on the same numbers.
+                    let fx: Vec<f16> = mx.iter().map(|&x| f16::from_f32(x as f32 / 64.0)).collect();
+                    let fn_: Vec<f16> =
+                        mn.iter().map(|&x| f16::from_f32(x as f32 / 64.0)).collect();
+                    let mut pwant = vec![f32::NAN; blocks];
+                    let mut pgot = vec![f32::NAN; blocks];
+                    Path::Portable.score_pages_f16(&q, g, stride, dt, &fn_, &fx, &mut pwant);
+                    path.score_pages_f16(&q, g, stride, dt, &fn_, &fx, &mut pgot);
+                    for b in 0..blocks {
+                        // Scale of the sum: sum_j |q_j| max(|M_j|, |m_j|), max over heads (SCORE_REL's base).
+                        let base = |s: f32, div: f32| {
+                            (0..g)
+                                .map(|h| {
+                                    (0..dt)
+                                        .map(|j| {
+                                            let m = (mx[b * dt + j] as f32)
+                                                .abs()
+                                                .max((mn[b * dt + j] as f32).abs());
+                                            (q[h * stride + j] * m / div).abs()
+                                        })
+                                        .sum::<f32>()
+                                })
+                                .fold(0f32, f32::max)
+                                * s
+                        };
+                        let tol = 6e-5 * base(scale[b], 1.0) + 1e-30;
+                        assert!(
+                            (want[b] - got[b]).abs() <= tol,
+                            "{path:?} dt {dt} g {g} blocks {blocks} block {b}: score {} vs portable {}",
+                            got[b],
+                            want[b]
+                        );
+                        let ptol = 6e-5 * base(1.0, 64.0) + 1e-30;
+                        assert!(
+                            (pwant[b] - pgot[b]).abs() <= ptol,
+                            "{path:?} dt {dt} g {g} blocks {blocks} page {b}: score {} vs portable {}",
+                            pgot[b],
+                            pwant[b]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
