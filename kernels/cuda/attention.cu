@@ -117,6 +117,7 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
     __syncthreads();
 
     const int kw = (s.key_dt / s.key_g + 63) / 64, vw = (s.val_dt / s.val_g + 63) / 64;
+    const int kbb = mkv_bitmap_bytes(s.key_dt / s.key_g), vbb = mkv_bitmap_bytes(s.val_dt / s.val_g);
     const int kchunks = (s.key_r + 3) / 4, vchunks = (s.val_r + 3) / 4;
     const int kl = mkv_pow2_lanes(kchunks), vl = mkv_pow2_lanes(vchunks);  // lanes per token
     const u8* kseg = packed_k + s.key_rec_off;
@@ -144,10 +145,9 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
                 if (tok >= 0) {
                     const u8* rec = kseg + (i64)tok * s.key_rb;
                     u64 bm[MKV_MAX_WORDS];
-                    #pragma unroll
-                    for (int w = 0; w < MKV_MAX_WORDS; ++w) bm[w] = w < kw ? __ldg(reinterpret_cast<const u64*>(rec) + w) : 0ull;
+                    mkv_load_bitmap(rec, s.key_dt / s.key_g, bm);
                     for (int c = sub; c < kchunks; c += kl) {
-                        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(rec + 8 * kw) + c);
+                        const uint2 raw = mkv_load_values4(rec + kbb, c, s.key_r);
                         const u16 hv[4] = {(u16)(raw.x & 0xffffu), (u16)(raw.x >> 16), (u16)(raw.y & 0xffffu), (u16)(raw.y >> 16)};
                         int dims[4];
                         mkv_chunk_dims(bm, kw, s.key_r, s.key_g, c, dims);
@@ -179,10 +179,9 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
             if (off >= br.len) continue;
             const u8* rec = vseg + (i64)(br.start + off) * s.val_rb;
             u64 bm[MKV_MAX_WORDS];
-            #pragma unroll
-            for (int w = 0; w < MKV_MAX_WORDS; ++w) bm[w] = w < vw ? __ldg(reinterpret_cast<const u64*>(rec) + w) : 0ull;
+            mkv_load_bitmap(rec, s.val_dt / s.val_g, bm);
             for (int c = sub; c < vchunks; c += vl) {
-                const uint2 raw = __ldg(reinterpret_cast<const uint2*>(rec + 8 * vw) + c);
+                const uint2 raw = mkv_load_values4(rec + vbb, c, s.val_r);
                 const u16 hv[4] = {(u16)(raw.x & 0xffffu), (u16)(raw.x >> 16), (u16)(raw.y & 0xffffu), (u16)(raw.y >> 16)};
                 int dims[4];
                 mkv_chunk_dims(bm, vw, s.val_r, s.val_g, c, dims);

@@ -43,6 +43,30 @@ __device__ __forceinline__ u16 mkv_d2h(double d) {
 
 __device__ __forceinline__ bool mkv_h_is_finite(u16 h) { return (h & 0x7c00u) != 0x7c00u; }
 
+// Bytes of a record's bitmap for `groups` groups: whole little-endian u32 words
+// (SPEC.md section 6); the record's values start here.
+__device__ __forceinline__ int mkv_bitmap_bytes(int groups) { return 4 * ((groups + 31) / 32); }
+
+// A record's bitmap as 64-bit views bm[0..MKV_MAX_WORDS), read with 4-byte loads
+// (records are 4-byte aligned); bits past the stored words are 0.
+__device__ __forceinline__ void mkv_load_bitmap(const u8* rec, int groups, u64 bm[MKV_MAX_WORDS]) {
+    const u32* p = reinterpret_cast<const u32*>(rec);
+    const int w32 = (groups + 31) / 32;
+    #pragma unroll
+    for (int w = 0; w < MKV_MAX_WORDS; ++w) {
+        const u64 lo = 2 * w < w32 ? (u64)__ldg(p + 2 * w) : 0ull;
+        const u64 hi = 2 * w + 1 < w32 ? (u64)__ldg(p + 2 * w + 1) : 0ull;
+        bm[w] = lo | (hi << 32);
+    }
+}
+
+// Values 4c .. 4c + 4 of a record (f16 pairs in two u32), reading nothing past value r - 1's
+// 4-byte word (so nothing past the 4-byte padded record).
+__device__ __forceinline__ uint2 mkv_load_values4(const u8* vals, int c, int r) {
+    const u32* p = reinterpret_cast<const u32*>(vals) + 2 * c;
+    return make_uint2(__ldg(p), 4 * c + 2 < r ? __ldg(p + 1) : 0u);
+}
+
 // Position (0..63) of the k-th (0-based) set bit of a 64-bit word; k < popcount(w).
 __device__ __forceinline__ int mkv_nth_bit64(u64 w, int k) {
     u32 lo = (u32)w;

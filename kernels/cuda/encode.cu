@@ -20,7 +20,7 @@ extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64
     u16* y = reinterpret_cast<u16*>(keep + Dt / g);     // [Dt]
     const int groups = Dt / g;
     const int kept = r / g;
-    const int words = (groups + 63) / 64;
+    const int w32 = (groups + 31) / 32;
     for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
         const float* src = rows + row * row_stride;
         for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] = src[i];
@@ -58,15 +58,15 @@ extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64
         }
         __syncthreads();
         u8* rec = out + row * (i64)rb;
-        // Bitmap words (little-endian u64; records are 8-byte aligned).
-        for (int w = threadIdx.x; w < words; w += blockDim.x) {
-            u64 bits = 0ull;
-            for (int b = 0; b < 64 && 64 * w + b < groups; ++b)
-                if (keep[64 * w + b]) bits |= 1ull << b;
-            reinterpret_cast<u64*>(rec)[w] = bits;
+        // Bitmap words (little-endian u32; records are 4-byte aligned).
+        for (int w = threadIdx.x; w < w32; w += blockDim.x) {
+            u32 bits = 0u;
+            for (int b = 0; b < 32 && 32 * w + b < groups; ++b)
+                if (keep[32 * w + b]) bits |= 1u << b;
+            reinterpret_cast<u32*>(rec)[w] = bits;
         }
         // Values: kept groups in ascending order, dims inside a group ascending.
-        u16* vals = reinterpret_cast<u16*>(rec + 8 * words);
+        u16* vals = reinterpret_cast<u16*>(rec + 4 * w32);
         for (int k = threadIdx.x; k < groups; k += blockDim.x) {
             if (!keep[k]) continue;
             int pos = 0;
@@ -74,7 +74,7 @@ extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64
             for (int e = 0; e < g; ++e) vals[pos * g + e] = y[k * g + e];
         }
         // Zero padding up to the record size.
-        for (int b = 8 * words + 2 * r + threadIdx.x; b < rb; b += blockDim.x) rec[b] = 0;
+        for (int b = 4 * w32 + 2 * r + threadIdx.x; b < rb; b += blockDim.x) rec[b] = 0;
         __syncthreads();
     }
 }
@@ -82,12 +82,12 @@ extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64
 // packed: n records of layout (Dt, r, g, rb); out: [n][Dt] f32.
 extern "C" __global__ void mkv_decode(const u8* __restrict__ packed, i64 n, int Dt, int r, int g, int rb,
                                       float* __restrict__ out) {
-    const int words = (Dt / g + 63) / 64;
+    const int bb = mkv_bitmap_bytes(Dt / g);
     for (i64 row = blockIdx.x; row < n; row += gridDim.x) {
         const u8* rec = packed + row * (i64)rb;
         u64 bm[MKV_MAX_WORDS];
-        for (int w = 0; w < MKV_MAX_WORDS; ++w) bm[w] = w < words ? reinterpret_cast<const u64*>(rec)[w] : 0ull;
-        const u16* vals = reinterpret_cast<const u16*>(rec + 8 * words);
+        mkv_load_bitmap(rec, Dt / g, bm);
+        const u16* vals = reinterpret_cast<const u16*>(rec + bb);
         for (int d = threadIdx.x; d < Dt; d += blockDim.x) {
             int vi = mkv_value_index(bm, g, d);
             out[row * Dt + d] = vi < 0 ? 0.0f : mkv_h2f(vals[vi]);
@@ -131,7 +131,7 @@ extern "C" __global__ void mkv_block_meta(const u8* __restrict__ packed, i64 n, 
     __shared__ float hi_s[MKV_MAX_D];
     __shared__ float red[32];
     __shared__ float s_shared;
-    const int words = (Dt / g + 63) / 64;
+    const int bb = mkv_bitmap_bytes(Dt / g);
     const i64 blocks = (n + block_size - 1) / block_size;
     for (i64 blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         i64 t0 = blk * block_size;
@@ -142,9 +142,9 @@ extern "C" __global__ void mkv_block_meta(const u8* __restrict__ packed, i64 n, 
             for (i64 t = t0; t < t1; ++t) {
                 const u8* rec = packed + t * (i64)rb;
                 u64 bm[MKV_MAX_WORDS];
-                for (int w = 0; w < MKV_MAX_WORDS; ++w) bm[w] = w < words ? reinterpret_cast<const u64*>(rec)[w] : 0ull;
+                mkv_load_bitmap(rec, Dt / g, bm);
                 int vi = mkv_value_index(bm, g, d);
-                float v = vi < 0 ? 0.0f : mkv_h2f(reinterpret_cast<const u16*>(rec + 8 * words)[vi]);
+                float v = vi < 0 ? 0.0f : mkv_h2f(reinterpret_cast<const u16*>(rec + bb)[vi]);
                 if (t == t0 || v < lo) lo = v;
                 if (t == t0 || v > hi) hi = v;
             }

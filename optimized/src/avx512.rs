@@ -33,19 +33,19 @@ fn lanes16(n: usize) -> u16 {
     }
 }
 
-/// Expands `n` g = 1 records (`rb` bytes each, bitmap of `words` u64 words, `r` f16 values) to
+/// Expands `n` g = 1 records (`rb` bytes each, bitmap of `bb` bytes, `r` f16 values) to
 /// dense rows of `dp` floats at `out + t * dp`. Dims past `dt` come out 0 (their bits are 0 in
 /// a valid record). Reads only inside each record's bitmap and values (masked loads).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VBMI2 available; `bytes` holds `n * rb` bytes; `out` holds `n * dp` floats;
-/// `dp >= dt`, `dp <= 32 * ceil(dt / 32)`, `8 * words + 2 * r <= rb`, `4 * ceil(dt / 32) <= 8 * words`.
+/// `dp >= dt`, `dp <= 32 * ceil(dt / 32)`, `bb + 2 * r <= rb`, `bb >= 4 * ceil(dt / 32)`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
 pub unsafe fn expand_g1(
     bytes: *const u8,
     n: usize,
     rb: usize,
-    words: usize,
+    bb: usize,
     r: usize,
     dt: usize,
     dp: usize,
@@ -54,11 +54,11 @@ pub unsafe fn expand_g1(
     let groups = dt.div_ceil(32);
     for t in 0..n {
         let rec = bytes.add(t * rb);
-        let src = rec.add(8 * words) as *const i16;
+        let src = rec.add(bb) as *const i16;
         let row = out.add(t * dp);
         let mut off = 0usize;
         for c in 0..groups {
-            // The bitmap's little-endian u64 words, read as u32: bits 32c .. 32c + 32.
+            // Little-endian u32 bitmap word c: dims 32c .. 32c + 32.
             let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
             let avail = r - off;
             let lm = if avail >= 32 {

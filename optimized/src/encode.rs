@@ -221,9 +221,7 @@ fn pack_record(
     let mut o = layout.bitmap_bytes();
     for k in 0..layout.groups() {
         if keep[k] {
-            let w = k / 64;
-            let cur = u64::from_le_bytes(out[8 * w..8 * w + 8].try_into().expect("8 bytes"));
-            out[8 * w..8 * w + 8].copy_from_slice(&(cur | 1u64 << (k % 64)).to_le_bytes());
+            out[k / 8] |= 1 << (k % 8);
             for &v in &y[k * g..(k + 1) * g] {
                 out[o..o + 2].copy_from_slice(&v.to_le_bytes());
                 o += 2;
@@ -496,7 +494,7 @@ pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
         0,
         packed.count,
         layout.record_bytes(),
-        layout.bitmap_words(),
+        layout.bitmap_bytes(),
         layout.group_size,
         dt,
         layout.r,

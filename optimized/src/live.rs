@@ -52,7 +52,7 @@ use crate::backend::contig;
 use crate::encode;
 use crate::mosaic::encode_segment;
 use crate::simd::Path;
-use mosaickv_spec::layout::bitmap_word;
+use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::{
     persist, validate, BlockMeta, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape,
     MemoryReport, MosaicError, PackedRows, RecordLayout, Result, Segment, SegmentState, Side,
@@ -338,7 +338,7 @@ fn add_loss_terms(
             total += e;
             let kept = j < dt && {
                 let k = j / g;
-                bitmap_word(rec, k / 64) >> (k % 64) & 1 == 1
+                bitmap_bit(rec, k)
             };
             if !kept {
                 dropped += e;

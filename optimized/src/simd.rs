@@ -332,7 +332,8 @@ impl Path {
     /// Expands packed records (SPEC.md section 6, f16 values) to dense rotated rows
     /// `[n][dp]` (`dp >= kept_dims`, multiple of 8; zeros at dims not kept).
     /// `bytes` holds `n` consecutive records of `rb` bytes starting at record 0;
-    /// `tail` bytes of readable slack follow them in the underlying buffer.
+    /// `tail` bytes of readable slack follow them in the underlying buffer; each record's
+    /// bitmap is `bb` bytes (whole little-endian u32 words), its values follow.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub fn expand_records(
@@ -341,7 +342,7 @@ impl Path {
         tail: usize,
         n: usize,
         rb: usize,
-        words: usize,
+        bb: usize,
         g: usize,
         dt: usize,
         r: usize,
@@ -353,18 +354,16 @@ impl Path {
                 && out.len() >= n * dp
                 && dp >= dt
                 && dp % 8 == 0
-                && 8 * words + 2 * r <= rb
+                && bb % 4 == 0
+                && 8 * bb >= dt.div_ceil(g)
+                && bb + 2 * r <= rb
         );
         #[cfg(target_arch = "x86_64")]
-        if self == Path::Avx512
-            && g == 1
-            && 4 * dt.div_ceil(32) <= 8 * words
-            && dp <= 32 * dt.div_ceil(32)
-        {
+        if self == Path::Avx512 && g == 1 && dp <= 32 * dt.div_ceil(32) {
             // SAFETY: AVX-512 detected; records, rows and the bitmap bytes read are in bounds
             // (asserted above and in the condition).
             unsafe {
-                crate::avx512::expand_g1(bytes.as_ptr(), n, rb, words, r, dt, dp, out.as_mut_ptr())
+                crate::avx512::expand_g1(bytes.as_ptr(), n, rb, bb, r, dt, dp, out.as_mut_ptr())
             };
             return;
         }
@@ -373,9 +372,9 @@ impl Path {
             for t in 0..n {
                 let rec = &bytes[t * rb..(t + 1) * rb];
                 // Bytes readable after this record's values: the rest of the record, later records, slack.
-                let after = (rb - 8 * words - 2 * r) + (n - 1 - t) * rb + tail;
+                let after = (rb - bb - 2 * r) + (n - 1 - t) * rb + tail;
                 // SAFETY: detected features; the record and `out` row are in bounds (asserted above).
-                unsafe { x86::expand_g1(rec, words, r, dt, after, &mut out[t * dp..(t + 1) * dp]) };
+                unsafe { x86::expand_g1(rec, bb, r, dt, after, &mut out[t * dp..(t + 1) * dp]) };
             }
             return;
         }
@@ -384,12 +383,12 @@ impl Path {
             let row = &mut out[t * dp..(t + 1) * dp];
             row.fill(0.0);
             let mut k = 0usize;
-            let vals = &rec[8 * words..8 * words + 2 * r];
-            for w in 0..words {
+            let vals = &rec[bb..bb + 2 * r];
+            for w in 0..bb / 4 {
                 let mut bits =
-                    u64::from_le_bytes(rec[8 * w..8 * w + 8].try_into().expect("8 bytes"));
+                    u32::from_le_bytes(rec[4 * w..4 * w + 4].try_into().expect("4 bytes"));
                 while bits != 0 {
-                    let grp = 64 * w + bits.trailing_zeros() as usize;
+                    let grp = 32 * w + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
                     for e in 0..g {
                         if k >= r {
@@ -1158,16 +1157,16 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
     pub unsafe fn expand_g1(
         rec: &[u8],
-        words: usize,
+        bb: usize,
         r: usize,
         dt: usize,
         after: usize,
         out: &mut [f32],
     ) {
         if after < 16 {
-            return expand_g1_tail(rec, words, r, dt, out);
+            return expand_g1_tail(rec, bb, r, dt, out);
         }
-        expand_g1_from(rec, rec.as_ptr().add(8 * words), r, dt, out)
+        expand_g1_from(rec, rec.as_ptr().add(bb), r, dt, out)
     }
 
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
@@ -1176,7 +1175,7 @@ mod x86 {
         let chunks = dt.div_ceil(8);
         let mut off = 0usize;
         for c in 0..chunks {
-            let byte = *rec.get_unchecked(c) as usize; // bitmap bytes are little-endian words: byte c = dims 8c..8c+8
+            let byte = *rec.get_unchecked(c) as usize; // the bitmap is little-endian words: byte c = dims 8c..8c+8
             let v = _mm_loadu_si128(src.add(2 * off) as *const __m128i);
             let m = _mm_loadu_si128(EXPAND_LUT[byte].as_ptr() as *const __m128i);
             _mm256_storeu_ps(
@@ -1196,25 +1195,20 @@ mod x86 {
     /// The last records of a buffer: the values are copied to a padded local first.
     #[cold]
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    unsafe fn expand_g1_tail(rec: &[u8], words: usize, r: usize, dt: usize, out: &mut [f32]) {
+    unsafe fn expand_g1_tail(rec: &[u8], bb: usize, r: usize, dt: usize, out: &mut [f32]) {
         let mut local = [0u8; 16 + 2 * 256];
         if 2 * r + 16 <= local.len() {
-            local[..2 * r].copy_from_slice(&rec[8 * words..8 * words + 2 * r]);
+            local[..2 * r].copy_from_slice(&rec[bb..bb + 2 * r]);
             return expand_g1_from(rec, local.as_ptr(), r, dt, out);
         }
         // Too large for the local copy: scalar, bounds-checked.
         out.fill(0.0);
         let mut k = 0;
         for dim in 0..dt {
-            let w = u64::from_le_bytes(
-                rec[8 * (dim / 64)..8 * (dim / 64) + 8]
-                    .try_into()
-                    .expect("8"),
-            );
-            if (w >> (dim % 64)) & 1 == 1 && k < r {
+            if (rec[dim / 8] >> (dim % 8)) & 1 == 1 && k < r {
                 out[dim] = super::f16_bits_to_f32(u16::from_le_bytes([
-                    rec[8 * words + 2 * k],
-                    rec[8 * words + 2 * k + 1],
+                    rec[bb + 2 * k],
+                    rec[bb + 2 * k + 1],
                 ]));
                 k += 1;
             }

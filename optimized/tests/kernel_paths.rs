@@ -39,8 +39,8 @@ impl Rng {
 
 /// Valid g = 1 records (SPEC.md section 6): `r` of `dt` bits set, f16 values, zero padding.
 fn records(rng: &mut Rng, n: usize, dt: usize, r: usize) -> (Vec<u8>, usize, usize) {
-    let words = dt.div_ceil(64);
-    let rb = (8 * words + 2 * r).div_ceil(8) * 8;
+    let bb = 4 * dt.div_ceil(32);
+    let rb = (bb + 2 * r).div_ceil(4) * 4;
     let mut bytes = vec![0u8; n * rb];
     for t in 0..n {
         let mut kept = vec![false; dt];
@@ -57,10 +57,10 @@ fn records(rng: &mut Rng, n: usize, dt: usize, r: usize) -> (Vec<u8>, usize, usi
         }
         for k in 0..r {
             let h = f16::from_f32(4.0 * rng.unit()).to_bits().to_le_bytes();
-            bytes[t * rb + 8 * words + 2 * k..t * rb + 8 * words + 2 * k + 2].copy_from_slice(&h);
+            bytes[t * rb + bb + 2 * k..t * rb + bb + 2 * k + 2].copy_from_slice(&h);
         }
     }
-    (bytes, words, rb)
+    (bytes, bb, rb)
 }
 
 #[test]
@@ -72,12 +72,12 @@ fn expansion_is_bit_identical_on_every_path() {
         ] {
             for r in [0, 1, dt / 4, dt / 2, dt - 1, dt] {
                 let n = 1 + rng.below(16);
-                let (bytes, words, rb) = records(&mut rng, n, dt, r);
+                let (bytes, bb, rb) = records(&mut rng, n, dt, r);
                 let dp = dt.div_ceil(8) * 8;
                 let mut want = vec![f32::NAN; n * dp];
                 let mut got = vec![f32::NAN; n * dp];
-                Path::Portable.expand_records(&bytes, 0, n, rb, words, 1, dt, r, dp, &mut want);
-                path.expand_records(&bytes, 0, n, rb, words, 1, dt, r, dp, &mut got);
+                Path::Portable.expand_records(&bytes, 0, n, rb, bb, 1, dt, r, dp, &mut want);
+                path.expand_records(&bytes, 0, n, rb, bb, 1, dt, r, dp, &mut got);
                 let same = want
                     .iter()
                     .zip(&got)

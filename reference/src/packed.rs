@@ -1,7 +1,7 @@
 //! SPEC.md section 6: the packed record (encode and decode).
 
 use crate::topr::{rotate_row_f64, select_row};
-use mosaickv_spec::layout::{bitmap_word, record_value};
+use mosaickv_spec::layout::{bitmap_bit, record_value};
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, SideStrategy};
 use ndarray::{Array2, ArrayView2};
@@ -21,7 +21,7 @@ pub fn check_rows(rows: &ArrayView2<f32>, side: &SideStrategy, what: &'static st
 
 /// SPEC.md sections 5 and 6: one row's record, appended to `out`.
 ///
-/// `| bitmap: W little-endian u64 words | r kept values, f16 LE, ascending dim | zero pad to 8 |`
+/// `| bitmap: W little-endian u32 words | r kept values, f16 LE, ascending dim | zero pad to 4 |`
 ///
 /// A kept value that overflows f16 (|x'| >= 65520) is `NonFinite`: it could
 /// not be stored, and SPEC.md section 14 forbids non-finite decoded values.
@@ -30,10 +30,10 @@ pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result
     let rotated = rotate_row_f64(row, &side.rotation);
     let (y, kept) = select_row(&rotated, layout);
     let start = out.len();
-    let mut words = vec![0u64; layout.bitmap_words()];
+    let mut words = vec![0u32; layout.bitmap_bytes() / 4];
     for (k, &is_kept) in kept.iter().enumerate() {
         if is_kept {
-            words[k / 64] |= 1u64 << (k % 64);
+            words[k / 32] |= 1u32 << (k % 32);
         }
     }
     for w in words {
@@ -79,8 +79,7 @@ pub fn decode_record(layout: &RecordLayout, record: &[u8]) -> Result<Vec<f32>> {
     let mut out = vec![0.0f32; layout.kept_dims];
     let mut next = 0; // index of the next stored value
     for k in 0..layout.groups() {
-        let word = bitmap_word(record, k / 64);
-        if (word >> (k % 64)) & 1 == 1 {
+        if bitmap_bit(record, k) {
             for j in k * g..(k + 1) * g {
                 let v = record_value(layout, record, next).to_f32();
                 if !v.is_finite() {

@@ -8,7 +8,7 @@ use mosaickv_reference::round::f16_from_f64;
 use mosaickv_reference::synthetic::structured_kv;
 use mosaickv_reference::topr::rotate_row_f64;
 use mosaickv_reference::{fit_rotation_f64, ReferenceBackend};
-use mosaickv_spec::layout::{bitmap_word, record_value};
+use mosaickv_spec::layout::{bitmap_bit, bitmap_word, record_value};
 use mosaickv_spec::{Backend, BlockMeta, ChannelPolicy, CompressConfig, MosaicError, Side};
 use ndarray::{s, Array2};
 use rand::Rng;
@@ -123,7 +123,7 @@ fn records_have_popcount_r_over_g_and_round_trip() {
         for t in 0..100 {
             let rec = packed.record(&l, t);
             let ones: u32 = (0..l.bitmap_words())
-                .map(|w| bitmap_word(rec, w).count_ones())
+                .map(|w| bitmap_word(&l, rec, w).count_ones())
                 .sum();
             assert_eq!(ones as usize, l.r / g, "popcount");
             let x: Vec<f32> = rows.row(t).to_vec();
@@ -131,7 +131,7 @@ fn records_have_popcount_r_over_g_and_round_trip() {
             // Values in ascending dim order, equal to f16(rotated) at kept dims, 0 elsewhere.
             let mut next = 0;
             for grp in 0..l.groups() {
-                let kept = (bitmap_word(rec, grp / 64) >> (grp % 64)) & 1 == 1;
+                let kept = bitmap_bit(rec, grp);
                 for j in grp * g..(grp + 1) * g {
                     if kept {
                         let want = f16_from_f64(rotated[j]);
@@ -152,7 +152,7 @@ fn records_have_popcount_r_over_g_and_round_trip() {
             };
             let (mut lo_kept, mut hi_dropped) = (f32::INFINITY, f32::NEG_INFINITY);
             for grp in 0..l.groups() {
-                if (bitmap_word(rec, grp / 64) >> (grp % 64)) & 1 == 1 {
+                if bitmap_bit(rec, grp) {
                     lo_kept = lo_kept.min(imp(grp));
                 } else {
                     hi_dropped = hi_dropped.max(imp(grp));
@@ -173,30 +173,39 @@ fn top_r_ties_keep_the_lower_group() {
         Array2::from_shape_vec((1, 8), vec![1.0, 1.0, 0.0, 0.0, 1.0, -1.0, 2.0, 0.0]).unwrap();
     let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
     let rec = packed.record(&side.layout, 0);
-    assert_eq!(bitmap_word(rec, 0), 0b1001);
+    assert_eq!(bitmap_word(&side.layout, rec, 0), 0b1001);
     let vals: Vec<f32> = (0..4)
         .map(|i| record_value(&side.layout, rec, i).to_f32())
         .collect();
     assert_eq!(vals, vec![1.0, 1.0, 2.0, 0.0]);
-    assert_eq!(rec.len(), 16); // 8 B bitmap + 8 B values
+    assert_eq!(rec.len(), 12); // 4 B bitmap + 8 B values
                                // g = 1, all equal magnitudes: the lowest r dims are kept.
     let side = identity_side(8, 8, 3, 1);
     let rows =
         Array2::from_shape_vec((1, 8), vec![-2.0, 2.0, 2.0, -2.0, 2.0, 2.0, 2.0, 2.0]).unwrap();
     let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
-    assert_eq!(bitmap_word(packed.record(&side.layout, 0), 0), 0b111);
+    assert_eq!(
+        bitmap_word(&side.layout, packed.record(&side.layout, 0), 0),
+        0b111
+    );
 }
 
 #[test]
 fn record_layout_matches_spec_examples() {
-    // SPEC.md 6: D = 80, Dt = 60, r = 10 -> 8 + 20 = 28 -> 32 bytes, zero padded.
-    let side = identity_side(80, 60, 10, 1);
+    // SPEC.md 6: D = 80, Dt = 60, r = 9 -> 8 + 18 = 26 -> 28 bytes, zero padded.
+    let side = identity_side(80, 60, 9, 1);
     let rows = random_rows(3, 80, 1.0, 5);
     let packed = ReferenceBackend.encode(rows.view(), &side).unwrap();
-    assert_eq!(packed.bytes.len(), 3 * 32);
+    assert_eq!(packed.bytes.len(), 3 * 28);
     for t in 0..3 {
-        assert_eq!(&packed.record(&side.layout, t)[28..], &[0, 0, 0, 0]);
+        assert_eq!(&packed.record(&side.layout, t)[26..], &[0, 0]);
     }
+    // D = 128, Dt = 96, r = 32 (the paper's shape): 12 B bitmap (3 u32 words) + 64 B values.
+    let side = identity_side(128, 96, 32, 1);
+    let packed = ReferenceBackend
+        .encode(random_rows(2, 128, 1.0, 6).view(), &side)
+        .unwrap();
+    assert_eq!(packed.bytes.len(), 2 * 76);
 }
 
 #[test]
@@ -210,7 +219,7 @@ fn corrupted_records_are_rejected() {
         |r: mosaickv_spec::Result<Array2<f32>>| matches!(r, Err(MosaicError::CorruptPacked(_)));
     // A cleared bitmap bit: popcount 15.
     let mut bad = good.clone();
-    let word = bitmap_word(bad.record(&side.layout, 1), 0);
+    let word = bitmap_word(&side.layout, bad.record(&side.layout, 1), 0);
     let first = word.trailing_zeros() as usize;
     bad.bytes[40 + first / 8] ^= 1 << (first % 8);
     assert!(is_corrupt(b.decode(&bad, &side)));

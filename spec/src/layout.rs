@@ -31,9 +31,9 @@ impl ValueDtype {
     }
 }
 
-/// Byte layout of one packed K or V record (SPEC.md section 6):
-/// `bitmap_words` little-endian `u64` words, then `r` values in ascending
-/// channel order, then zero padding up to a multiple of 8 bytes.
+/// Byte layout of one packed K or V record (SPEC.md section 6): a bitmap of
+/// `ceil(groups / 32)` little-endian `u32` words, then `r` values in ascending
+/// channel order, then zero padding up to a multiple of 4 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RecordLayout {
     /// Full head dimension D.
@@ -47,29 +47,37 @@ pub struct RecordLayout {
     pub dtype: ValueDtype,
 }
 
-/// Words of bitmap for `groups` groups.
+/// Bytes of bitmap for `groups` groups: whole little-endian `u32` words.
+pub const fn bitmap_bytes_for(groups: usize) -> usize {
+    4 * groups.div_ceil(32)
+}
+
+/// 64-bit views of a bitmap of `groups` groups ([`bitmap_word`] reads them; the
+/// last one may cover only 4 stored bytes).
 pub const fn bitmap_words_for(groups: usize) -> usize {
     groups.div_ceil(64)
 }
 
-/// Size in bytes of one record: bitmap words, values, padding to 8 bytes.
+/// Size in bytes of one record: bitmap, values, padding to 4 bytes.
 pub const fn record_bytes_for(
     kept_dims: usize,
     r: usize,
     group_size: usize,
     value_size: usize,
 ) -> usize {
-    let raw = 8 * bitmap_words_for(kept_dims / group_size) + r * value_size;
-    raw.div_ceil(8) * 8
+    let raw = bitmap_bytes_for(kept_dims / group_size) + r * value_size;
+    raw.div_ceil(4) * 4
 }
 
 // The paper's example (SPEC.md section 6): D = 128 with the bottom 25 % truncated
-// (96 eligible channels), g = 1, r = 32, f16: 16 B bitmap + 64 B values = 80 B.
-const _: () = assert!(record_bytes_for(96, 32, 1, 2) == 80);
+// (96 eligible channels), g = 1, r = 32, f16: 12 B bitmap + 64 B values = 76 B.
+const _: () = assert!(record_bytes_for(96, 32, 1, 2) == 76);
+// No truncation: 128 channels, r = 32: 16 + 64 = 80 B.
+const _: () = assert!(record_bytes_for(128, 32, 1, 2) == 80);
 // D = 64, 48 eligible, r = 16: 8 B bitmap + 32 B values.
 const _: () = assert!(record_bytes_for(48, 16, 1, 2) == 40);
-// Odd sizes pad: D = 80, 60 eligible, r = 10 -> 8 + 20 = 28 -> 32.
-const _: () = assert!(record_bytes_for(60, 10, 1, 2) == 32);
+// Odd sizes pad: D = 80, 60 eligible, r = 9 -> 8 + 18 = 26 -> 28.
+const _: () = assert!(record_bytes_for(60, 9, 1, 2) == 28);
 
 impl RecordLayout {
     /// Checks the layout's invariants (SPEC.md section 6).
@@ -102,11 +110,13 @@ impl RecordLayout {
     pub fn kept_groups(&self) -> usize {
         self.r / self.group_size
     }
+    /// 64-bit views of the bitmap (for [`bitmap_word`]).
     pub fn bitmap_words(&self) -> usize {
         bitmap_words_for(self.groups())
     }
+    /// Stored bitmap bytes (whole `u32` words); the values start here.
     pub fn bitmap_bytes(&self) -> usize {
-        8 * self.bitmap_words()
+        bitmap_bytes_for(self.groups())
     }
     pub fn value_bytes(&self) -> usize {
         self.r * self.dtype.size_bytes()
@@ -204,10 +214,21 @@ impl PackedRows {
     }
 }
 
-/// Reads bitmap word `w` of a record.
+/// Reads bits `64 w .. 64 w + 64` of a record's bitmap (bits past the stored
+/// bitmap read as 0).
 #[inline]
-pub fn bitmap_word(record: &[u8], w: usize) -> u64 {
-    u64::from_le_bytes(record[8 * w..8 * w + 8].try_into().expect("8 bytes"))
+pub fn bitmap_word(layout: &RecordLayout, record: &[u8], w: usize) -> u64 {
+    let end = layout.bitmap_bytes().min(8 * w + 8);
+    let mut b = [0u8; 8];
+    b[..end - 8 * w].copy_from_slice(&record[8 * w..end]);
+    u64::from_le_bytes(b)
+}
+
+/// Whether group `k` (< the layout's groups) is kept: bit `k mod 8` of bitmap byte `k / 8`
+/// (the same bit as bit `k mod 32` of little-endian word `k / 32`).
+#[inline]
+pub fn bitmap_bit(record: &[u8], k: usize) -> bool {
+    (record[k / 8] >> (k % 8)) & 1 == 1
 }
 
 /// Reads value `i` of a record (f16 layout).
@@ -221,7 +242,7 @@ fn check_record(layout: &RecordLayout, rec: &[u8]) -> std::result::Result<(), St
     let groups = layout.groups();
     let mut ones = 0usize;
     for w in 0..layout.bitmap_words() {
-        let word = bitmap_word(rec, w);
+        let word = bitmap_word(layout, rec, w);
         let valid_bits = (groups - 64 * w).min(64);
         if valid_bits < 64 && word >> valid_bits != 0 {
             return Err(format!("bitmap bit set past group {groups}"));

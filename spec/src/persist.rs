@@ -24,9 +24,10 @@ use std::path::Path;
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// The format version this build writes and reads.
-/// Version 2 (SPEC.md section 7): block metadata stored as int8 bounds plus
-/// one f32 scale per block; version 1 files (f16 bounds) are refused.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version 3 (SPEC.md section 6): record bitmaps in whole u32 words, records
+/// padded to 4 bytes. Version 2 added int8 block bounds with an f32 scale per
+/// block (section 7). Files of versions 1 and 2 are refused.
+pub const FORMAT_VERSION: u32 = 3;
 
 /// File header (SPEC.md section 15.1), 24 bytes at offset 0.
 ///

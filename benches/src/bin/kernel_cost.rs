@@ -44,8 +44,8 @@ fn main() {
         black_box(&out);
     });
     // Records: 16 g=1 records, r of dt bits set.
-    let words = dt.div_ceil(64);
-    let rb = 8 * words + 2 * r;
+    let bb = 4 * dt.div_ceil(32);
+    let rb = bb + 2 * r;
     let mut bytes = vec![0u8; TILE * rb + 64];
     for t in 0..TILE {
         let mut set = 0;
@@ -59,13 +59,13 @@ fn main() {
         }
         for k in 0..r {
             let h = f16::from_f32(0.5).to_bits().to_le_bytes();
-            bytes[t * rb + 8 * words + 2 * k] = h[0];
-            bytes[t * rb + 8 * words + 2 * k + 1] = h[1];
+            bytes[t * rb + bb + 2 * k] = h[0];
+            bytes[t * rb + bb + 2 * k + 1] = h[1];
         }
     }
     let mut tile = vec![0f32; TILE * dp];
     time("expand_records (per record)", TILE, 200_000, || {
-        path.expand_records(&bytes, 64, TILE, rb, words, 1, dt, r, dp, &mut tile);
+        path.expand_records(&bytes, 64, TILE, rb, bb, 1, dt, r, dp, &mut tile);
         black_box(&tile);
     });
     let mut lg = vec![0f32; g * TILE];
