@@ -150,15 +150,26 @@ pub fn check_fit_side(
         ));
     }
     let d = rows.ncols();
+    // The stored rotations are D x Dt (SPEC 3 step 4), with the same Dt (layouts compared above).
+    let dt = want.layout.kept_dims;
+    if got.rotation.len() != want.rotation.len() {
+        return Err(format!(
+            "rotation has {} elements, reference {}",
+            got.rotation.len(),
+            want.rotation.len()
+        ));
+    }
     // Eigenvalues of C = X^T X along the reference's columns; only columns
     // separated from their neighbours by >= 1e-3 of the largest eigenvalue
-    // have a well-defined direction to compare (see ROTATION_ABS).
-    let lambda: Vec<f64> = (0..d)
+    // have a well-defined direction to compare (see ROTATION_ABS). The gap
+    // below the last stored column is unknown when Dt < D, so that column
+    // is not compared.
+    let lambda: Vec<f64> = (0..dt)
         .map(|j| {
             rows.axis_iter(Axis(0))
                 .map(|x| {
                     (0..d)
-                        .map(|i| x[i] as f64 * want.rotation[i * d + j] as f64)
+                        .map(|i| x[i] as f64 * want.rotation[i * dt + j] as f64)
                         .sum::<f64>()
                         .powi(2)
                 })
@@ -166,14 +177,16 @@ pub fn check_fit_side(
         })
         .collect();
     let top = lambda.iter().cloned().fold(f64::MIN_POSITIVE, f64::max);
-    for j in 0..d {
+    for j in 0..dt {
         let gap_lo = if j > 0 {
             lambda[j - 1] - lambda[j]
         } else {
             f64::INFINITY
         };
-        let gap_hi = if j + 1 < d {
+        let gap_hi = if j + 1 < dt {
             lambda[j] - lambda[j + 1]
+        } else if dt < d {
+            0.0
         } else {
             f64::INFINITY
         };
@@ -181,7 +194,7 @@ pub fn check_fit_side(
             continue;
         }
         let diff = (0..d)
-            .map(|i| (want.rotation[i * d + j] as f64 - got.rotation[i * d + j] as f64).abs())
+            .map(|i| (want.rotation[i * dt + j] as f64 - got.rotation[i * dt + j] as f64).abs())
             .fold(0.0, f64::max);
         if diff > ROTATION_ABS {
             return Err(format!(

@@ -205,7 +205,7 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
             #pragma unroll
             for (int h = 0; h < MKV_HCHUNK; ++h) acc[h] = 0.0f;
             for (int d = lane; d < s.val_dt; d += 32) {
-                const float rv = __ldg(Rv + (i64)i * D + d);
+                const float rv = __ldg(Rv + (i64)i * s.val_dt + d);  // R_v stored D x Dt_v
                 #pragma unroll
                 for (int h = 0; h < MKV_HCHUNK; ++h)
                     if (h0 + h < G) acc[h] += rv * so[(h0 + h) * D + d];

@@ -29,7 +29,7 @@ extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64
         // f32 is exact in f64, so the fused multiply-add rounds like add-after-multiply.
         for (int j = threadIdx.x; j < Dt; j += blockDim.x) {
             double acc = 0.0;
-            for (int i = 0; i < D; ++i) acc = fma((double)R[(i64)i * D + j], (double)x[i], acc);
+            for (int i = 0; i < D; ++i) acc = fma((double)R[(i64)i * Dt + j], (double)x[i], acc);  // R stored D x Dt
             u16 h = mkv_d2h(acc);
             if (!mkv_h_is_finite(h)) atomicOr(status, 1);
             y[j] = h;

@@ -30,7 +30,7 @@ extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
         float acc = 0.0f;
         if (j < s.key_dt)
-            for (int i = 0; i < D; ++i) acc = fmaf(R[(i64)i * D + j], qs[i], acc);
+            for (int i = 0; i < D; ++i) acc = fmaf(R[(i64)i * s.key_dt + j], qs[i], acc);  // R_k stored D x Dt_k
         dst[j] = acc;
     }
 }

@@ -748,13 +748,13 @@ pub fn packed_attention(
                         }
                         i += 1;
                     }
-                    // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j.
+                    // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j (R_v stored D x Dt_v).
                     let rv = &cache.segments[s].heads[h].strategy.value.rotation;
                     for k in 0..g {
                         let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
                         let o = &mut o_acc[k * dp..k * dp + d];
                         for (ii, oi) in o.iter_mut().enumerate() {
-                            *oi += path.dot(&rv[ii * d..ii * d + gm.dtv], a);
+                            *oi += path.dot(&rv[ii * gm.dtv..(ii + 1) * gm.dtv], a);
                         }
                     }
                 }

@@ -128,13 +128,15 @@ pub fn rotation_from_covariance(c: &[f64], d: usize) -> Vec<f32> {
 }
 
 /// SPEC 5 step 1 (and 11.1): `out[j] = sum_i R[i][j] x_i` in f64, ascending i, for `j < out.len()`.
+/// `rot` is row-major `d x w` with `w = rot.len() / d` (`Dt` stored, `d` while fitting).
 #[inline(always)]
 fn rotate_f64_body(rot: &[f32], d: usize, x: &[f32], out: &mut [f64]) {
     let dims = out.len();
+    let w = rot.len() / d;
     out.fill(0.0);
     for i in 0..d {
         let xi = x[i] as f64;
-        let row = &rot[i * d..i * d + dims];
+        let row = &rot[i * w..i * w + dims];
         for (o, &r) in out.iter_mut().zip(row) {
             *o += r as f64 * xi;
         }
@@ -305,17 +307,46 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> PackedRows {
     PackedRows { count: n, bytes }
 }
 
-/// SPEC 11.1: relative dropped energy of rows given their full rotated coordinates `[n][d]` (f64)
-/// under `(Dt, r, g)`: kept groups chosen by SPEC 5 from the f16-rounded values.
-pub fn loss_rotated(rot_rows: &[f64], d: usize, layout: &RecordLayout) -> f64 {
-    let dt = layout.kept_dims;
-    let g = layout.group_size;
+/// SPEC 11.1 terms `(dropped, total)` of one row `x` (`[d]`) with rotated coordinates `xr`
+/// (at least `Dt` of them, f64), group `k` kept iff `kept(k)`: energies over `j < Dt`, plus the
+/// truncated dims' energy `max(0, ||x||^2 - sum_{j<Dt} xr_j^2)` when `Dt < D` (as dropped).
+#[inline]
+pub fn row_loss_terms(
+    x: &[f32],
+    xr: &[f64],
+    layout: &RecordLayout,
+    kept: impl Fn(usize) -> bool,
+) -> (f64, f64) {
+    let (dt, g) = (layout.kept_dims, layout.group_size);
+    let (mut dropped, mut total) = (0f64, 0f64);
+    for (j, &v) in xr[..dt].iter().enumerate() {
+        let e = v * v;
+        total += e;
+        if !kept(j / g) {
+            dropped += e;
+        }
+    }
+    if dt < layout.head_dim {
+        let energy: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let truncated = (energy - total).max(0.0);
+        dropped += truncated;
+        total += truncated;
+    }
+    (dropped, total)
+}
+
+/// SPEC 11.1: relative dropped energy of rows `[n][d]` given their rotated coordinates
+/// (`[n][w]` f64, `w >= Dt`) under `(Dt, r, g)`: kept groups chosen by SPEC 5 from the
+/// f16-rounded values.
+pub fn loss_rotated(rows: &[f32], rot_rows: &[f64], w: usize, layout: &RecordLayout) -> f64 {
+    let (d, dt, g) = (layout.head_dim, layout.kept_dims, layout.group_size);
     let parts: Vec<(f64, f64)> = rot_rows
-        .par_chunks(d * ROWS_PER_TASK)
-        .map(|x| {
+        .par_chunks(w * ROWS_PER_TASK)
+        .zip(rows.par_chunks(d * ROWS_PER_TASK))
+        .map(|(xr, x)| {
             let mut b = PackBufs::new(d);
             let (mut num, mut den) = (0f64, 0f64);
-            for row in x.chunks_exact(d) {
+            for (row, xrow) in xr.chunks_exact(w).zip(x.chunks_exact(d)) {
                 for j in 0..dt {
                     b.y[j] = f16_from_f64(row[j]);
                 }
@@ -327,13 +358,9 @@ pub fn loss_rotated(rot_rows: &[f64], d: usize, layout: &RecordLayout) -> f64 {
                     &mut b.order,
                     &mut b.keep,
                 );
-                for (j, &v) in row.iter().enumerate() {
-                    let e = v * v;
-                    den += e;
-                    if j >= dt || !b.keep[j / g] {
-                        num += e;
-                    }
-                }
+                let (a, t) = row_loss_terms(xrow, row, layout, |k| b.keep[k]);
+                num += a;
+                den += t;
             }
             (num, den)
         })
@@ -448,27 +475,37 @@ pub fn fit_side_rotated(
     for l in &cands {
         l.validate()?;
     }
-    let losses: Vec<f64> = cands.iter().map(|l| loss_rotated(&xr, d, l)).collect();
+    let losses: Vec<f64> = cands
+        .iter()
+        .map(|l| loss_rotated(rows, &xr, d, l))
+        .collect();
     let k = choose(&cands, &losses, side, config);
     Ok((
         SideStrategy {
             layout: cands[k],
-            rotation,
+            rotation: trim_rotation(&rotation, d, cands[k].kept_dims),
             fit_loss: losses[k],
         },
         xr,
     ))
 }
 
+/// SPEC 3 step 4: the stored rotation, the first `dt` columns of the full `d x d` R.
+pub fn trim_rotation(full: &[f32], d: usize, dt: usize) -> Vec<f32> {
+    full.chunks_exact(d)
+        .flat_map(|row| row[..dt].iter().copied())
+        .collect()
+}
+
 /// SPEC 11.1 for rows `[n][d]` under an existing strategy.
 pub fn loss_rows(rows: &[f32], side: &SideStrategy) -> f64 {
-    let d = side.layout.head_dim;
+    let (d, dt) = (side.layout.head_dim, side.layout.kept_dims);
     let n = rows.len() / d;
-    let mut xr = vec![0f64; n * d];
-    xr.par_chunks_mut(d * ROWS_PER_TASK)
+    let mut xr = vec![0f64; n * dt];
+    xr.par_chunks_mut(dt * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
-        .for_each(|(o, x)| rotate_rows_f64(&side.rotation, d, x, d, o));
-    loss_rotated(&xr, d, &side.layout)
+        .for_each(|(o, x)| rotate_rows_f64(&side.rotation, d, x, dt, o));
+    loss_rotated(rows, &xr, dt, &side.layout)
 }
 
 /// SPEC 6: decodes records to dense rotated rows `[n][Dt]` (validating them first).

@@ -318,32 +318,21 @@ fn mirrored(lower: &[f64], d: usize) -> Vec<f64> {
     c
 }
 
-/// SPEC 11.1 per-row terms `(dropped, total)` of rotated rows `xr` (`[n][d]`, f64), whose
-/// kept groups are read from their packed records (SPEC 5's selection, done by `pack_rotated`).
+/// SPEC 11.1 per-row terms `(dropped, total)` of rows `[n][d]` with rotated coordinates `xr`
+/// (`[n][Dt]`, f64), whose kept groups are read from their packed records (SPEC 5's
+/// selection, done by `pack_rotated`).
 fn add_loss_terms(
     sums: &mut LossSums,
+    rows: &[f32],
     xr: &[f64],
-    d: usize,
     packed: &PackedRows,
     layout: &RecordLayout,
 ) {
-    let g = layout.group_size;
-    let dt = layout.kept_dims;
+    let (d, dt) = (layout.head_dim, layout.kept_dims);
     let rb = layout.record_bytes();
-    for (i, row) in xr.chunks_exact(d).enumerate() {
+    for (i, (row, x)) in xr.chunks_exact(dt).zip(rows.chunks_exact(d)).enumerate() {
         let rec = &packed.bytes[i * rb..(i + 1) * rb];
-        let (mut dropped, mut total) = (0f64, 0f64);
-        for (j, &v) in row.iter().enumerate() {
-            let e = v * v;
-            total += e;
-            let kept = j < dt && {
-                let k = j / g;
-                bitmap_bit(rec, k)
-            };
-            if !kept {
-                dropped += e;
-            }
-        }
+        let (dropped, total) = encode::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k));
         sums.dropped += dropped;
         sums.total += total;
     }
@@ -377,13 +366,13 @@ fn fit_side_from_cov(
     }
     let losses: Vec<f64> = cands
         .iter()
-        .map(|l| encode::loss_rotated(&xr, d, l))
+        .map(|l| encode::loss_rotated(rows, &xr, d, l))
         .collect();
     let k = encode::choose(&cands, &losses, side, config);
     Ok((
         SideStrategy {
             layout: cands[k],
-            rotation,
+            rotation: encode::trim_rotation(&rotation, d, cands[k].kept_dims),
             fit_loss: losses[k],
         },
         xr,
@@ -484,10 +473,11 @@ impl WorkerState {
                 for (s, (rows, side)) in [(&k, &st.key), (&v, &st.value)].into_iter().enumerate() {
                     covariance_update(&mut sides[s].cov, rows, d);
                     let n = rows.len() / d;
-                    let mut xr = vec![0f64; n * d];
-                    encode::rotate_rows_f64(&side.rotation, d, rows, d, &mut xr);
-                    let p = encode::pack_rotated(&xr, d, &side.layout);
-                    add_loss_terms(&mut sides[s].loss, &xr, d, &p, &side.layout);
+                    let dt = side.layout.kept_dims;
+                    let mut xr = vec![0f64; n * dt];
+                    encode::rotate_rows_f64(&side.rotation, d, rows, dt, &mut xr);
+                    let p = encode::pack_rotated(&xr, dt, &side.layout);
+                    add_loss_terms(&mut sides[s].loss, rows, &xr, &p, &side.layout);
                     packed.push(p);
                 }
                 want_parts.then(|| {

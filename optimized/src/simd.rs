@@ -62,11 +62,12 @@ impl Path {
     }
 
     /// `out[j] = sum_i R[i][j] * q[i]` for `j < out.len()`, ascending i, f32, mul then add
-    /// (SPEC.md section 8.1, optimized: f32). `rot` is `d x d` row-major. Bit-identical across paths.
+    /// (SPEC.md section 8.1, optimized: f32). `rot` is the stored `d x dt` row-major rotation
+    /// (`dt = out.len()`). Bit-identical across paths.
     #[inline]
     pub fn rotate_query(self, rot: &[f32], d: usize, q: &[f32], out: &mut [f32]) {
         let dt = out.len();
-        assert!(rot.len() >= d * d && q.len() >= d && dt <= d);
+        assert!(rot.len() == d * dt && q.len() >= d && dt <= d);
         out.fill(0.0);
         match self {
             #[cfg(target_arch = "x86_64")]
@@ -75,7 +76,7 @@ impl Path {
             _ => {
                 for i in 0..d {
                     let qi = q[i];
-                    let row = &rot[i * d..i * d + dt];
+                    let row = &rot[i * dt..(i + 1) * dt];
                     for (o, &r) in out.iter_mut().zip(row) {
                         *o += r * qi;
                     }
@@ -633,7 +634,7 @@ mod x86 {
         for i in 0..d {
             let qi = q[i];
             let qv = _mm256_set1_ps(qi);
-            let row = rot.as_ptr().add(i * d);
+            let row = rot.as_ptr().add(i * dt);
             let mut j = 0;
             while j < d8 {
                 let o = out.as_mut_ptr().add(j);

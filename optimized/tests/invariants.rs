@@ -130,7 +130,7 @@ fn decode_of_encode_is_f16_of_naive_rotation_top_r() {
             .map(|j| {
                 round_once(
                     (0..d)
-                        .map(|i| st.rotation[i * d + j] as f64 * rows[[t, i]] as f64)
+                        .map(|i| st.rotation[i * l.kept_dims + j] as f64 * rows[[t, i]] as f64)
                         .sum(),
                 )
             })
@@ -148,11 +148,13 @@ fn decode_of_encode_is_f16_of_naive_rotation_top_r() {
             assert_eq!(dec[[t, j]].to_bits(), want.to_bits(), "row {t} dim {j}");
         }
     }
-    // Rotation is orthogonal to f32 precision.
-    for a in 0..d {
-        for b in 0..d {
+    // The stored columns (D x Dt) are orthonormal to f32 precision.
+    let dt = l.kept_dims;
+    assert_eq!(st.rotation.len(), d * dt);
+    for a in 0..dt {
+        for b in 0..dt {
             let s: f64 = (0..d)
-                .map(|i| st.rotation[i * d + a] as f64 * st.rotation[i * d + b] as f64)
+                .map(|i| st.rotation[i * dt + a] as f64 * st.rotation[i * dt + b] as f64)
                 .sum();
             assert!((s - if a == b { 1.0 } else { 0.0 }).abs() < 1e-5);
         }

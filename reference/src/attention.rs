@@ -262,10 +262,11 @@ pub fn attend_selected(
         // Rotate each segment's accumulated values back once: o_i += sum_j R_v[i][j] acc_j.
         for (s, acc) in rotated_acc.iter().enumerate() {
             if let Some(acc) = acc {
-                let r = &cache.segments[s].heads[j].strategy.value.rotation;
+                let r = &cache.segments[s].heads[j].strategy.value.rotation; // D x Dt_v
+                let dtv = acc.len();
                 for i in 0..d {
                     for (jj, a) in acc.iter().enumerate() {
-                        o[i] += f64::from(r[i * d + jj]) * a;
+                        o[i] += f64::from(r[i * dtv + jj]) * a;
                     }
                 }
             }

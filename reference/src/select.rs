@@ -14,7 +14,7 @@ pub fn rotate_query_f64(q: &[f32], key: &SideStrategy) -> Vec<f64> {
     for i in 0..d {
         let qi = f64::from(q[i]);
         for j in 0..dt {
-            out[j] += f64::from(key.rotation[i * d + j]) * qi;
+            out[j] += f64::from(key.rotation[i * dt + j]) * qi;
         }
     }
     out

@@ -2,7 +2,7 @@
 
 use crate::packed::{decode_rows, encode_rows};
 use crate::rotation::fit_rotation;
-use crate::topr::{kept_dims, rotate_row_f64, select_row};
+use crate::topr::{kept_dims, rotate_row_f64, select_row, trim_rotation};
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{
     ceil_to, ChannelPolicy, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy,
@@ -20,16 +20,16 @@ pub struct LossSums {
 }
 
 impl LossSums {
-    /// Adds one rotated row (f64, all D dims, before f16 rounding).
-    pub fn add_rotated(&mut self, rotated: &[f64], layout: &RecordLayout) {
-        let (dropped, total) = row_loss_terms(rotated, layout);
+    /// Adds one original row and its rotation (f64, at least `Dt` dims, before f16 rounding).
+    pub fn add_rotated(&mut self, row: &[f32], rotated: &[f64], layout: &RecordLayout) {
+        let (dropped, total) = row_loss_terms(row, rotated, layout);
         self.dropped += dropped;
         self.total += total;
     }
 
     /// Adds one original row, rotated with `side`'s R.
     pub fn add_row(&mut self, row: &[f32], side: &SideStrategy) {
-        self.add_rotated(&rotate_row_f64(row, &side.rotation), &side.layout);
+        self.add_rotated(row, &rotate_row_f64(row, &side.rotation), &side.layout);
     }
 
     /// `dropped / total`, 0 when the denominator is 0.
@@ -42,22 +42,29 @@ impl LossSums {
     }
 }
 
-/// SPEC.md section 11.1 for one rotated row: `(sum_{j not kept} x'_j^2,
-/// sum_j x'_j^2)` over all D dims (dims `>= Dt` count as dropped). The kept
-/// set is section 5's, chosen on the f16-rounded values; the energies use
-/// the f64 values before rounding.
-pub fn row_loss_terms(rotated: &[f64], layout: &RecordLayout) -> (f64, f64) {
+/// SPEC.md section 11.1 for one row `x` and its rotation `x'` (f64, at least
+/// `Dt` dims): `(sum_{j < Dt, not kept} x'_j^2 + T, sum_{j < Dt} x'_j^2 + T)`,
+/// where `T` is the energy of the truncated dims, `max(0, ||x||^2 - sum_{j <
+/// Dt} x'_j^2)` (R is orthogonal), and 0 when `Dt = D`. The kept set is
+/// section 5's, chosen on the f16-rounded values; the energies use the f64
+/// values before rounding.
+pub fn row_loss_terms(row: &[f32], rotated: &[f64], layout: &RecordLayout) -> (f64, f64) {
     let (_, kept) = select_row(rotated, layout);
     let g = layout.group_size;
     let mut dropped = 0.0;
     let mut total = 0.0;
-    for (j, &v) in rotated.iter().enumerate() {
+    for (j, &v) in rotated[..layout.kept_dims].iter().enumerate() {
         let e = v * v;
         total += e;
-        let is_kept = j < layout.kept_dims && kept[j / g];
-        if !is_kept {
+        if !kept[j / g] {
             dropped += e;
         }
+    }
+    if layout.kept_dims < layout.head_dim {
+        let energy: f64 = row.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let truncated = (energy - total).max(0.0);
+        dropped += truncated;
+        total += truncated;
     }
     (dropped, total)
 }
@@ -121,13 +128,15 @@ pub fn layout_for(config: &CompressConfig, head_dim: usize, r: usize, g: usize) 
 }
 
 /// SPEC.md section 11.2: chooses `(r, g)` among the candidates, given the
-/// rows already rotated (f64, all D dims). Returns the layout and its loss.
+/// rows and their rotations with the full R (f64, all D dims). Returns the
+/// layout and its loss.
 ///
 /// - fixed: the one candidate;
 /// - loss_threshold: the cheapest `record_bytes` whose loss is at most the
 ///   side's threshold (ties: lower loss, then smaller g); if none passes,
 ///   the lowest loss (ties: fewer bytes, then smaller g).
 pub fn choose_layout(
+    rows: ArrayView2<f32>,
     rotated: &[Vec<f64>],
     side: Side,
     config: &CompressConfig,
@@ -142,8 +151,9 @@ pub fn choose_layout(
     for (r, g) in candidates(config, head_dim) {
         let layout = layout_for(config, head_dim, r, g);
         let mut sums = LossSums::default();
-        for row in rotated {
-            sums.add_rotated(row, &layout);
+        for (row, rot) in rows.rows().into_iter().zip(rotated) {
+            let row: Vec<f32> = row.iter().copied().collect();
+            sums.add_rotated(&row, rot, &layout);
         }
         scored.push((layout, sums.loss()));
     }
@@ -186,10 +196,10 @@ pub fn fit_side(
             rotate_row_f64(&row, &rotation)
         })
         .collect();
-    let (layout, fit_loss) = choose_layout(&rotated, side, config, d);
+    let (layout, fit_loss) = choose_layout(rows, &rotated, side, config, d);
     Ok(SideStrategy {
         layout,
-        rotation,
+        rotation: trim_rotation(&rotation, d, layout.kept_dims),
         fit_loss,
     })
 }

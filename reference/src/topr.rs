@@ -10,18 +10,30 @@ pub fn kept_dims(head_dim: usize, truncate_fraction: f64, group_size: usize) -> 
     head_dim - cut / group_size * group_size
 }
 
-/// SPEC.md section 5 step 1 (before f16 rounding), over all D dims:
-/// `x'_j = sum_i R[i][j] * x_i`, f64, ascending i, R's f32 values widened.
-/// `rotation` is row-major `D x D`.
+/// SPEC.md section 5 step 1 (before f16 rounding), over the rotation's
+/// columns: `x'_j = sum_i R[i][j] * x_i`, f64, ascending i, R's f32 values
+/// widened. `rotation` is row-major `D x W` (`W = rotation.len() / D`: `Dt`
+/// for a stored strategy, `D` for the full R while fitting).
 pub fn rotate_row_f64(row: &[f32], rotation: &[f32]) -> Vec<f64> {
     let d = row.len();
-    let mut out = vec![0.0f64; d];
+    let w = rotation.len() / d.max(1);
+    let mut out = vec![0.0f64; w];
     for i in 0..d {
         let xi = f64::from(row[i]);
-        for j in 0..d {
+        for j in 0..w {
             // For each j the terms are added in ascending i, as SPEC.md says.
-            out[j] += f64::from(rotation[i * d + j]) * xi;
+            out[j] += f64::from(rotation[i * w + j]) * xi;
         }
+    }
+    out
+}
+
+/// The stored rotation (SPEC.md section 3 step 4): the first `dt` columns of the
+/// row-major `D x D` matrix `full`, row-major `D x dt`.
+pub fn trim_rotation(full: &[f32], d: usize, dt: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(d * dt);
+    for i in 0..d {
+        out.extend_from_slice(&full[i * d..i * d + dt]);
     }
     out
 }

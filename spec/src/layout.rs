@@ -138,8 +138,10 @@ impl RecordLayout {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SideStrategy {
     pub layout: RecordLayout,
-    /// Orthogonal rotation R, `head_dim x head_dim`, row-major: `rotation[i * D + j] = R[i][j]`.
-    /// Column j is the j-th principal direction; a row x is stored as `x' = R^T x`.
+    /// The first `Dt` columns of the orthogonal rotation R, `head_dim x kept_dims`, row-major:
+    /// `rotation[i * Dt + j] = R[i][j]` (SPEC.md section 3). Column j is the j-th principal
+    /// direction; a row x is stored as `x'_j = (R^T x)_j`, `j < Dt`. The truncated columns
+    /// are never used after the fit, so they are not stored.
     pub rotation: Vec<f32>,
     /// Relative dropped energy of the rows this strategy was fitted on (SPEC.md section 10).
     pub fit_loss: f64,
@@ -154,10 +156,10 @@ impl SideStrategy {
     pub fn validate(&self) -> Result<()> {
         self.layout.validate()?;
         let d = self.layout.head_dim;
-        if self.rotation.len() != d * d {
+        if self.rotation.len() != d * self.layout.kept_dims {
             return Err(MosaicError::ShapeMismatch {
                 what: "rotation",
-                expected: format!("{d}x{d}"),
+                expected: format!("{d}x{} (D x Dt)", self.layout.kept_dims),
                 got: format!("{} elements", self.rotation.len()),
             });
         }

@@ -512,8 +512,9 @@ fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
             c.what, shape.head_dim
         )));
     }
+    // The stored rotation is D x Dt (SPEC.md section 3 step 4).
     let n = head_dim
-        .checked_mul(head_dim)
+        .checked_mul(kept_dims)
         .ok_or_else(|| bad("rotation size overflows"))?;
     let rotation = c.f32s(n, "rotation")?;
     Ok(SideStrategy {

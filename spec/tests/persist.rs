@@ -55,10 +55,11 @@ fn packed(rng: &mut Rng, layout: &RecordLayout, count: usize) -> PackedRows {
         for g in chosen {
             word |= 1 << g;
         }
-        rec[..8].copy_from_slice(&word.to_le_bytes());
+        let bb = layout.bitmap_bytes();
+        rec[..bb].copy_from_slice(&word.to_le_bytes()[..bb]);
         for i in 0..layout.r {
             let v = f16::from_f32(rng.f32()).to_le_bytes();
-            rec[8 + 2 * i..10 + 2 * i].copy_from_slice(&v);
+            rec[bb + 2 * i..bb + 2 + 2 * i].copy_from_slice(&v);
         }
     }
     PackedRows { count, bytes }
@@ -73,7 +74,7 @@ fn side(rng: &mut Rng, kept_dims: usize, r: usize, g: usize) -> SideStrategy {
             group_size: g,
             dtype: ValueDtype::F16,
         },
-        rotation: (0..D * D).map(|_| rng.f32()).collect(),
+        rotation: (0..D * kept_dims).map(|_| rng.f32()).collect(),
         fit_loss: rng.f32().abs() as f64 / 7.0,
     }
 }
@@ -340,11 +341,12 @@ fn resigned_mutations_never_panic() {
 fn other_version_is_named() {
     let (cache, hk, hv) = sample();
     let mut b = save(&cache, &hk, &hv);
-    b[8..12].copy_from_slice(&3u32.to_le_bytes());
+    // Version 2 (u64 bitmap words, D x D rotations) is refused by name.
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
     resign(&mut b);
     let e = read_cache(&b).unwrap_err();
     assert!(
-        matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 3")),
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("version 2")),
         "{e}"
     );
     // Version 1 (f16 block metadata) is no longer read: a clean BadFormat.

@@ -168,7 +168,7 @@ impl HostTables {
                         key_rec_off: t.packed_k.len() as i64,
                         val_rec_off: t.packed_v.len() as i64,
                         key_rot_off: t.rot.len() as i64,
-                        val_rot_off: (t.rot.len() + d * d) as i64,
+                        val_rot_off: (t.rot.len() + h.strategy.key.rotation.len()) as i64,
                         meta_off: t.meta_min.len() as i64,
                         scale_off: t.meta_scale.len() as i64,
                         seg_len: seg.len as i32,
