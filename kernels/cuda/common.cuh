@@ -43,6 +43,12 @@ __device__ __forceinline__ u16 mkv_d2h(double d) {
 
 __device__ __forceinline__ bool mkv_h_is_finite(u16 h) { return (h & 0x7c00u) != 0x7c00u; }
 
+// Sum of an int over the 32 lanes of a warp (exact).
+__device__ __forceinline__ int mkv_warp_sum_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MKV_FULL_MASK, v, o);
+    return v;
+}
+
 // Bytes of a record's bitmap for `groups` groups: whole little-endian u32 words
 // (SPEC.md section 6); the record's values start here.
 __device__ __forceinline__ int mkv_bitmap_bytes(int groups) { return 4 * ((groups + 31) / 32); }

@@ -1,6 +1,8 @@
 // select.cu: SPEC.md section 8 on the device, plus Quest's page selection (section 12).
-//   mkv_rotate_queries  q'_{seg,h} = R_k(seg, h/G)^T q_h, first Dt dims (f32, ascending i)
-//   mkv_score_blocks    Quest bound per block, max over the G query heads of its KV head
+//   mkv_rotate_queries  q'_{seg,h} = R_k(seg, h/G)^T q_h, first Dt dims (f64 over ascending i,
+//                       product then sum, rounded to f32: the same values as every backend)
+//   mkv_score_blocks    SPEC 8.2 integer bound per block (int8-quantized query), max over
+//                       the G query heads of its KV head
 //   mkv_select_topk     top-k blocks under a token budget, ties to the lower global index;
 //                       result ascending (one thread block per (sequence, KV head))
 //   mkv_plan_items      splits each head's selection into per-segment work items
@@ -28,16 +30,20 @@ extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const
     const float* R = rot + s.key_rot_off;
     float* dst = qrot + ((i64)gseg * q_heads + h) * D;
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        float acc = 0.0f;
+        double acc = 0.0;
         if (j < s.key_dt)
-            for (int i = 0; i < D; ++i) acc = fmaf(R[(i64)i * s.key_dt + j], qs[i], acc);  // R_k stored D x Dt_k
-        dst[j] = acc;
+            for (int i = 0; i < D; ++i)  // R_k stored D x Dt_k; no FMA (SPEC.md 8.1)
+                acc = __dadd_rn(acc, __dmul_rn((double)R[(i64)i * s.key_dt + j], (double)qs[i]));
+        dst[j] = __double2float_rn(acc);
     }
 }
 
-// s(block) = s_b * max_h sum_{j<Dt} max(q'_j qmax_j, q'_j qmin_j) (SPEC.md 8.2) on the
-// int8 bounds and per-block f32 scale s_b >= 0 of section 7, one warp per block.
-// An upper bound of q'.k^: qmin_j s_b <= m_j <= k^_j <= M_j <= qmax_j s_b.
+// s(block) = s_b * max_h s_q,h (I_h + W / 2) (SPEC.md 8.2) on the int8 bounds and per-block
+// f32 scale s_b >= 0 of section 7, one warp per block: q'_h quantized to a_j =
+// rint(q'_j / s_q), s_q = max_j |q'_j| / 127 (f64); I_h = sum_j max(a_j qmax_j, a_j qmin_j)
+// and W = sum_j max(|qmax_j|, |qmin_j|) are exact integers, the products f64 in the
+// reference's order, rounded once to f32: the same scores as every CPU path.
+// An upper bound of q'.k^ (the quantization error is added back by W / 2).
 // blocks: every (b, j)'s global block list, flattened; block_owner[i] = bj of entry i.
 // -0 is stored as +0 so that equal scores tie exactly (section 8.3).
 extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks, const int* __restrict__ block_owner,
@@ -58,19 +64,31 @@ extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks,
         const signed char* mx = meta_max + s.meta_off + (i64)br.block * Dt;
         const float sb = meta_scale[s.scale_off + br.block];
         const float* qbase = qrot + ((i64)br.gseg * q_heads + (i64)j * G) * D;
-        float best = MKV_NEG_INF;
+        int w = 0;
+        for (int d = lane; d < Dt; d += 32) w += max(abs((int)mx[d]), abs((int)mn[d]));
+        w = mkv_warp_sum_int(w);
+        double best = -__longlong_as_double(0x7ff0000000000000ll);  // -inf
         for (int h = 0; h < G; ++h) {
             const float* qh = qbase + (i64)h * D;
-            float acc = 0.0f;
-            for (int d = lane; d < Dt; d += 32) {
-                float qv = qh[d];
-                acc += fmaxf(qv * (float)mx[d], qv * (float)mn[d]);
+            float m = 0.0f;
+            for (int d = lane; d < Dt; d += 32) m = fmaxf(m, fabsf(qh[d]));
+            m = mkv_warp_max(m);
+            const double sq = (double)m / 127.0;
+            int acc = 0;
+            if (m > 0.0f) {
+                for (int d = lane; d < Dt; d += 32) {
+                    int a = (int)rint(__ddiv_rn((double)qh[d], sq));
+                    a = min(127, max(-127, a));
+                    acc += max(a * (int)mx[d], a * (int)mn[d]);
+                }
             }
-            acc = mkv_warp_sum(acc);
-            best = fmaxf(best, acc);
+            acc = mkv_warp_sum_int(acc);
+            // (s_b * s_q) * (I + W / 2) in f64, the reference's order, then one rounding to f32.
+            const double v = __dmul_rn(__dmul_rn((double)sb, sq), __dadd_rn((double)acc, __dmul_rn(0.5, (double)w)));
+            best = fmax(best, v);
         }
-        best *= sb;
-        if (lane == 0) scores[i] = best == 0.0f ? 0.0f : best;
+        const float bf = __double2float_rn(best);
+        if (lane == 0) scores[i] = bf == 0.0f ? 0.0f : bf;
     }
 }
 

@@ -1,19 +1,22 @@
-//! AVX-512 (F, BW, VL, VBMI2) versions of the two kernels where 16 lanes pay
-//! on the machines we measured (AMD Zen 4, which runs 512-bit arithmetic on
-//! 256-bit units): bitmap expansion and the block and page scores. Every
-//! other kernel of [`crate::simd::Path::Avx512`] is the AVX2 one; 16-lane
-//! tile logits / accumulation were written, measured with the `kernel_cost`
-//! tool (docs/PERFORMANCE.md) no faster for f32 tiles and 10-20 % slower for
-//! f16 rows, and removed.
+//! AVX-512 (F, BW, VL, VBMI2, VNNI) versions of the kernels where it pays on
+//! the machine we measured (AMD Zen 4, which runs 512-bit arithmetic on
+//! 256-bit units): bitmap expansion, MosaicKV's block scores and Quest's page
+//! scores. Every other kernel of [`crate::simd::Path::Avx512`] is the AVX2
+//! one; 16-lane tile logits / accumulation were written, measured with the
+//! `kernel_cost` tool (docs/PERFORMANCE.md) no faster for f32 tiles and
+//! 10-20 % slower for f16 rows, and removed.
 //!
-//! What changes against AVX2, besides 16 lanes instead of 8:
+//! What changes against AVX2:
 //! - Expansion (SPEC.md section 6, g = 1): one `vpexpandw` per 32 dims places
 //!   the packed f16 values at the set bits of the bitmap, instead of one
 //!   table-driven `pshufb` per 8 dims.
-//! - Scores (SPEC.md sections 8.2 and 12): `max(q M, q m) = q+ M + q- m` for
-//!   `M >= m` (`q+ = max(q, 0)`, `q- = min(q, 0)`), two FMAs per lane instead
-//!   of mul, mul, max, add. The value is the same bound; only the rounding
-//!   differs (FMA, 16-lane sums), within the conformance suite's `SCORE_REL`.
+//! - Block scores (SPEC.md section 8.2, exact integers): `vpdpbusd` sums four
+//!   u8 x i8 products per i32 lane in one instruction, where AVX2 needs
+//!   `vpmaddubsw` + `vpmaddwd` + `vpaddd`; same integers, same f64 products.
+//! - Quest's page scores (SPEC.md section 12, f32): `max(q M, q m) = q+ M +
+//!   q- m` for `M >= m` (`q+ = max(q, 0)`, `q- = min(q, 0)`), two FMAs per lane
+//!   instead of mul, mul, max, add, 4 pages per pass; the same bound, only the
+//!   rounding differs (FMA, 16-lane sums).
 //!
 //! Callers check [`crate::simd::avx512_available`] before calling anything here.
 
@@ -40,7 +43,7 @@ fn lanes16(n: usize) -> u16 {
 /// # Safety
 /// AVX-512 F/BW/VL/VBMI2 available; `bytes` holds `n * rb` bytes; `out` holds `n * dp` floats;
 /// `dp >= dt`, `dp <= 32 * ceil(dt / 32)`, `bb + 2 * r <= rb`, `bb >= 4 * ceil(dt / 32)`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 pub unsafe fn expand_g1(
     bytes: *const u8,
     n: usize,
@@ -87,7 +90,7 @@ pub unsafe fn expand_g1(
 
 /// The four horizontal sums of `a[0..4]`, as one xmm `[sum a0, sum a1, sum a2, sum a3]`
 /// (about 13 shuffles and adds instead of 4 separate reductions of ~8 each).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn hsum4(a: &[__m512]) -> __m128 {
     let t0 = _mm512_add_ps(
@@ -108,7 +111,7 @@ unsafe fn hsum4(a: &[__m512]) -> __m128 {
 }
 
 /// Horizontal sums of `N` accumulators into `out[..N]`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn hsums<const N: usize>(a: &[__m512; N], out: &mut [f32; 4]) {
     if N == 4 {
@@ -120,28 +123,16 @@ unsafe fn hsums<const N: usize>(a: &[__m512; N], out: &mut [f32; 4]) {
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn ld_f16(p: *const f16) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn ldm_f16(p: *const f16, k: u16) -> __m512 {
     _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p as *const i16))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn meta_i8(p: *const i8) -> __m512 {
-    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn metam_i8(p: *const i8, k: u16) -> __m512 {
-    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)))
 }
 
 macro_rules! score_kernel_512 {
@@ -149,7 +140,9 @@ macro_rules! score_kernel_512 {
         /// Sums of the bound for N heads over B consecutive blocks (`qp`/`qn`:
         /// `[N][SCORE_MAX_DT]`), into `out[b][k]`. B blocks share every load of `q`, so the
         /// loop is bound by the FMAs (2 per dim, head and block), not by loads.
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+        #[target_feature(
+            enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt"
+        )]
         #[inline]
         unsafe fn $heads<const N: usize, const B: usize>(
             qp: *const f32,
@@ -196,7 +189,9 @@ macro_rules! score_kernel_512 {
         /// # Safety
         /// AVX-512 available; `dt <= SCORE_MAX_DT`; `min`/`max` hold `out.len() * dt`
         /// elements, `scale` (if any) `out.len()`; `q` holds `(g - 1) * stride + dt` floats.
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,popcnt")]
+        #[target_feature(
+            enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt"
+        )]
         pub unsafe fn $name(
             q: &[f32],
             g: usize,
@@ -257,5 +252,78 @@ macro_rules! score_kernel_512 {
     };
 }
 
-score_kernel_512!(score_blocks, score_heads_i8, i8, meta_i8, metam_i8);
 score_kernel_512!(score_pages_f16, score_heads_f16, f16, ld_f16, ldm_f16);
+
+/// The four i32 lane sums of `a[0..4]` as one xmm `[sum a0, sum a1, sum a2, sum a3]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn hsum4_i32(a: &[__m256i; 4]) -> __m128i {
+    let s01 = _mm256_hadd_epi32(a[0], a[1]);
+    let s23 = _mm256_hadd_epi32(a[2], a[3]);
+    let s = _mm256_hadd_epi32(s01, s23);
+    _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
+}
+
+/// SPEC.md section 8.2 integer block scores (see `simd::portable_score_int`), 32 dims per
+/// step with `vpdpbusd` (AVX-512 VNNI on 256-bit registers: 4 u8 x i8 products summed into
+/// each i32 lane, exact, no saturation) for `pos . max` and `neg . min`; `W` from `vpabsb`,
+/// `vpmaxub`, `vpsadbw`; the last partial chunk of a row is a masked load (nothing past the
+/// row is read).
+///
+/// # Safety
+/// AVX-512 (with VNNI) available; `min`/`max` hold `out.len() * dt` bytes; `pos`/`neg` hold
+/// N rows of `qstride >= 32 * ceil(dt / 32)` bytes, zero past `dt`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+pub unsafe fn score_int<const N: usize>(
+    pos: &[u8],
+    neg: &[u8],
+    qstride: usize,
+    sq: &[f64; 4],
+    dt: usize,
+    min: &[i8],
+    max: &[i8],
+    scale: &[f32],
+    first: bool,
+    out: &mut [f32],
+) {
+    let zero = _mm256_setzero_si256();
+    let (pp, np) = (pos.as_ptr(), neg.as_ptr());
+    for (b, o) in out.iter_mut().enumerate() {
+        let (mxp, mnp) = (max.as_ptr().add(b * dt), min.as_ptr().add(b * dt));
+        let mut hi = [zero; 4];
+        let mut lo = [zero; 4];
+        let mut wacc = zero;
+        let mut c = 0;
+        while c < dt {
+            let k: u32 = if dt - c >= 32 {
+                u32::MAX
+            } else {
+                (1u32 << (dt - c)) - 1
+            };
+            let mx = _mm256_maskz_loadu_epi8(k, mxp.add(c));
+            let mn = _mm256_maskz_loadu_epi8(k, mnp.add(c));
+            let w = _mm256_max_epu8(_mm256_abs_epi8(mx), _mm256_abs_epi8(mn));
+            wacc = _mm256_add_epi64(wacc, _mm256_sad_epu8(w, zero));
+            for h in 0..N {
+                let p = _mm256_loadu_si256(pp.add(h * qstride + c) as *const __m256i);
+                let n = _mm256_loadu_si256(np.add(h * qstride + c) as *const __m256i);
+                hi[h] = _mm256_dpbusd_epi32(hi[h], p, mx);
+                lo[h] = _mm256_dpbusd_epi32(lo[h], n, mn);
+            }
+            c += 32;
+        }
+        let ws = _mm_add_epi64(
+            _mm256_castsi256_si128(wacc),
+            _mm256_extracti128_si256::<1>(wacc),
+        );
+        let w = (_mm_cvtsi128_si64(ws) + _mm_extract_epi64::<1>(ws)) as i32;
+        let mut d = [zero; 4];
+        for h in 0..N {
+            d[h] = _mm256_sub_epi32(hi[h], lo[h]);
+        }
+        let mut sums = [0i32; 4];
+        _mm_storeu_si128(sums.as_mut_ptr() as *mut __m128i, hsum4_i32(&d));
+        *o = crate::simd::combine_scores::<N>(&sums, w, sq, scale[b], first, *o);
+    }
+}

@@ -3,13 +3,15 @@
 //! AVX2), AVX2 + FMA + F16C (`std::arch`), and a portable scalar path
 //! written in 8-lane arrays.
 //!
-//! [`Path::rotate_query`] and [`Path::score_blocks`] are bit-identical
-//! between the AVX2 and the portable path: same lane structure, same
-//! reduction tree, no FMA. The AVX-512 scores use FMA and 16 lanes, so they
-//! differ in the last bits; the conformance suite holds every backend's
-//! scores to `SCORE_REL` of the reference and accepts selection differences
-//! only between near-tied blocks (SPEC.md section 8). Attention kernels may
-//! use FMA (their outputs are compared with a tolerance).
+//! [`Path::rotate_query`] and [`Path::score_blocks`] (MosaicKV's selection)
+//! are bit-identical on every path: the rotated query is summed in f64 in
+//! the reference's order, and the block score is exact integer arithmetic
+//! on the int8 bounds and the int8-quantized query (SPEC.md section 8),
+//! followed by the same f32 products. Quest's page scores
+//! ([`Path::score_pages_f16`]) are f32: AVX2 and portable agree bit for bit,
+//! the AVX-512 kernel uses FMA and 16 lanes and is held to the conformance
+//! tolerance. Attention kernels may use FMA (their outputs are compared with
+//! a tolerance).
 
 use half::f16;
 
@@ -61,35 +63,45 @@ impl Path {
         }
     }
 
-    /// `out[j] = sum_i R[i][j] * q[i]` for `j < out.len()`, ascending i, f32, mul then add
-    /// (SPEC.md section 8.1, optimized: f32). `rot` is the stored `d x dt` row-major rotation
-    /// (`dt = out.len()`). Bit-identical across paths.
+    /// SPEC.md section 8.1: `out[j] = f32(sum_i R[i][j] * q[i])` for `j < out.len()`, the sum
+    /// in f64 over ascending i (product, then sum; no FMA), as the reference computes it, so
+    /// every path gives the same f32 values (the block score quantizes them). `rot` is the
+    /// stored `d x dt` row-major rotation (`dt = out.len()`).
     #[inline]
     pub fn rotate_query(self, rot: &[f32], d: usize, q: &[f32], out: &mut [f32]) {
         let dt = out.len();
         assert!(rot.len() == d * dt && q.len() >= d && dt <= d);
-        out.fill(0.0);
+        let mut stack = [0f64; QMAX_DT];
+        let mut heap = Vec::new();
+        let acc: &mut [f64] = if dt <= QMAX_DT {
+            &mut stack[..dt]
+        } else {
+            heap.resize(dt, 0.0);
+            &mut heap
+        };
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; slice bounds asserted above.
-            Path::Avx2 | Path::Avx512 => unsafe { x86::rotate_query(rot, d, q, out) },
+            Path::Avx2 | Path::Avx512 => unsafe { x86::rotate_query_f64(rot, d, q, acc) },
             _ => {
                 for i in 0..d {
-                    let qi = q[i];
-                    let row = &rot[i * dt..(i + 1) * dt];
-                    for (o, &r) in out.iter_mut().zip(row) {
-                        *o += r * qi;
+                    let qi = f64::from(q[i]);
+                    for (a, &r) in acc.iter_mut().zip(&rot[i * dt..(i + 1) * dt]) {
+                        *a += f64::from(r) * qi;
                     }
                 }
             }
         }
+        for (o, &a) in out.iter_mut().zip(acc.iter()) {
+            *o = a as f32;
+        }
     }
 
-    /// Quest bound of every block on int8 metadata (SPEC.md section 8.2):
-    /// `scale[b] * max_h sum_j max(q_hj * max[b][j], q_hj * min[b][j])`, max over the `g`
-    /// query rows of `q` (`[g][stride]`, first `dt` entries used). `min`/`max` are
-    /// `[blocks][dt]` i8 (exact in f32), `scale` is `[blocks]` (>= 0, so scaling after the
-    /// max over heads is the same as before it). Bit-identical across paths.
+    /// SPEC.md section 8.2: `f32(max_h (scale[b] * s_q,h) * (I_hb + W_b / 2))` over the `g`
+    /// query rows of `q` (`[g][stride]`, first `dt` entries used), each quantized to int8 by
+    /// [`quantize_query`]; `I` and `W` are exact integer sums over the `[blocks][dt]` int8
+    /// bounds `min`/`max`, the products f64 in the reference's order: every path, and the
+    /// reference, give the same f32 scores.
     #[allow(clippy::too_many_arguments)]
     pub fn score_blocks(
         self,
@@ -109,27 +121,55 @@ impl Path {
                 && scale.len() == blocks
                 && q.len() >= (g - 1) * stride + dt
         );
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: detected features; sizes asserted above.
-            Path::Avx512 if dt <= crate::avx512::SCORE_MAX_DT => unsafe {
-                crate::avx512::score_blocks(
-                    q,
-                    g,
-                    stride,
-                    dt,
-                    min.as_ptr(),
-                    max.as_ptr(),
-                    Some(scale),
-                    out,
-                )
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 | Path::Avx512 => unsafe {
-                x86::score_blocks(q, g, stride, dt, min, max, scale, out)
-            },
-            _ => portable_score_blocks(q, g, stride, dt, min, max, scale, out),
+        if dt > QMAX_DT {
+            // Wider than the stack buffers (head_dim > 256): the portable kernel on heap buffers.
+            let (mut pos, mut neg) = (vec![0u8; dt], vec![0u8; dt]);
+            for h in 0..g {
+                let sq = quantize_query(&q[h * stride..h * stride + dt], &mut pos, &mut neg);
+                portable_score_int::<1>(&pos, &neg, dt, &[sq; 4], dt, min, max, scale, h == 0, out);
+            }
+        } else {
+            let mut pos = [0u8; 4 * QMAX_DT];
+            let mut neg = [0u8; 4 * QMAX_DT];
+            let mut h0 = 0;
+            while h0 < g {
+                let hn = (g - h0).min(4);
+                let mut sq = [0f64; 4];
+                for k in 0..hn {
+                    let r = k * QMAX_DT..(k + 1) * QMAX_DT;
+                    let qh = &q[(h0 + k) * stride..(h0 + k) * stride + dt];
+                    sq[k] = quantize_query(qh, &mut pos[r.clone()], &mut neg[r]);
+                }
+                let first = h0 == 0;
+                let (p, n) = (&pos[..], &neg[..]);
+                macro_rules! run {
+                    ($f:ident) => {
+                        match hn {
+                            1 => $f::<1>(p, n, QMAX_DT, &sq, dt, min, max, scale, first, out),
+                            2 => $f::<2>(p, n, QMAX_DT, &sq, dt, min, max, scale, first, out),
+                            3 => $f::<3>(p, n, QMAX_DT, &sq, dt, min, max, scale, first, out),
+                            _ => $f::<4>(p, n, QMAX_DT, &sq, dt, min, max, scale, first, out),
+                        }
+                    };
+                }
+                match self {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AVX-512 detected; every slice holds what the kernel reads (asserted
+                    // above: `blocks * dt` bounds, `hn` quantized rows of `QMAX_DT >= dt` bytes).
+                    Path::Avx512 => unsafe {
+                        use crate::avx512::score_int;
+                        run!(score_int)
+                    },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AVX2 detected; as above.
+                    Path::Avx2 => unsafe {
+                        use x86::score_int;
+                        run!(score_int)
+                    },
+                    _ => run!(portable_score_int),
+                }
+                h0 += 4;
+            }
         }
     }
 
@@ -408,7 +448,7 @@ impl Path {
     }
 }
 
-/// Whether AVX-512 F, BW, VL and VBMI2 are available on top of [`avx2_available`].
+/// Whether AVX-512 F, BW, VL, VBMI2 and VNNI are available on top of [`avx2_available`].
 pub fn avx512_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -417,6 +457,7 @@ pub fn avx512_available() -> bool {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vbmi2")
+            && is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -486,47 +527,91 @@ fn reduce8(a: &[f32; 8]) -> f32 {
     t[0] + t[1]
 }
 
+/// Widest `Dt` whose quantized queries [`Path::score_blocks`] keeps on the stack.
+pub const QMAX_DT: usize = 256;
+
+/// SPEC.md section 8.2: quantizes one rotated query `q` (length `Dt`) to int8,
+/// `a_j = round_half_even(q_j / s_q)` with `s_q = max_j |q_j| / 127` (f64), clamped to
+/// `[-127, 127]`; writes `a_j` as two byte rows, `pos_j = max(a_j, 0)` and
+/// `neg_j = max(-a_j, 0)` (zero past `Dt`), and returns `s_q` (0 for a zero query).
+pub fn quantize_query(q: &[f32], pos: &mut [u8], neg: &mut [u8]) -> f64 {
+    pos.fill(0);
+    neg.fill(0);
+    let m = q.iter().fold(0f32, |m, &x| m.max(x.abs()));
+    if m == 0.0 {
+        return 0.0;
+    }
+    let s = f64::from(m) / 127.0;
+    for (j, &x) in q.iter().enumerate() {
+        let a = (f64::from(x) / s).round_ties_even().clamp(-127.0, 127.0) as i32;
+        if a >= 0 {
+            pos[j] = a as u8;
+        } else {
+            neg[j] = (-a) as u8;
+        }
+    }
+    s
+}
+
+/// SPEC 8.2's last step for one block: `f32(max_h (s_b * sq[h]) * (I_h + W / 2))` in f64,
+/// the reference's order of operations; the max with `prev` unless `first`.
+#[inline(always)]
+pub(crate) fn combine_scores<const N: usize>(
+    sums: &[i32; 4],
+    w: i32,
+    sq: &[f64; 4],
+    sb: f32,
+    first: bool,
+    prev: f32,
+) -> f32 {
+    let mut best = f64::NEG_INFINITY;
+    for h in 0..N {
+        best = best.max(f64::from(sb) * sq[h] * (f64::from(sums[h]) + 0.5 * f64::from(w)));
+    }
+    let v = best as f32;
+    if first {
+        v
+    } else {
+        prev.max(v)
+    }
+}
+
+/// `out[b] = max(out[b], f32(max_h (scale[b] * sq[h]) * (I_hb + W_b / 2)))` (f64 products;
+/// `out[b]` overwritten when `first`)
+/// for N quantized heads at `pos/neg[h * qstride ..]`: `I_hb = sum_j pos_hj max_bj - neg_hj
+/// min_bj` (= `sum_j max(a_j max_bj, a_j min_bj)`), `W_b = sum_j max(|max_bj|, |min_bj|)`.
 #[allow(clippy::too_many_arguments)]
-fn portable_score_blocks(
-    q: &[f32],
-    g: usize,
-    stride: usize,
+fn portable_score_int<const N: usize>(
+    pos: &[u8],
+    neg: &[u8],
+    qstride: usize,
+    sq: &[f64; 4],
     dt: usize,
     min: &[i8],
     max: &[i8],
     scale: &[f32],
+    first: bool,
     out: &mut [f32],
 ) {
-    let d8 = dt / 8 * 8;
-    let mut mx = vec![0f32; dt];
-    let mut mn = vec![0f32; dt];
     for (b, o) in out.iter_mut().enumerate() {
-        for j in 0..dt {
-            mx[j] = f32::from(max[b * dt + j]);
-            mn[j] = f32::from(min[b * dt + j]);
-        }
-        let mut best = f32::NEG_INFINITY;
-        for h in 0..g {
-            let qh = &q[h * stride..h * stride + dt];
-            let mut acc = [0f32; 8];
-            for c in (0..d8).step_by(8) {
-                for l in 0..8 {
-                    let a = qh[c + l] * mx[c + l];
-                    let bb = qh[c + l] * mn[c + l];
-                    acc[l] += if a > bb { a } else { bb };
-                }
+        let (mx, mn) = (&max[b * dt..(b + 1) * dt], &min[b * dt..(b + 1) * dt]);
+        let w: i32 = mx
+            .iter()
+            .zip(mn)
+            .map(|(&x, &y)| i32::from(x).abs().max(i32::from(y).abs()))
+            .sum();
+        let sums: [i32; 4] = std::array::from_fn(|h| {
+            if h >= N {
+                return 0;
             }
-            let mut s = reduce8(&acc);
-            for j in d8..dt {
-                let a = qh[j] * mx[j];
-                let bb = qh[j] * mn[j];
-                s += if a > bb { a } else { bb };
+            let (p, n) = (&pos[h * qstride..], &neg[h * qstride..]);
+            let mut i_sum = 0i32;
+            for j in 0..dt {
+                i_sum += i32::from(p[j]) * i32::from(mx[j]) - i32::from(n[j]) * i32::from(mn[j]);
             }
-            if h == 0 || s > best {
-                best = s;
-            }
-        }
-        *o = best * scale[b];
+            i_sum
+        });
+        *o = combine_scores::<N>(&sums, w, sq, scale[b], first, *o);
     }
 }
 
@@ -627,114 +712,101 @@ mod x86 {
         }
     }
 
+    /// `acc[j] += f64(R[i][j]) * f64(q[i])` over ascending i, 4 f64 lanes (mul then add, no
+    /// FMA: bit-identical to the portable loop and to the reference).
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn rotate_query(rot: &[f32], d: usize, q: &[f32], out: &mut [f32]) {
-        let dt = out.len();
-        let d8 = dt / 8 * 8;
+    pub unsafe fn rotate_query_f64(rot: &[f32], d: usize, q: &[f32], acc: &mut [f64]) {
+        let dt = acc.len();
+        let d4 = dt / 4 * 4;
         for i in 0..d {
-            let qi = q[i];
-            let qv = _mm256_set1_ps(qi);
+            let qi = f64::from(q[i]);
+            let qv = _mm256_set1_pd(qi);
             let row = rot.as_ptr().add(i * dt);
             let mut j = 0;
-            while j < d8 {
-                let o = out.as_mut_ptr().add(j);
-                // mul then add (no FMA): bit-identical to the portable path.
-                _mm256_storeu_ps(
-                    o,
-                    _mm256_add_ps(
-                        _mm256_loadu_ps(o),
-                        _mm256_mul_ps(_mm256_loadu_ps(row.add(j)), qv),
-                    ),
-                );
-                j += 8;
+            while j < d4 {
+                let a = acc.as_mut_ptr().add(j);
+                let r = _mm256_cvtps_pd(_mm_loadu_ps(row.add(j)));
+                _mm256_storeu_pd(a, _mm256_add_pd(_mm256_loadu_pd(a), _mm256_mul_pd(r, qv)));
+                j += 4;
             }
-            for j in d8..dt {
-                out[j] += *row.add(j) * qi;
+            for j in d4..dt {
+                acc[j] += f64::from(*row.add(j)) * qi;
             }
         }
     }
 
-    /// 8 i8 -> 8 f32 (exact): `vpmovsxbd` then `vcvtdq2ps`.
-    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    #[inline]
-    unsafe fn load_i8(p: *const i8) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
-    }
-
-    /// Lane sums of the Quest bound (unscaled int8 bounds) for N heads over the first `d8`
-    /// dims of one block.
-    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    #[inline]
-    unsafe fn score_heads<const N: usize>(
-        q: *const f32,
-        stride: usize,
-        d8: usize,
-        mxp: *const i8,
-        mnp: *const i8,
-        out: &mut [f32; 4],
-    ) {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut c = 0;
-        while c < d8 {
-            let mx = load_i8(mxp.add(c));
-            let mn = load_i8(mnp.add(c));
-            for k in 0..N {
-                let qv = _mm256_loadu_ps(q.add(k * stride + c));
-                // mul, mul, max, add (no FMA): bit-identical to the portable path.
-                let t = _mm256_max_ps(_mm256_mul_ps(qv, mx), _mm256_mul_ps(qv, mn));
-                acc[k] = _mm256_add_ps(acc[k], t);
-            }
-            c += 8;
-        }
-        for k in 0..N {
-            out[k] = hsum(acc[k]);
-        }
-    }
-
+    /// SPEC 8.2 integer scores (see `portable_score_int`): 32 bytes per step with
+    /// `vpmaddubsw` (u8 query halves x i8 bounds; pair sums <= 2 * 127 * 128 never saturate)
+    /// and `vpmaddwd` by ones; `W` from `vpabsb`, `vpmaxub`, `vpsadbw`. The last partial
+    /// chunk of a row is copied to a zeroed local first (no read past the row).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn score_blocks(
-        q: &[f32],
-        g: usize,
-        stride: usize,
+    pub unsafe fn score_int<const N: usize>(
+        pos: &[u8],
+        neg: &[u8],
+        qstride: usize,
+        sq: &[f64; 4],
         dt: usize,
         min: &[i8],
         max: &[i8],
         scale: &[f32],
+        first: bool,
         out: &mut [f32],
     ) {
-        let d8 = dt / 8 * 8;
+        let ones = _mm256_set1_epi16(1);
+        let zero = _mm256_setzero_si256();
+        let d32 = dt / 32 * 32;
+        let (pp, np) = (pos.as_ptr(), neg.as_ptr());
         for (b, o) in out.iter_mut().enumerate() {
-            let mxp = max.as_ptr().add(b * dt);
-            let mnp = min.as_ptr().add(b * dt);
-            let mut best = f32::NEG_INFINITY;
-            let mut h0 = 0;
-            while h0 < g {
-                let hn = (g - h0).min(4);
-                let mut sums = [0f32; 4];
-                let qp = q.as_ptr().add(h0 * stride);
-                match hn {
-                    1 => score_heads::<1>(qp, stride, d8, mxp, mnp, &mut sums),
-                    2 => score_heads::<2>(qp, stride, d8, mxp, mnp, &mut sums),
-                    3 => score_heads::<3>(qp, stride, d8, mxp, mnp, &mut sums),
-                    _ => score_heads::<4>(qp, stride, d8, mxp, mnp, &mut sums),
+            let (mxp, mnp) = (max.as_ptr().add(b * dt), min.as_ptr().add(b * dt));
+            let mut acc = [zero; N];
+            let mut wacc = zero;
+            let mut c = 0;
+            while c < dt {
+                let (mut tx, mut tn) = ([0i8; 32], [0i8; 32]);
+                let (mx, mn) = if c < d32 {
+                    (
+                        _mm256_loadu_si256(mxp.add(c) as *const __m256i),
+                        _mm256_loadu_si256(mnp.add(c) as *const __m256i),
+                    )
+                } else {
+                    tx[..dt - c].copy_from_slice(&max[b * dt + c..(b + 1) * dt]);
+                    tn[..dt - c].copy_from_slice(&min[b * dt + c..(b + 1) * dt]);
+                    (
+                        _mm256_loadu_si256(tx.as_ptr() as *const __m256i),
+                        _mm256_loadu_si256(tn.as_ptr() as *const __m256i),
+                    )
+                };
+                let w = _mm256_max_epu8(_mm256_abs_epi8(mx), _mm256_abs_epi8(mn));
+                wacc = _mm256_add_epi64(wacc, _mm256_sad_epu8(w, zero));
+                for h in 0..N {
+                    let p = _mm256_loadu_si256(pp.add(h * qstride + c) as *const __m256i);
+                    let n = _mm256_loadu_si256(np.add(h * qstride + c) as *const __m256i);
+                    let hi = _mm256_madd_epi16(_mm256_maddubs_epi16(p, mx), ones);
+                    let lo = _mm256_madd_epi16(_mm256_maddubs_epi16(n, mn), ones);
+                    acc[h] = _mm256_sub_epi32(_mm256_add_epi32(acc[h], hi), lo);
                 }
-                for (k, &s0) in sums.iter().enumerate().take(hn) {
-                    let h = h0 + k;
-                    let mut s = s0;
-                    for j in d8..dt {
-                        let qj = q[h * stride + j];
-                        let x = qj * f32::from(*mxp.add(j));
-                        let y = qj * f32::from(*mnp.add(j));
-                        s += if x > y { x } else { y };
-                    }
-                    if h == 0 || s > best {
-                        best = s;
-                    }
-                }
-                h0 += 4;
+                c += 32;
             }
-            *o = best * scale[b];
+            let ws = _mm_add_epi64(
+                _mm256_castsi256_si128(wacc),
+                _mm256_extracti128_si256::<1>(wacc),
+            );
+            let w = (_mm_cvtsi128_si64(ws) + _mm_extract_epi64::<1>(ws)) as i32;
+            let mut d = [zero; 4];
+            d[..N].copy_from_slice(&acc);
+            let s01 = _mm256_hadd_epi32(d[0], d[1]);
+            let s23 = _mm256_hadd_epi32(d[2], d[3]);
+            let s4 = _mm256_hadd_epi32(s01, s23);
+            let mut sums = [0i32; 4];
+            _mm_storeu_si128(
+                sums.as_mut_ptr() as *mut __m128i,
+                _mm_add_epi32(
+                    _mm256_castsi256_si128(s4),
+                    _mm256_extracti128_si256::<1>(s4),
+                ),
+            );
+            *o = super::combine_scores::<N>(&sums, w, sq, scale[b], first, *o);
         }
     }
 

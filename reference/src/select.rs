@@ -42,24 +42,61 @@ pub fn rotate_queries(queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Ar
     Ok(out)
 }
 
-/// SPEC.md section 8.2 for one block and one rotated query (f64):
-/// `s = s_b * sum_{j<Dt} max(q'_j * qmax_j, q'_j * qmin_j)`.
+/// SPEC.md section 8.2: a rotated query (f32) quantized to int8, `q'_j = s_q (a_j + e_j)`
+/// with `|e_j| <= 1/2`: `s_q = max_j |q'_j| / 127` (f64), `a_j = round_half_even(q'_j / s_q)`
+/// (f64) in `[-127, 127]`; all zero (and `s_q = 0`) for a zero query.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantQuery {
+    pub scale: f64,
+    pub a: Vec<i32>,
+}
+
+impl QuantQuery {
+    pub fn new(q: &[f32]) -> Self {
+        let m = q.iter().fold(0f32, |m, &x| m.max(x.abs()));
+        if m == 0.0 {
+            return Self {
+                scale: 0.0,
+                a: vec![0; q.len()],
+            };
+        }
+        let scale = f64::from(m) / 127.0;
+        let a = q
+            .iter()
+            .map(|&x| ((f64::from(x) / scale).round_ties_even() as i32).clamp(-127, 127))
+            .collect();
+        Self { scale, a }
+    }
+}
+
+/// SPEC.md section 8.2, the integer part for one block: `I = sum_{j<Dt}
+/// max(a_j qmax_j, a_j qmin_j)` and `W = sum_{j<Dt} max(|qmax_j|, |qmin_j|)`.
+pub fn block_integer_terms(meta: &BlockMeta, block: usize, a: &[i32]) -> (i64, i64) {
+    let dt = meta.kept_dims;
+    let (mut i_sum, mut w_sum) = (0i64, 0i64);
+    for j in 0..dt {
+        let hi = i64::from(meta.max[block * dt + j]);
+        let lo = i64::from(meta.min[block * dt + j]);
+        let aj = i64::from(a[j]);
+        i_sum += (aj * hi).max(aj * lo);
+        w_sum += hi.abs().max(lo.abs());
+    }
+    (i_sum, w_sum)
+}
+
+/// SPEC.md section 8.2 for one block and one quantized rotated query (f64):
+/// `s = s_b * s_q * (I + W / 2)`.
 ///
 /// Upper bound: for every decoded key `k^` of the block and every `j`,
 /// `qmin_j s_b <= m_j <= k^_j <= M_j <= qmax_j s_b` (section 7 rounds the
-/// stored bounds outward), so `q'_j k^_j <= max(q'_j qmax_j s_b, q'_j qmin_j s_b)`
-/// (a linear function of `k^_j` on an interval is largest at an end point);
-/// summing over `j` and taking `s_b >= 0` out of the max gives
-/// `q' . k^ <= s_b * sum_j max(q'_j qmax_j, q'_j qmin_j)`.
-pub fn block_score_f64(meta: &BlockMeta, block: usize, q: &[f64]) -> f64 {
-    let dt = meta.kept_dims;
-    let mut s = 0.0;
-    for j in 0..dt {
-        let hi = f64::from(meta.max[block * dt + j]);
-        let lo = f64::from(meta.min[block * dt + j]);
-        s += (q[j] * hi).max(q[j] * lo);
-    }
-    f64::from(meta.scale[block]) * s
+/// stored bounds outward), so `q'_j k^_j <= s_b max(q'_j qmax_j, q'_j qmin_j)`
+/// (a linear function of `k^_j` on an interval is largest at an end point).
+/// With `q'_j = s_q (a_j + e_j)`, `|e_j| <= 1/2`:
+/// `max(q'_j x, q'_j y) <= s_q (max(a_j x, a_j y) + |e_j| max(|x|, |y|))`,
+/// and summing over `j` gives `q' . k^ <= s_b s_q (I + W / 2)`.
+pub fn block_score_f64(meta: &BlockMeta, block: usize, q: &QuantQuery) -> f64 {
+    let (i_sum, w_sum) = block_integer_terms(meta, block, &q.a);
+    f64::from(meta.scale[block]) * q.scale * (i_sum as f64 + 0.5 * w_sum as f64)
 }
 
 /// Checks a block metadata's internal sizes and values ([`BlockMeta::validate`]).
@@ -95,8 +132,8 @@ pub fn check_meta(meta: &BlockMeta) -> Result<()> {
         .map_err(|e| MosaicError::CorruptPacked(format!("block metadata: {e}")))
 }
 
-/// SPEC.md section 8.2: per block, the score (f64 accumulation, rounded
-/// to f32) maximised over the group's rotated queries `[group, Dt]`.
+/// SPEC.md section 8.2: per block, the score (integer sums, then f64,
+/// rounded to f32) maximised over the group's rotated queries `[group, Dt]`.
 pub fn score_blocks(meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Result<Vec<f32>> {
     check_meta(meta)?;
     if rotated_queries.ncols() != meta.kept_dims || rotated_queries.nrows() == 0 {
@@ -107,10 +144,10 @@ pub fn score_blocks(meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Resul
         });
     }
     finite("rotated queries", rotated_queries.iter())?;
-    let queries: Vec<Vec<f64>> = rotated_queries
+    let queries: Vec<QuantQuery> = rotated_queries
         .rows()
         .into_iter()
-        .map(|q| q.iter().map(|&v| f64::from(v)).collect())
+        .map(|q| QuantQuery::new(&q.iter().copied().collect::<Vec<f32>>()))
         .collect();
     let mut scores = Vec::with_capacity(meta.blocks());
     for b in 0..meta.blocks() {
