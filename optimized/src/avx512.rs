@@ -327,3 +327,44 @@ pub unsafe fn score_int<const N: usize>(
         *o = crate::simd::combine_scores::<N>(&sums, w, sq, scale[b], first, *o);
     }
 }
+
+/// SPEC.md section 8.1's sums for one query: `acc[j] = sum_i f64(R[i][j]) * f64(q[i])` over
+/// ascending i (mul then add, no FMA: the reference's values bit for bit), `R` the stored
+/// `d x dt` rotation. Four 8-column chunks per pass keep four independent add chains in
+/// registers (the AVX2 version reloads its accumulators every row).
+///
+/// # Safety
+/// AVX-512 available; `rot` holds `d * acc.len()` floats, `q` at least `d`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+pub unsafe fn rotate_query_f64(rot: &[f32], d: usize, q: &[f32], acc: &mut [f64]) {
+    let dt = acc.len();
+    let mut c = 0;
+    while c < dt {
+        let mut a = [_mm512_setzero_pd(); 4];
+        let mut m = [0u8; 4];
+        for (k, mk) in m.iter_mut().enumerate() {
+            let lo = c + 8 * k;
+            *mk = if lo >= dt {
+                0
+            } else if dt - lo >= 8 {
+                0xff
+            } else {
+                (1u8 << (dt - lo)) - 1
+            };
+        }
+        for i in 0..d {
+            let qv = _mm512_set1_pd(f64::from(*q.get_unchecked(i)));
+            let row = rot.as_ptr().add(i * dt + c);
+            for k in 0..4 {
+                // Masked-off chunks past `dt` read nothing (wrapping_add: the address may lie
+                // past the slice, and is never dereferenced there).
+                let r = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m[k], row.wrapping_add(8 * k)));
+                a[k] = _mm512_add_pd(a[k], _mm512_mul_pd(r, qv));
+            }
+        }
+        for k in 0..4 {
+            _mm512_mask_storeu_pd(acc.as_mut_ptr().wrapping_add(c + 8 * k), m[k], a[k]);
+        }
+        c += 32;
+    }
+}

@@ -153,3 +153,44 @@ fn scores_agree_with_portable_within_score_rel() {
         }
     }
 }
+
+#[test]
+fn rotated_queries_are_bit_identical_on_every_path() {
+    // SPEC 8.1: f64 sums over ascending i, product then sum, one rounding to f32.
+    let mut rng = Rng(0x0123_4567_89ab_cdef);
+    for path in paths() {
+        for (d, dt) in [
+            (32usize, 24usize),
+            (64, 48),
+            (64, 64),
+            (80, 60),
+            (128, 96),
+            (128, 128),
+            (256, 250),
+        ] {
+            let rot: Vec<f32> = (0..d * dt).map(|_| rng.unit()).collect();
+            let q: Vec<f32> = (0..d).map(|_| 3.0 * rng.unit()).collect();
+            let mut want = vec![f32::NAN; dt];
+            let mut got = vec![f32::NAN; dt];
+            Path::Portable.rotate_query(&rot, d, &q, &mut want);
+            path.rotate_query(&rot, d, &q, &mut got);
+            // The portable loop is the reference's formula: f32(sum_i f64(R[i][j]) * f64(q[i])).
+            for j in 0..dt {
+                let mut s = 0f64;
+                for i in 0..d {
+                    s += f64::from(rot[i * dt + j]) * f64::from(q[i]);
+                }
+                assert_eq!(
+                    want[j].to_bits(),
+                    (s as f32).to_bits(),
+                    "portable d {d} dt {dt} j {j}"
+                );
+                assert_eq!(
+                    got[j].to_bits(),
+                    want[j].to_bits(),
+                    "{path:?} d {d} dt {dt} j {j}"
+                );
+            }
+        }
+    }
+}
