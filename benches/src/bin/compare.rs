@@ -36,7 +36,9 @@ struct Args {
     /// Query samples used for the error against exact f64 full attention.
     #[arg(long, default_value_t = 3)]
     error_samples: usize,
-    /// Methods to run (full,quest,mosaic); the speedup columns need full and quest.
+    /// Methods to run (full,quest,mosaic; also mosaic-vblocks: the same 10 % tokens and 25 %
+    /// channels with the default block-size rule, blocks of 16/32/64 by key variance, SPEC
+    /// 11.3); the speedup columns need full and quest.
     #[arg(long, value_delimiter = ',', default_value = "full,quest,mosaic")]
     methods: Vec<String>,
     /// Bytes of the bandwidth probe buffer.
@@ -194,6 +196,27 @@ fn main() {
             quest.prefill(keys.view(), values.view()).expect("prefill");
             let b = quest.bytes_per_step();
             run("quest", &mut quest, t.elapsed().as_secs_f64(), b, &mut rows);
+        }
+        if want("mosaic-vblocks") {
+            let cfg = CompressConfig {
+                block_sizes: CompressConfig::default().block_sizes,
+                ..CompressConfig::paper_fixed()
+            };
+            let t = Instant::now();
+            let mut m = OptimizedMosaicCache::new(shape, cfg).expect("cache");
+            m.prefill(keys.view(), values.view()).expect("prefill");
+            let build = t.elapsed().as_secs_f64();
+            let mut sizes: Vec<usize> = m
+                .compressed()
+                .segments
+                .iter()
+                .flat_map(|s| s.heads.iter().map(|h| h.strategy.block_size))
+                .collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            eprintln!("[{ctx}] mosaic-vblocks prefill: {build:.1} s, block sizes chosen {sizes:?}");
+            let b = mosaic_bytes(&m, &base[0]);
+            run("mosaic-vblocks", &mut m, build, b, &mut rows);
         }
         if !want("mosaic") {
             continue;
