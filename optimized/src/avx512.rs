@@ -55,6 +55,34 @@ pub unsafe fn expand_g1(
     out: *mut f32,
 ) {
     let groups = dt.div_ceil(32);
+    if r <= 32 && dp == 32 * groups {
+        // All values fit one register: one load per record, independent of the bitmap; group
+        // c's values are lanes off_c.. of it (`vpermw` by iota + off_c), so no load address
+        // waits for a popcount.
+        let iota = _mm512_set_epi16(
+            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10,
+            9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        );
+        let lr = if r >= 32 { u32::MAX } else { (1u32 << r) - 1 };
+        for t in 0..n {
+            let rec = bytes.add(t * rb);
+            let row = out.add(t * dp);
+            let vall = _mm512_maskz_loadu_epi16(lr, rec.add(bb) as *const i16);
+            let mut off = 0i16;
+            for c in 0..groups {
+                let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
+                let idx = _mm512_add_epi16(iota, _mm512_set1_epi16(off));
+                let e = _mm512_maskz_expand_epi16(mask, _mm512_permutexvar_epi16(idx, vall));
+                _mm512_storeu_ps(row.add(32 * c), _mm512_cvtph_ps(_mm512_castsi512_si256(e)));
+                _mm512_storeu_ps(
+                    row.add(32 * c + 16),
+                    _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(e)),
+                );
+                off += mask.count_ones() as i16;
+            }
+        }
+        return;
+    }
     for t in 0..n {
         let rec = bytes.add(t * rb);
         let src = rec.add(bb) as *const i16;
