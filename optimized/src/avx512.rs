@@ -282,16 +282,6 @@ macro_rules! score_kernel_512 {
 
 score_kernel_512!(score_pages_f16, score_heads_f16, f16, ld_f16, ldm_f16);
 
-/// The four i32 lane sums of `a[0..4]` as one xmm `[sum a0, sum a1, sum a2, sum a3]`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn hsum4_i32(a: &[__m256i; 4]) -> __m128i {
-    let s01 = _mm256_hadd_epi32(a[0], a[1]);
-    let s23 = _mm256_hadd_epi32(a[2], a[3]);
-    let s = _mm256_hadd_epi32(s01, s23);
-    _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
-}
-
 /// SPEC.md section 8.2 integer block scores (see `simd::portable_score_int`), 32 dims per
 /// step with `vpdpbusd` (AVX-512 VNNI on 256-bit registers: 4 u8 x i8 products summed into
 /// each i32 lane, exact, no saturation) for `pos . max` and `neg . min`; `W` from `vpabsb`,
@@ -351,7 +341,10 @@ pub unsafe fn score_int<const N: usize>(
             d[h] = _mm256_sub_epi32(hi[h], lo[h]);
         }
         let mut sums = [0i32; 4];
-        _mm_storeu_si128(sums.as_mut_ptr() as *mut __m128i, hsum4_i32(&d));
+        _mm_storeu_si128(
+            sums.as_mut_ptr() as *mut __m128i,
+            crate::simd::x86::hsum4_i32(&d),
+        );
         *o = crate::simd::combine_scores::<N>(&sums, w, sq, scale[b], first, *o);
     }
 }
