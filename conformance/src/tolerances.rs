@@ -10,9 +10,10 @@
 //! largest head_dim we test (256), with a 4x margin, unless stated.
 
 /// Attention output (SPEC 9), relative L2 against the reference's f64
-/// output, for a given selection. Errors: the rotated query (6e-5 relative,
-/// entering the logits and so the softmax weights multiplicatively through
-/// exp), f32 online-softmax rescaling (a few u per merge), the value
+/// output, for a given selection. Errors: the f32 logits (a length-Dt dot
+/// product, up to ~6e-5 relative at Dt = 256, entering the softmax weights
+/// multiplicatively through exp; the reference uses the unrounded f64 rotated
+/// query), f32 online-softmax rescaling (a few u per merge), the value
 /// back-rotation (another length-D dot product). Logits here are O(1-10), so
 /// a 6e-5 relative logit error moves weights by up to ~6e-4 relative: 1e-3.
 pub const ATTEND_REL_L2: f64 = 1e-3;

@@ -483,18 +483,11 @@ pub fn fit_side_rotated(
     Ok((
         SideStrategy {
             layout: cands[k],
-            rotation: trim_rotation(&rotation, d, cands[k].kept_dims),
+            rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, cands[k].kept_dims),
             fit_loss: losses[k],
         },
         xr,
     ))
-}
-
-/// SPEC 3 step 4: the stored rotation, the first `dt` columns of the full `d x d` R.
-pub fn trim_rotation(full: &[f32], d: usize, dt: usize) -> Vec<f32> {
-    full.chunks_exact(d)
-        .flat_map(|row| row[..dt].iter().copied())
-        .collect()
 }
 
 /// SPEC 11.1 for rows `[n][d]` under an existing strategy.

@@ -372,7 +372,7 @@ fn fit_side_from_cov(
     Ok((
         SideStrategy {
             layout: cands[k],
-            rotation: encode::trim_rotation(&rotation, d, cands[k].kept_dims),
+            rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, cands[k].kept_dims),
             fit_loss: losses[k],
         },
         xr,

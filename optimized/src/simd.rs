@@ -23,8 +23,9 @@ pub const TILE: usize = 16;
 pub enum Path {
     /// `std::arch` AVX2, FMA and F16C, detected at run time.
     Avx2,
-    /// AVX-512 F/BW/VL/VBMI2 on top of [`Path::Avx2`], detected at run time: expansion,
-    /// tile and score kernels 16 lanes wide; everything else as `Avx2`.
+    /// AVX-512 F/BW/VL/VBMI2/VNNI on top of [`Path::Avx2`], detected at run time: bitmap
+    /// expansion, block and page scores and the query rotation (`crate::avx512`);
+    /// everything else as `Avx2`.
     Avx512,
     /// Plain Rust, no target features beyond the build's baseline.
     Portable,
@@ -289,7 +290,7 @@ impl Path {
         }
     }
 
-    /// Software prefetch of `bytes` (AVX2 path only; a no-op otherwise).
+    /// Software prefetch of `bytes` (SIMD paths; a no-op on the portable path).
     #[inline]
     pub fn prefetch(self, bytes: &[u8]) {
         #[cfg(target_arch = "x86_64")]
@@ -299,7 +300,7 @@ impl Path {
         }
     }
 
-    /// Whether the fused f16-row tile kernels apply (AVX2 path, `d` a multiple of 8).
+    /// Whether the fused f16-row tile kernels apply (SIMD paths, `d` a multiple of 8).
     #[inline]
     pub fn fused_f16(self, d: usize) -> bool {
         self != Path::Portable && d % 8 == 0

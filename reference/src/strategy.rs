@@ -2,7 +2,8 @@
 
 use crate::packed::{decode_rows, encode_rows};
 use crate::rotation::fit_rotation;
-use crate::topr::{kept_dims, rotate_row_f64, select_row, trim_rotation};
+use crate::topr::{kept_dims, rotate_row_f64, select_row};
+use mosaickv_spec::layout::trim_rotation;
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{
     ceil_to, ChannelPolicy, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy,

@@ -28,16 +28,6 @@ pub fn rotate_row_f64(row: &[f32], rotation: &[f32]) -> Vec<f64> {
     out
 }
 
-/// The stored rotation (SPEC.md section 3 step 4): the first `dt` columns of the
-/// row-major `D x D` matrix `full`, row-major `D x dt`.
-pub fn trim_rotation(full: &[f32], d: usize, dt: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(d * dt);
-    for i in 0..d {
-        out.extend_from_slice(&full[i * d..i * d + dt]);
-    }
-    out
-}
-
 /// SPEC.md section 5 step 1: `y_j = f16(x'_j)` for `j < Dt`.
 pub fn round_kept(rotated: &[f64], kept_dims: usize) -> Vec<f16> {
     rotated[..kept_dims]

@@ -216,6 +216,14 @@ impl PackedRows {
     }
 }
 
+/// The stored rotation (SPEC.md section 3 step 4): the first `dt` columns of the row-major
+/// `d x d` matrix `full`, row-major `d x dt`.
+pub fn trim_rotation(full: &[f32], d: usize, dt: usize) -> Vec<f32> {
+    full.chunks_exact(d)
+        .flat_map(|row| row[..dt].iter().copied())
+        .collect()
+}
+
 /// Reads bits `64 w .. 64 w + 64` of a record's bitmap (bits past the stored
 /// bitmap read as 0).
 #[inline]

@@ -197,45 +197,42 @@ fn main() {
             let b = quest.bytes_per_step();
             run("quest", &mut quest, t.elapsed().as_secs_f64(), b, &mut rows);
         }
-        if want("mosaic-vblocks") {
-            let cfg = CompressConfig {
-                block_sizes: CompressConfig::default().block_sizes,
-                ..CompressConfig::paper_fixed()
-            };
+        // Builds a MosaicKV cache of this context, reports its segments and block sizes.
+        let build_mosaic = |name: &str, cfg: CompressConfig| {
             let t = Instant::now();
             let mut m = OptimizedMosaicCache::new(shape, cfg).expect("cache");
             m.prefill(keys.view(), values.view()).expect("prefill");
             let build = t.elapsed().as_secs_f64();
-            let mut sizes: Vec<usize> = m
-                .compressed()
-                .segments
+            let segs = &m.compressed().segments;
+            let closed = segs
+                .iter()
+                .filter(|s| s.state == SegmentState::Closed)
+                .count();
+            let mut sizes: Vec<usize> = segs
                 .iter()
                 .flat_map(|s| s.heads.iter().map(|h| h.strategy.block_size))
                 .collect();
             sizes.sort_unstable();
             sizes.dedup();
-            eprintln!("[{ctx}] mosaic-vblocks prefill: {build:.1} s, block sizes chosen {sizes:?}");
+            eprintln!(
+                "[{ctx}] {name} prefill: {build:.1} s, {} segments ({closed} closed), block sizes {sizes:?}",
+                segs.len()
+            );
+            (m, build)
+        };
+        if want("mosaic-vblocks") {
+            let cfg = CompressConfig {
+                block_sizes: CompressConfig::default().block_sizes,
+                ..CompressConfig::paper_fixed()
+            };
+            let (mut m, build) = build_mosaic("mosaic-vblocks", cfg);
             let b = mosaic_bytes(&m, &base[0]);
             run("mosaic-vblocks", &mut m, build, b, &mut rows);
         }
         if !want("mosaic") {
             continue;
         }
-        let t = Instant::now();
-        let mut mosaic =
-            OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).expect("cache");
-        mosaic.prefill(keys.view(), values.view()).expect("prefill");
-        let build = t.elapsed().as_secs_f64();
-        eprintln!(
-            "[{ctx}] mosaic prefill: {build:.1} s, {} segments ({} closed)",
-            mosaic.compressed().segments.len(),
-            mosaic
-                .compressed()
-                .segments
-                .iter()
-                .filter(|s| s.state == SegmentState::Closed)
-                .count()
-        );
+        let (mut mosaic, build) = build_mosaic("mosaic", CompressConfig::paper_fixed());
         let b = mosaic_bytes(&mosaic, &base[0]);
         run("mosaic", &mut mosaic, build, b, &mut rows);
         if ctx == largest && args.reference_steps > 0 {

@@ -96,11 +96,4 @@ fn main() {
             black_box(&acc);
         });
     }
-    // A dependent chain of 1e9 integer adds: about 1 cycle each, so ns per add ~ 1 / GHz.
-    let mut s = 0u64;
-    time("dependent add (~1 cycle)", 1 << 28, 1, || {
-        for i in 0..(1u64 << 28) {
-            s = black_box(s.wrapping_add(i));
-        }
-    });
 }
