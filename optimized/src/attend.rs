@@ -74,12 +74,15 @@ pub fn online_update(
 ) {
     let (m, rest) = st.split_at_mut(g);
     let (l, acc) = rest.split_at_mut(g);
-    online_softmax(m, l, acc, g, dp, logits, n);
+    online_softmax(m, l, acc, g, dp, logits, n, None);
     path.tile_accumulate(logits, g, dp, vtile, n, acc);
 }
 
 /// The softmax half of [`online_update`] for `g` heads with running max `m`, sum `l`,
 /// accumulators `acc` (`[g][dp]`): logits become probabilities, the state is rescaled.
+/// With `corr` given, the accumulators are left alone (`acc` may be empty) and `corr[h]` gets
+/// the factor they must be scaled by before this tile's values are added.
+#[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn online_softmax(
     m: &mut [f32],
@@ -89,24 +92,26 @@ pub fn online_softmax(
     dp: usize,
     logits: &mut [f32],
     n: usize,
+    corr: Option<&mut [f32]>,
 ) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::avx2_available() {
         assert!(
             m.len() >= g
                 && l.len() >= g
-                && acc.len() >= g * dp
+                && (acc.len() >= g * dp || corr.as_ref().is_some_and(|c| c.len() >= g))
                 && logits.len() >= g * TILE
                 && n <= TILE
         );
         // SAFETY: avx2/fma/f16c detected; logits hold g * TILE floats (asserted), other accesses are checked.
-        unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n) };
+        unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n, corr) };
         return;
     }
-    online_softmax_body(m, l, acc, g, dp, logits, n)
+    online_softmax_body(m, l, acc, g, dp, logits, n, corr)
 }
 
 /// Written over fixed 16-wide arrays so the compiler vectorizes the max, the exps and the sum.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn online_softmax_body(
     m: &mut [f32],
@@ -116,6 +121,7 @@ fn online_softmax_body(
     dp: usize,
     logits: &mut [f32],
     n: usize,
+    mut corr_out: Option<&mut [f32]>,
 ) {
     for h in 0..g {
         let lg: &mut [f32; TILE] = (&mut logits[h * TILE..(h + 1) * TILE])
@@ -148,7 +154,9 @@ fn online_softmax_body(
         }
         let sum: f32 = sums.iter().sum();
         l[h] = l[h] * corr + sum;
-        if corr != 1.0 {
+        if let Some(c) = corr_out.as_deref_mut() {
+            c[h] = corr;
+        } else if corr != 1.0 {
             for a in &mut acc[h * dp..(h + 1) * dp] {
                 *a *= corr;
             }
@@ -200,7 +208,7 @@ pub fn dense_rows_update(
                     scale,
                     &mut lg,
                 );
-                online_softmax(mg, lgs, ag, gn, dp, &mut lg, n);
+                online_softmax(mg, lgs, ag, gn, dp, &mut lg, n, None);
                 path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
                 t += n;
             }
@@ -456,11 +464,10 @@ pub fn packed_attention(
                     let gm = geom[h * nseg + s];
                     let hs = &seg.heads[h];
                     let q = &mut qr[s * qstride..(s + 1) * qstride];
+                    let qh = &queries[h * g * d..(h + 1) * g * d];
+                    path.rotate_queries(&hs.strategy.key.rotation, d, qh, g, q, gm.dpk);
                     for k in 0..g {
-                        let qh = &queries[(h * g + k) * d..(h * g + k + 1) * d];
-                        let o = &mut q[k * gm.dpk..(k + 1) * gm.dpk];
-                        o[gm.dtk..].fill(0.0);
-                        path.rotate_query(&hs.strategy.key.rotation, d, qh, &mut o[..gm.dtk]);
+                        q[k * gm.dpk + gm.dtk..(k + 1) * gm.dpk].fill(0.0);
                     }
                     if compute {
                         path.score_blocks(
@@ -585,6 +592,10 @@ pub fn packed_attention(
                 let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
                 let dpmax = gm.dpk.max(gm.dpv);
                 partial_init(&mut st[..partial_len(g, gm.dpv)], g);
+                // Values expanded in registers straight into the accumulators where the path can.
+                let mut corr = [0f32; 64];
+                let fused_v =
+                    g <= corr.len() && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
                 with_tiles(dpmax, g, |kt, vt, lg| {
                     let blocks = &sel[u.head][u.s0..u.s1];
                     // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
@@ -622,28 +633,40 @@ pub fn packed_attention(
                                 kt,
                             );
                             path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
-                            let vb = &hs.values.bytes[t * vrb..];
-                            path.expand_records(
-                                vb,
-                                vb.len() - n * vrb,
-                                n,
-                                vrb,
-                                vl.bitmap_bytes(),
-                                vl.group_size,
-                                vl.kept_dims,
-                                vl.r,
-                                gm.dpv,
-                                vt,
-                            );
-                            online_update(
-                                path,
-                                &mut st[..partial_len(g, gm.dpv)],
-                                g,
-                                gm.dpv,
-                                lg,
-                                n,
-                                vt,
-                            );
+                            let st = &mut st[..partial_len(g, gm.dpv)];
+                            if fused_v {
+                                let (m, rest) = st.split_at_mut(g);
+                                let (l, acc) = rest.split_at_mut(g);
+                                let corr = &mut corr[..g];
+                                path.tile_softmax(m, l, g, lg, n, corr);
+                                let vrec = (&hs.values.bytes[t * vrb..], vrb, vl.bitmap_bytes());
+                                path.packed_accumulate(
+                                    lg,
+                                    g,
+                                    gm.dpv,
+                                    vrec,
+                                    n,
+                                    vl.kept_dims,
+                                    vl.r,
+                                    corr,
+                                    acc,
+                                );
+                            } else {
+                                let vb = &hs.values.bytes[t * vrb..];
+                                path.expand_records(
+                                    vb,
+                                    vb.len() - n * vrb,
+                                    n,
+                                    vrb,
+                                    vl.bitmap_bytes(),
+                                    vl.group_size,
+                                    vl.kept_dims,
+                                    vl.r,
+                                    gm.dpv,
+                                    vt,
+                                );
+                                online_update(path, st, g, gm.dpv, lg, n, vt);
+                            }
                             t += n;
                         }
                     }

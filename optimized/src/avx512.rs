@@ -1,18 +1,28 @@
 //! AVX-512 (F, BW, VL, VBMI2, VNNI) versions of the kernels where it pays on
 //! the machine we measured (AMD Zen 4, which runs 512-bit arithmetic on
-//! 256-bit units): bitmap expansion, MosaicKV's block scores and Quest's page
-//! scores. Every other kernel of [`crate::simd::Path::Avx512`] is the AVX2
-//! one; 16-lane tile logits / accumulation were written, measured with the
+//! 256-bit units): bitmap expansion, the value side of packed attention,
+//! MosaicKV's block scores, Quest's page scores and the query rotation. Every
+//! other kernel of [`crate::simd::Path::Avx512`] is the AVX2 one; 16-lane tile
+//! logits / accumulation on stored tiles were written, measured with the
 //! `kernel_cost` tool (docs/PERFORMANCE.md) no faster for f32 tiles and
-//! 10-20 % slower for f16 rows, and removed.
+//! 10-20 % slower for f16 rows, and removed. So was a fused expansion + logits
+//! kernel (21-23 ns per token against 17.7 for expansion then tile logits).
 //!
 //! What changes against AVX2:
 //! - Expansion (SPEC.md section 6, g = 1): one `vpexpandw` per 32 dims places
 //!   the packed f16 values at the set bits of the bitmap, instead of one
 //!   table-driven `pshufb` per 8 dims.
+//! - Value accumulation (SPEC.md section 9): each value record is expanded in
+//!   registers and multiplied straight into accumulators that stay in
+//!   registers for the whole tile, rescaled by the online-softmax factor on
+//!   load ([`packed_accumulate`], with [`tile_softmax`]); no expanded tile is
+//!   stored. Lane for lane the same operations as the AVX2 sequence, so the
+//!   same bits.
 //! - Block scores (SPEC.md section 8.2, exact integers): `vpdpbusd` sums four
 //!   u8 x i8 products per i32 lane in one instruction, where AVX2 needs
 //!   `vpmaddubsw` + `vpmaddwd` + `vpaddd`; same integers, same f64 products.
+//! - Query rotation (SPEC.md section 8.1): up to 4 query rows per pass share
+//!   each widened rotation row, f64 FMAs (exact products, so the same sums).
 //! - Quest's page scores (SPEC.md section 12, f32): `max(q M, q m) = q+ M +
 //!   q- m` for `M >= m` (`q+ = max(q, 0)`, `q- = min(q, 0)`), two FMAs per lane
 //!   instead of mul, mul, max, add, 4 pages per pass; the same bound, only the
@@ -349,19 +359,26 @@ pub unsafe fn score_int<const N: usize>(
     }
 }
 
-/// SPEC.md section 8.1's sums for one query: `acc[j] = sum_i f64(R[i][j]) * f64(q[i])` over
-/// ascending i (mul then add, no FMA: the reference's values bit for bit), `R` the stored
-/// `d x dt` rotation. Four 8-column chunks per pass keep four independent add chains in
-/// registers (the AVX2 version reloads its accumulators every row).
+/// SPEC.md section 8.1's sums for `N` queries (`q` rows `d` apart): `acc[h][j] = sum_i
+/// f64(R[i][j]) * f64(q_h[i])` over ascending i, `R` the stored `d x dt` rotation, `acc` rows
+/// `dt` apart. Each rotation row is loaded and widened once for all N rows; four 8-column
+/// chunks per pass keep 4N independent chains in registers. The f64 product of two f32 values
+/// is exact, so `fma(r, q, a)` rounds exactly as `a + r * q` does: the reference's sums bit
+/// for bit.
 ///
 /// # Safety
-/// AVX-512 available; `rot` holds `d * acc.len()` floats, `q` at least `d`.
+/// AVX-512 available; `rot` holds `d * dt` floats, `q` `(N - 1) * d + d`, `acc` `N * dt`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-pub unsafe fn rotate_query_f64(rot: &[f32], d: usize, q: &[f32], acc: &mut [f64]) {
-    let dt = acc.len();
+pub unsafe fn rotate_queries_f64<const N: usize>(
+    rot: &[f32],
+    d: usize,
+    dt: usize,
+    q: *const f32,
+    acc: *mut f64,
+) {
     let mut c = 0;
     while c < dt {
-        let mut a = [_mm512_setzero_pd(); 4];
+        let mut a = [[_mm512_setzero_pd(); 4]; N];
         let mut m = [0u8; 4];
         for (k, mk) in m.iter_mut().enumerate() {
             let lo = c + 8 * k;
@@ -374,18 +391,239 @@ pub unsafe fn rotate_query_f64(rot: &[f32], d: usize, q: &[f32], acc: &mut [f64]
             };
         }
         for i in 0..d {
-            let qv = _mm512_set1_pd(f64::from(*q.get_unchecked(i)));
             let row = rot.as_ptr().add(i * dt + c);
+            let mut r = [_mm512_setzero_pd(); 4];
             for k in 0..4 {
                 // Masked-off chunks past `dt` read nothing (wrapping_add: the address may lie
                 // past the slice, and is never dereferenced there).
-                let r = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m[k], row.wrapping_add(8 * k)));
-                a[k] = _mm512_add_pd(a[k], _mm512_mul_pd(r, qv));
+                r[k] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m[k], row.wrapping_add(8 * k)));
+            }
+            for (h, ah) in a.iter_mut().enumerate() {
+                let qv = _mm512_set1_pd(f64::from(*q.add(h * d + i)));
+                for k in 0..4 {
+                    ah[k] = _mm512_fmadd_pd(r[k], qv, ah[k]);
+                }
             }
         }
-        for k in 0..4 {
-            _mm512_mask_storeu_pd(acc.as_mut_ptr().wrapping_add(c + 8 * k), m[k], a[k]);
+        for (h, ah) in a.iter().enumerate() {
+            for k in 0..4 {
+                _mm512_mask_storeu_pd(acc.add(h * dt).wrapping_add(c + 8 * k), m[k], ah[k]);
+            }
         }
         c += 32;
+    }
+}
+
+/// Largest number of 32-dim bitmap words [`packed_accumulate`] handles (`Dt <= 128`).
+pub const FUSED_MAX_GROUPS: usize = 4;
+
+/// Lane masks of the 16-float chunks `0 .. 2G` of a `dp`-wide row (chunks past `dp` get 0).
+#[inline(always)]
+fn chunk_masks<const G: usize>(dp: usize) -> [u16; 8] {
+    let mut m = [0u16; 8];
+    for (c, x) in m.iter_mut().enumerate().take(2 * G) {
+        *x = lanes16(dp.saturating_sub(16 * c));
+    }
+    m
+}
+
+/// One record's values, expanded by bitmap word `c`, as two f32 registers (dims `32c ..
+/// 32c + 16` and `32c + 16 .. 32c + 32`). `vall` holds the record's `r <= 32` values; `off` is
+/// the number of values before word `c` and is advanced past it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn expand_word(
+    rec: *const u8,
+    c: usize,
+    vall: __m512i,
+    iota: __m512i,
+    off: &mut i16,
+) -> (__m512, __m512) {
+    let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
+    let idx = _mm512_add_epi16(iota, _mm512_set1_epi16(*off));
+    let e = _mm512_maskz_expand_epi16(mask, _mm512_permutexvar_epi16(idx, vall));
+    *off += mask.count_ones() as i16;
+    (
+        _mm512_cvtph_ps(_mm512_castsi512_si256(e)),
+        _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(e)),
+    )
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+fn iota16() -> __m512i {
+    _mm512_set_epi16(
+        31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9,
+        8, 7, 6, 5, 4, 3, 2, 1, 0,
+    )
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn packed_accumulate_n<const G: usize, const N: usize>(
+    p: *const f32,
+    dp: usize,
+    bytes: *const u8,
+    n: usize,
+    rb: usize,
+    bb: usize,
+    r: usize,
+    corr: *const f32,
+    acc: *mut f32,
+) {
+    let iota = iota16();
+    let lr = if r >= 32 { u32::MAX } else { (1u32 << r) - 1 };
+    let cm = chunk_masks::<G>(dp);
+    // The accumulators stay in registers for the whole tile (N * 2G of them), rescaled on load.
+    let mut a = [[_mm512_setzero_ps(); 8]; N];
+    for (h, ah) in a.iter_mut().enumerate() {
+        let cv = _mm512_set1_ps(*corr.add(h));
+        for (c, x) in ah.iter_mut().enumerate().take(2 * G) {
+            *x = _mm512_mul_ps(_mm512_maskz_loadu_ps(cm[c], acc.add(h * dp + 16 * c)), cv);
+        }
+    }
+    for t in 0..n {
+        let rec = bytes.add(t * rb);
+        let vall = _mm512_maskz_loadu_epi16(lr, rec.add(bb) as *const i16);
+        let mut off = 0i16;
+        for c in 0..G {
+            let (lo, hi) = expand_word(rec, c, vall, iota, &mut off);
+            for (h, ah) in a.iter_mut().enumerate() {
+                let pv = _mm512_set1_ps(*p.add(h * crate::simd::TILE + t));
+                ah[2 * c] = _mm512_fmadd_ps(pv, lo, ah[2 * c]);
+                ah[2 * c + 1] = _mm512_fmadd_ps(pv, hi, ah[2 * c + 1]);
+            }
+        }
+    }
+    for (h, ah) in a.iter().enumerate() {
+        for (c, &x) in ah.iter().enumerate().take(2 * G) {
+            _mm512_mask_storeu_ps(acc.add(h * dp + 16 * c), cm[c], x);
+        }
+    }
+}
+
+/// Fused expansion + value accumulation (SPEC.md sections 6 and 9): `acc_h = corr[h] acc_h +
+/// sum_t p[h * TILE + t] v_t` for `g` heads (`acc` `[g][dp]`), the values expanded in
+/// registers. Per lane the same multiply and FMAs in the same order as the online-softmax
+/// rescale, [`expand_g1`] and the AVX2 tile accumulation, so the result is bit-identical.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VBMI2 available; `groups = ceil(dt / 32)` with `1 <= groups <=
+/// FUSED_MAX_GROUPS`, `r <= 32`, `dt <= dp <= 32 * groups`, `bb >= 4 * groups`, `bb + 2 * r <=
+/// rb`; `bytes` holds `n * rb` bytes, `p` `g * TILE` floats, `corr` `g`, `acc` `g * dp`;
+/// `n <= TILE`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn packed_accumulate(
+    p: *const f32,
+    g: usize,
+    dp: usize,
+    groups: usize,
+    bytes: *const u8,
+    n: usize,
+    rb: usize,
+    bb: usize,
+    r: usize,
+    corr: *const f32,
+    acc: *mut f32,
+) {
+    // Heads per pass: the accumulators (heads x 2G registers) plus one expanded word must fit
+    // the 32 vector registers; wider rows take fewer heads per pass (and expand again).
+    macro_rules! heads {
+        ($G:literal, $N:literal, $pp:expr, $cp:expr, $ap:expr, $left:expr) => {
+            match $left.min($N) {
+                1 => packed_accumulate_n::<$G, 1>($pp, dp, bytes, n, rb, bb, r, $cp, $ap),
+                2 => packed_accumulate_n::<$G, 2>($pp, dp, bytes, n, rb, bb, r, $cp, $ap),
+                3 => packed_accumulate_n::<$G, 3>($pp, dp, bytes, n, rb, bb, r, $cp, $ap),
+                _ => packed_accumulate_n::<$G, 4>($pp, dp, bytes, n, rb, bb, r, $cp, $ap),
+            }
+        };
+    }
+    let per = if groups <= 3 { 4 } else { 3 };
+    let mut h0 = 0;
+    while h0 < g {
+        let (pp, cp, ap) = (
+            p.add(h0 * crate::simd::TILE),
+            corr.add(h0),
+            acc.add(h0 * dp),
+        );
+        match groups {
+            1 => heads!(1, 4, pp, cp, ap, g - h0),
+            2 => heads!(2, 4, pp, cp, ap, g - h0),
+            3 => heads!(3, 4, pp, cp, ap, g - h0),
+            _ => heads!(4, 3, pp, cp, ap, g - h0),
+        }
+        h0 += per;
+    }
+}
+
+/// `exp(x)` on 16 lanes: the AVX2 kernel's polynomial (`simd::x86::exp256`), lane for lane the
+/// same operations, hence the same values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn exp512(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
+        _mm512_set1_ps(88.0),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3f32,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        5.000_000_1e-1,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let y = _mm512_fmadd_ps(
+        p,
+        _mm512_mul_ps(r, r),
+        _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+    );
+    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
+    _mm512_mul_ps(y, _mm512_castsi512_ps(e))
+}
+
+/// The online-softmax step of one tile (`attend::online_softmax` with `corr` given): for each
+/// of `g` heads, the tile's `n` logits (`logits[h * TILE ..]`) become `exp(x - m_new)`, `l` and
+/// `m` are updated, and `corr[h] = exp(m_old - m_new)` (0 for an empty state) is the factor
+/// the accumulators still have to be scaled by. One 16-lane register per head.
+///
+/// # Safety
+/// AVX-512 available; `m`, `l`, `corr` hold `g` floats, `logits` `g * TILE`; `n <= TILE = 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+pub unsafe fn tile_softmax(
+    m: *mut f32,
+    l: *mut f32,
+    g: usize,
+    logits: *mut f32,
+    n: usize,
+    corr: *mut f32,
+) {
+    let mask = lanes16(n);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    for h in 0..g {
+        let lp = logits.add(h * crate::simd::TILE);
+        let a = _mm512_mask_loadu_ps(ninf, mask, lp);
+        let m_old = *m.add(h);
+        let m_new = m_old.max(_mm512_reduce_max_ps(a));
+        *corr.add(h) = if m_old == f32::NEG_INFINITY {
+            0.0
+        } else {
+            crate::simd::fast_exp(m_old - m_new)
+        };
+        let p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(a, _mm512_set1_ps(m_new))));
+        _mm512_storeu_ps(lp, p);
+        *l.add(h) = *l.add(h) * *corr.add(h) + _mm512_reduce_add_ps(p);
+        *m.add(h) = m_new;
     }
 }

@@ -24,8 +24,8 @@ pub enum Path {
     /// `std::arch` AVX2, FMA and F16C, detected at run time.
     Avx2,
     /// AVX-512 F/BW/VL/VBMI2/VNNI on top of [`Path::Avx2`], detected at run time: bitmap
-    /// expansion, block and page scores and the query rotation (`crate::avx512`);
-    /// everything else as `Avx2`.
+    /// expansion, the fused value accumulation with its tile softmax, block and page scores
+    /// and the query rotation (`crate::avx512`); everything else as `Avx2`.
     Avx512,
     /// Plain Rust, no target features beyond the build's baseline.
     Portable,
@@ -83,7 +83,9 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; slice bounds asserted above.
-            Path::Avx512 => unsafe { crate::avx512::rotate_query_f64(rot, d, q, acc) },
+            Path::Avx512 => unsafe {
+                crate::avx512::rotate_queries_f64::<1>(rot, d, dt, q.as_ptr(), acc.as_mut_ptr())
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; slice bounds asserted above.
             Path::Avx2 => unsafe { x86::rotate_query_f64(rot, d, q, acc) },
@@ -98,6 +100,58 @@ impl Path {
         }
         for (o, &a) in out.iter_mut().zip(acc.iter()) {
             *o = a as f32;
+        }
+    }
+
+    /// [`Path::rotate_query`] for `g` query rows (`q` `[g][d]`) into `out` rows `stride` apart
+    /// (`out[h * stride ..][..dt]`, `dt = rot.len() / d`); the same f32 values row by row.
+    pub fn rotate_queries(
+        self,
+        rot: &[f32],
+        d: usize,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let dt = rot.len() / d.max(1);
+        assert!(
+            rot.len() == d * dt
+                && q.len() >= g * d
+                && dt <= stride
+                && (g == 0 || out.len() >= (g - 1) * stride + dt)
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self == Path::Avx512 && dt <= QMAX_DT {
+            let mut acc = [0f64; 4 * QMAX_DT];
+            let mut h0 = 0;
+            while h0 < g {
+                let n = (g - h0).min(4);
+                let qp = q[h0 * d..].as_ptr();
+                // SAFETY: AVX-512 detected; rot is d x dt, q holds n rows of d from h0, acc
+                // holds 4 * QMAX_DT >= n * dt (all asserted above).
+                unsafe {
+                    use crate::avx512::rotate_queries_f64 as rq;
+                    let ap = acc.as_mut_ptr();
+                    match n {
+                        1 => rq::<1>(rot, d, dt, qp, ap),
+                        2 => rq::<2>(rot, d, dt, qp, ap),
+                        3 => rq::<3>(rot, d, dt, qp, ap),
+                        _ => rq::<4>(rot, d, dt, qp, ap),
+                    }
+                }
+                for k in 0..n {
+                    let o = &mut out[(h0 + k) * stride..][..dt];
+                    for (o, &a) in o.iter_mut().zip(&acc[k * dt..(k + 1) * dt]) {
+                        *o = a as f32;
+                    }
+                }
+                h0 += n;
+            }
+            return;
+        }
+        for h in 0..g {
+            self.rotate_query(rot, d, &q[h * d..(h + 1) * d], &mut out[h * stride..][..dt]);
         }
     }
 
@@ -371,6 +425,112 @@ impl Path {
             // SAFETY: detected features; equal lengths asserted.
             Path::Avx2 | Path::Avx512 => unsafe { x86::dot(a, b) },
             _ => dot8(a, b),
+        }
+    }
+
+    /// Whether [`Path::packed_accumulate`] applies: the AVX-512 path,
+    /// g = 1 bitmaps, `r <= 32` values, `Dt <= 128`, tile rows `dp <= 32 * ceil(Dt / 32)`.
+    #[inline]
+    pub fn fused_packed(self, group_size: usize, dt: usize, r: usize, dp: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == Path::Avx512
+                && group_size == 1
+                && r <= 32
+                && (1..=32 * crate::avx512::FUSED_MAX_GROUPS).contains(&dt)
+                && (dt..=32 * dt.div_ceil(32)).contains(&dp)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (group_size, dt, r, dp);
+            false
+        }
+    }
+
+    /// The online-softmax step of one tile without touching the accumulators
+    /// ([`crate::attend::online_softmax`] with `corr` given): logits (`[g][TILE]`, first `n`
+    /// valid) become probabilities, `m` and `l` are updated, and `corr[h]` is the factor head
+    /// h's accumulators must be scaled by before this tile's values are added
+    /// ([`Path::packed_accumulate`] does that).
+    pub fn tile_softmax(
+        self,
+        m: &mut [f32],
+        l: &mut [f32],
+        g: usize,
+        logits: &mut [f32],
+        n: usize,
+        corr: &mut [f32],
+    ) {
+        assert!(
+            m.len() >= g
+                && l.len() >= g
+                && corr.len() >= g
+                && logits.len() >= g * TILE
+                && n <= TILE
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self == Path::Avx512 {
+            // SAFETY: AVX-512 detected; lengths asserted above.
+            unsafe {
+                crate::avx512::tile_softmax(
+                    m.as_mut_ptr(),
+                    l.as_mut_ptr(),
+                    g,
+                    logits.as_mut_ptr(),
+                    n,
+                    corr.as_mut_ptr(),
+                )
+            };
+            return;
+        }
+        crate::attend::online_softmax(m, l, &mut [], g, 0, logits, n, Some(corr));
+    }
+
+    /// `acc_h = corr[h] * acc_h` (the online-softmax rescale), then [`Path::expand_records`]
+    /// (g = 1) followed by [`Path::tile_accumulate`], the values expanded in registers;
+    /// bit-identical to the rescale and AVX2 tile accumulation. Only where
+    /// [`Path::fused_packed`] holds.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn packed_accumulate(
+        self,
+        p: &[f32],
+        g: usize,
+        dp: usize,
+        records: (&[u8], usize, usize),
+        n: usize,
+        dt: usize,
+        r: usize,
+        corr: &[f32],
+        acc: &mut [f32],
+    ) {
+        let (bytes, rb, bb) = records;
+        assert!(
+            self.fused_packed(1, dt, r, dp)
+                && n <= TILE
+                && bytes.len() >= n * rb
+                && bb >= 4 * dt.div_ceil(32)
+                && bb + 2 * r <= rb
+                && p.len() >= g * TILE
+                && corr.len() >= g
+                && acc.len() >= g * dp
+        );
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512 detected (fused_packed); geometry and lengths asserted above.
+        unsafe {
+            crate::avx512::packed_accumulate(
+                p.as_ptr(),
+                g,
+                dp,
+                dt.div_ceil(32),
+                bytes.as_ptr(),
+                n,
+                rb,
+                bb,
+                r,
+                corr.as_ptr(),
+                acc.as_mut_ptr(),
+            )
         }
     }
 
@@ -1175,6 +1335,7 @@ pub(crate) mod x86 {
 
     /// Online softmax over one tile of `g` heads (see `attend::online_softmax`).
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn online_softmax(
         m: &mut [f32],
         l: &mut [f32],
@@ -1183,6 +1344,7 @@ pub(crate) mod x86 {
         dp: usize,
         logits: &mut [f32],
         n: usize,
+        mut corr_out: Option<&mut [f32]>,
     ) {
         let nn = _mm256_set1_ps(n as f32);
         let mask0 = _mm256_cmp_ps(
@@ -1217,7 +1379,9 @@ pub(crate) mod x86 {
             _mm256_storeu_ps(lp, p0);
             _mm256_storeu_ps(lp.add(8), p1);
             l[h] = l[h] * corr + hsum(_mm256_add_ps(p0, p1));
-            if corr != 1.0 {
+            if let Some(c) = corr_out.as_deref_mut() {
+                c[h] = corr;
+            } else if corr != 1.0 {
                 let cv = _mm256_set1_ps(corr);
                 let a = &mut acc[h * dp..(h + 1) * dp];
                 let mut c = 0;

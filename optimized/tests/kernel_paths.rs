@@ -194,3 +194,165 @@ fn rotated_queries_are_bit_identical_on_every_path() {
         }
     }
 }
+
+#[test]
+fn rotated_query_rows_match_one_row_at_a_time() {
+    // `rotate_queries` (g rows at once, f64 FMAs on AVX-512: the f64 product of two f32 values
+    // is exact, so the FMA rounds as mul-then-add does) against `rotate_query` row by row.
+    let mut rng = Rng(0x7e57_0f_9a0e_51e5);
+    for path in [Path::Portable].into_iter().chain(paths()) {
+        for (d, dt) in [
+            (32usize, 24usize),
+            (64, 64),
+            (80, 60),
+            (128, 96),
+            (256, 250),
+        ] {
+            for g in [1usize, 2, 3, 4, 5, 8] {
+                let stride = dt.div_ceil(8) * 8 + 8;
+                let rot: Vec<f32> = (0..d * dt).map(|_| rng.unit()).collect();
+                let q: Vec<f32> = (0..g * d).map(|_| 3.0 * rng.unit()).collect();
+                let mut got = vec![f32::NAN; g * stride];
+                path.rotate_queries(&rot, d, &q, g, &mut got, stride);
+                for h in 0..g {
+                    let mut want = vec![f32::NAN; dt];
+                    Path::Portable.rotate_query(&rot, d, &q[h * d..(h + 1) * d], &mut want);
+                    for j in 0..dt {
+                        assert_eq!(
+                            got[h * stride + j].to_bits(),
+                            want[j].to_bits(),
+                            "{path:?} d {d} dt {dt} g {g} row {h} j {j}"
+                        );
+                    }
+                    // Past dt the row is not written.
+                    assert!(got[h * stride + dt..(h + 1) * stride]
+                        .iter()
+                        .all(|x| x.is_nan()));
+                }
+            }
+        }
+    }
+}
+
+/// `m`, `l`, acc rows and logits of a partial state after some tiles.
+fn softmax_state(
+    rng: &mut Rng,
+    g: usize,
+    dp: usize,
+    fresh: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let m: Vec<f32> = (0..g)
+        .map(|h| {
+            if fresh || h % 3 == 2 {
+                f32::NEG_INFINITY
+            } else {
+                4.0 * rng.unit()
+            }
+        })
+        .collect();
+    let l: Vec<f32> = m
+        .iter()
+        .map(|x| {
+            if x.is_finite() {
+                1.0 + rng.unit().abs()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let acc: Vec<f32> = (0..g * dp)
+        .map(|i| {
+            if m[i / dp].is_finite() {
+                rng.unit()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    (m, l, acc)
+}
+
+#[test]
+fn fused_value_accumulation_matches_expand_then_accumulate() {
+    // Path::packed_accumulate (values expanded in registers, accumulators rescaled on load) is
+    // bit-identical to the AVX2 sequence it replaces: online-softmax rescale, expansion, tile
+    // accumulation. Path::tile_softmax gives the same probabilities and max as the AVX2 online
+    // softmax, and the same `l` up to the 16-lane sum's rounding.
+    if !avx512_available() {
+        eprintln!("SKIPPED fused_value_accumulation: CPU lacks avx512f/bw/vl/vbmi2");
+        return;
+    }
+    let mut rng = Rng(0xf05e_d0ac_c0de_0003);
+    for dt in [8usize, 24, 31, 32, 33, 60, 64, 72, 96, 100, 127, 128] {
+        for r in [0usize, 1, dt.min(32) / 2, dt.min(32) - 1, dt.min(32)] {
+            for g in [1usize, 2, 3, 4, 5, 7, 8] {
+                let n = 1 + rng.below(16);
+                let dp = dt.div_ceil(8) * 8;
+                assert!(Path::Avx512.fused_packed(1, dt, r, dp));
+                let (bytes, bb, rb) = records(&mut rng, n, dt, r);
+                let fresh = rng.below(4) == 0;
+                let (m0, l0, acc0) = softmax_state(&mut rng, g, dp, fresh);
+                let logits: Vec<f32> = (0..g * 16).map(|_| 6.0 * rng.unit()).collect();
+                // Want: the AVX2 path's online_update on the expanded tile.
+                let (mut mw, mut lw, mut accw, mut lgw) =
+                    (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
+                let mut tile = vec![0f32; n * dp];
+                Path::Avx2.expand_records(&bytes, 0, n, rb, bb, 1, dt, r, dp, &mut tile);
+                let mut st: Vec<f32> = mw.iter().chain(&lw).chain(&accw).copied().collect();
+                mosaickv_optimized::attend::online_update(
+                    Path::Avx2,
+                    &mut st,
+                    g,
+                    dp,
+                    &mut lgw,
+                    n,
+                    &tile,
+                );
+                mw.copy_from_slice(&st[..g]);
+                lw.copy_from_slice(&st[g..2 * g]);
+                accw.copy_from_slice(&st[2 * g..]);
+                // Got: tile_softmax + packed_accumulate.
+                let (mut mg, mut lg_, mut accg, mut lgg) =
+                    (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
+                let mut corr = vec![f32::NAN; g];
+                Path::Avx512.tile_softmax(&mut mg, &mut lg_, g, &mut lgg, n, &mut corr);
+                for h in 0..g {
+                    assert_eq!(
+                        mg[h].to_bits(),
+                        mw[h].to_bits(),
+                        "dt {dt} g {g} n {n}: m[{h}]"
+                    );
+                    let tol = 2e-6 * lw[h].abs();
+                    assert!(
+                        (lg_[h] - lw[h]).abs() <= tol,
+                        "dt {dt} g {g} n {n}: l[{h}] {} vs {}",
+                        lg_[h],
+                        lw[h]
+                    );
+                    for t in 0..n {
+                        let (a, b) = (lgg[h * 16 + t], lgw[h * 16 + t]);
+                        assert_eq!(a.to_bits(), b.to_bits(), "dt {dt} g {g} n {n}: p[{h}][{t}]");
+                    }
+                }
+                Path::Avx512.packed_accumulate(
+                    &lgg,
+                    g,
+                    dp,
+                    (&bytes, rb, bb),
+                    n,
+                    dt,
+                    r,
+                    &corr,
+                    &mut accg,
+                );
+                for (i, (a, b)) in accg.iter().zip(&accw).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "dt {dt} r {r} g {g} n {n}: acc[{i}] {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -79,6 +79,22 @@ fn main() {
         path.tile_accumulate(&p, g, dp, &tile, TILE, &mut acc);
         black_box(&acc);
     });
+    if path.fused_packed(1, dt, r, dp) {
+        time("packed_accumulate (per token)", TILE, 200_000, || {
+            path.packed_accumulate(
+                &p,
+                g,
+                dp,
+                (&bytes, rb, bb),
+                TILE,
+                dt,
+                r,
+                &[1.0; 4],
+                &mut acc,
+            );
+            black_box(&acc);
+        });
+    }
     // Dense f16 rows, d = 128 (full attention's inner loop).
     let d = 128;
     let rows: Vec<f16> = (0..TILE * d)
