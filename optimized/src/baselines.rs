@@ -2,7 +2,9 @@
 //! cache and Quest, with the same flash-decoding kernels as MosaicKV so that
 //! speed ratios compare like with like.
 
-use crate::attend::{dense_rows_update, pad8, partial_init, partial_len, top_blocks};
+use crate::attend::{
+    dense_rows_update, pad8, partial_init, partial_len, top_blocks, PREFETCH_AHEAD,
+};
 use crate::backend::contig;
 use crate::simd::{fast_exp, Path};
 use half::f16;
@@ -138,6 +140,18 @@ fn attend_pages(
             partial_init(st, g);
             let qh = &q[h * g * dp..(h + 1) * g * dp];
             let (k, v) = (&store.keys[h], &store.values[h]);
+            // Software prefetch up to PREFETCH_AHEAD selected pages past the current run (as
+            // MosaicKV does for its blocks: the pages are scattered).
+            let mut fetched = i;
+            let mut prefetch_to = |end: usize| {
+                while fetched < end.min(j) {
+                    let t0 = sel[h][fetched] as usize * page;
+                    let t1 = (t0 + page).min(store.tokens);
+                    path.prefetch(&k[t0 * d..t1 * d]);
+                    path.prefetch(&v[t0 * d..t1 * d]);
+                    fetched += 1;
+                }
+            };
             // Coalesce consecutive pages into one token range.
             let mut a = i;
             while a < j {
@@ -145,6 +159,7 @@ fn attend_pages(
                 while b < j && sel[h][b] == sel[h][b - 1] + 1 {
                     b += 1;
                 }
+                prefetch_to(b + PREFETCH_AHEAD);
                 let t0 = sel[h][a] as usize * page;
                 let t1 = ((sel[h][b - 1] as usize + 1) * page).min(store.tokens);
                 dense_rows_update(path, qh, g, d, dp, k, v, d, t0, t1, scale, st);
