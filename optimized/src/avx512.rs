@@ -631,21 +631,59 @@ pub unsafe fn tile_softmax(
     n: usize,
     corr: *mut f32,
 ) {
+    let mut h0 = 0;
+    while h0 < g {
+        let (mp, lp, gp, cp) = (
+            m.add(h0),
+            l.add(h0),
+            logits.add(h0 * crate::simd::TILE),
+            corr.add(h0),
+        );
+        match g - h0 {
+            1 => tile_softmax_n::<1>(mp, lp, gp, n, cp),
+            2 => tile_softmax_n::<2>(mp, lp, gp, n, cp),
+            3 => tile_softmax_n::<3>(mp, lp, gp, n, cp),
+            _ => tile_softmax_n::<4>(mp, lp, gp, n, cp),
+        }
+        h0 += 4;
+    }
+}
+
+/// [`tile_softmax`] for `N <= 4` heads, written stage by stage over the heads so their
+/// dependency chains (max tree, exps, sum tree) run side by side.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn tile_softmax_n<const N: usize>(
+    m: *mut f32,
+    l: *mut f32,
+    logits: *mut f32,
+    n: usize,
+    corr: *mut f32,
+) {
     let mask = lanes16(n);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    for h in 0..g {
-        let lp = logits.add(h * crate::simd::TILE);
-        let a = _mm512_mask_loadu_ps(ninf, mask, lp);
+    let mut a = [ninf; N];
+    for (h, ah) in a.iter_mut().enumerate() {
+        *ah = _mm512_mask_loadu_ps(ninf, mask, logits.add(h * crate::simd::TILE));
+    }
+    let mut m_new = [0f32; N];
+    for h in 0..N {
+        m_new[h] = (*m.add(h)).max(_mm512_reduce_max_ps(a[h]));
+    }
+    let mut p = [ninf; N];
+    for h in 0..N {
+        p[h] = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(a[h], _mm512_set1_ps(m_new[h]))));
+    }
+    for h in 0..N {
         let m_old = *m.add(h);
-        let m_new = m_old.max(_mm512_reduce_max_ps(a));
-        *corr.add(h) = if m_old == f32::NEG_INFINITY {
+        let c = if m_old == f32::NEG_INFINITY {
             0.0
         } else {
-            crate::simd::fast_exp(m_old - m_new)
+            crate::simd::fast_exp(m_old - m_new[h])
         };
-        let p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(a, _mm512_set1_ps(m_new))));
-        _mm512_storeu_ps(lp, p);
-        *l.add(h) = *l.add(h) * *corr.add(h) + _mm512_reduce_add_ps(p);
-        *m.add(h) = m_new;
+        *corr.add(h) = c;
+        _mm512_storeu_ps(logits.add(h * crate::simd::TILE), p[h]);
+        *l.add(h) = *l.add(h) * c + _mm512_reduce_add_ps(p[h]);
+        *m.add(h) = m_new[h];
     }
 }
