@@ -74,17 +74,19 @@ pub fn online_update(
 ) {
     let (m, rest) = st.split_at_mut(g);
     let (l, acc) = rest.split_at_mut(g);
-    online_softmax(m, l, acc, g, dp, logits, n, None);
+    online_softmax(path, m, l, acc, g, dp, logits, n, None);
     path.tile_accumulate(logits, g, dp, vtile, n, acc);
 }
 
 /// The softmax half of [`online_update`] for `g` heads with running max `m`, sum `l`,
 /// accumulators `acc` (`[g][dp]`): logits become probabilities, the state is rescaled.
 /// With `corr` given, the accumulators are left alone (`acc` may be empty) and `corr[h]` gets
-/// the factor they must be scaled by before this tile's values are added.
+/// the factor they must be scaled by before this tile's values are added. The AVX2 kernel on
+/// the SIMD paths, plain Rust on [`Path::Portable`] (so the forced-portable run tests it).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn online_softmax(
+    path: Path,
     m: &mut [f32],
     l: &mut [f32],
     acc: &mut [f32],
@@ -95,7 +97,7 @@ pub fn online_softmax(
     corr: Option<&mut [f32]>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_available() {
+    if path != Path::Portable {
         assert!(
             m.len() >= g
                 && l.len() >= g
@@ -103,7 +105,8 @@ pub fn online_softmax(
                 && logits.len() >= g * TILE
                 && n <= TILE
         );
-        // SAFETY: avx2/fma/f16c detected; logits hold g * TILE floats (asserted), other accesses are checked.
+        // SAFETY: a SIMD path means avx2/fma/f16c were detected; logits hold g * TILE floats
+        // (asserted), other accesses are checked.
         unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n, corr) };
         return;
     }
@@ -208,7 +211,7 @@ pub fn dense_rows_update(
                     scale,
                     &mut lg,
                 );
-                online_softmax(mg, lgs, ag, gn, dp, &mut lg, n, None);
+                online_softmax(path, mg, lgs, ag, gn, dp, &mut lg, n, None);
                 path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
                 t += n;
             }

@@ -484,7 +484,7 @@ impl Path {
             };
             return;
         }
-        crate::attend::online_softmax(m, l, &mut [], g, 0, logits, n, Some(corr));
+        crate::attend::online_softmax(self, m, l, &mut [], g, 0, logits, n, Some(corr));
     }
 
     /// `acc_h = corr[h] * acc_h` (the online-softmax rescale), then [`Path::expand_records`]

@@ -356,3 +356,46 @@ fn fused_value_accumulation_matches_expand_then_accumulate() {
         }
     }
 }
+
+#[test]
+fn online_softmax_paths_agree() {
+    // The portable online softmax (scalar fast_exp) against the SIMD one (8-lane polynomial
+    // with FMAs): same max, probabilities and rescaled state up to float rounding.
+    let mut rng = Rng(0x50f7_3a8c_0000_0007);
+    for path in paths() {
+        for g in [1usize, 3, 4, 8] {
+            for n in [1usize, 5, 15, 16] {
+                let dp = 96;
+                let fresh = rng.below(4) == 0;
+                let (m0, l0, acc0) = softmax_state(&mut rng, g, dp, fresh);
+                let logits: Vec<f32> = (0..g * 16).map(|_| 6.0 * rng.unit()).collect();
+                let run = |p: Path| {
+                    let (mut m, mut l, mut acc, mut lg) =
+                        (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
+                    mosaickv_optimized::attend::online_softmax(
+                        p, &mut m, &mut l, &mut acc, g, dp, &mut lg, n, None,
+                    );
+                    (m, l, acc, lg)
+                };
+                let (mw, lw, aw, pw) = run(Path::Portable);
+                let (mg, lgot, ag, pg) = run(path);
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * a.abs().max(b.abs()) + 1e-30;
+                for h in 0..g {
+                    assert_eq!(
+                        mw[h].to_bits(),
+                        mg[h].to_bits(),
+                        "{path:?} g {g} n {n} m[{h}]"
+                    );
+                    assert!(close(lw[h], lgot[h]), "{path:?} g {g} n {n} l[{h}]");
+                    for t in 0..n {
+                        let i = h * 16 + t;
+                        assert!(close(pw[i], pg[i]), "{path:?} g {g} n {n} p[{h}][{t}]");
+                    }
+                }
+                for (i, (a, b)) in aw.iter().zip(&ag).enumerate() {
+                    assert!(close(*a, *b), "{path:?} g {g} n {n} acc[{i}]");
+                }
+            }
+        }
+    }
+}
