@@ -83,25 +83,16 @@ pub unsafe fn expand_g1(
         // All values fit one register: one load per record, independent of the bitmap; group
         // c's values are lanes off_c.. of it (`vpermw` by iota + off_c), so no load address
         // waits for a popcount.
-        let iota = _mm512_set_epi16(
-            31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10,
-            9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
-        );
+        let iota = iota16();
         for t in 0..n {
             let rec = bytes.add(t * rb);
             let row = out.add(t * dp);
             let vall = load_values(rec.add(bb), r);
             let mut off = 0i16;
             for c in 0..groups {
-                let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
-                let idx = _mm512_add_epi16(iota, _mm512_set1_epi16(off));
-                let e = _mm512_maskz_expand_epi16(mask, _mm512_permutexvar_epi16(idx, vall));
-                _mm512_storeu_ps(row.add(32 * c), _mm512_cvtph_ps(_mm512_castsi512_si256(e)));
-                _mm512_storeu_ps(
-                    row.add(32 * c + 16),
-                    _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(e)),
-                );
-                off += mask.count_ones() as i16;
+                let (lo, hi) = expand_word(rec, c, vall, iota, &mut off);
+                _mm512_storeu_ps(row.add(32 * c), lo);
+                _mm512_storeu_ps(row.add(32 * c + 16), hi);
             }
         }
         return;
@@ -591,16 +582,11 @@ unsafe fn exp512(x: __m512) -> __m512 {
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
     );
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3f32,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        5.000_000_1e-1,
-    ] {
+    use crate::simd::{EXP_LN2_HI, EXP_LN2_LO, EXP_POLY};
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     }
     let y = _mm512_fmadd_ps(

@@ -847,18 +847,30 @@ fn portable_score_pages_f16(
     }
 }
 
+/// `fast_exp`'s constants, shared by the SIMD versions (`exp256`, `avx512::exp512`), which must
+/// stay lane for lane the same polynomial: `ln 2` split in a high part (exact in f32) and a
+/// low correction, and the degree-5 coefficients of `(e^r - 1 - r) / r^2`, highest first.
+pub(crate) const EXP_LN2_HI: f32 = 0.693_359_4;
+pub(crate) const EXP_LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    5.000_000_1e-1,
+];
+
 /// Fast `exp` (Cephes-style polynomial, ~2 ulp), branch- and cast-free so loops over it vectorize.
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     // Round to nearest integer: n is integral and |n| <= 127.
     let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
-    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
     let r2 = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 5.000_000_1e-1;
+    let c = EXP_POLY;
+    let p = ((((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]) * r + c[5];
     let y = p * r2 + r + 1.0;
     // 2^n: n + 127 + 2^23 holds the integer n + 127 in its mantissa bits.
     let e = ((n + (127.0 + 8_388_608.0)).to_bits() & 0x7f_ffff) << 23;
@@ -1310,16 +1322,10 @@ pub(crate) mod x86 {
             _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
         );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3f32,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            5.000_000_1e-1,
-        ] {
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(super::EXP_LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(super::EXP_LN2_LO), r);
+        let mut p = _mm256_set1_ps(super::EXP_POLY[0]);
+        for &c in &super::EXP_POLY[1..] {
             p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
         }
         let y = _mm256_fmadd_ps(
