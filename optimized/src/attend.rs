@@ -211,7 +211,19 @@ pub fn dense_rows_update(
                     scale,
                     &mut lg,
                 );
-                online_softmax(path, mg, lgs, ag, gn, dp, &mut lg, n, None);
+                if path == Path::Avx512 {
+                    // The same 16-lane softmax as MosaicKV's fused path (baselines with the same
+                    // care), the accumulators rescaled here since the f16-row kernel does not.
+                    let mut corr = [0f32; 8];
+                    path.tile_softmax(mg, lgs, gn, &mut lg, n, &mut corr[..gn]);
+                    for (a, &c) in ag.chunks_exact_mut(dp).zip(&corr[..gn]) {
+                        if c != 1.0 {
+                            a.iter_mut().for_each(|x| *x *= c);
+                        }
+                    }
+                } else {
+                    online_softmax(path, mg, lgs, ag, gn, dp, &mut lg, n, None);
+                }
                 path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
                 t += n;
             }
