@@ -624,6 +624,19 @@ macro_rules! conformance_suite {
                 check_cache_attention(b.as_ref(), shape, &cfg, 3000, 130, 7).unwrap_or_else(|e| panic!("{e}"));
             }
 
+            /// One segment with more selected blocks than a flash-decoding unit holds (51 blocks of
+            /// 16 against units of 32): backends that split a segment's selection across work
+            /// units must merge the parts before rotating back (SPEC 9).
+            $(#[$attr])*
+            #[test]
+            fn split_segment_attention() {
+                let Some(b) = backend("split_segment_attention") else { return };
+                let shape = KvShape::new(1, 4, 64).unwrap();
+                let mut cfg = CompressConfig::paper_fixed();
+                cfg.input_segment_len = 8192;
+                check_cache_attention(b.as_ref(), shape, &cfg, 8200, 3, 11).unwrap_or_else(|e| panic!("{e}"));
+            }
+
             $(#[$attr])*
             #[test]
             fn nonfinite_inputs_same_error() {
