@@ -81,8 +81,9 @@ pub fn online_update(
 /// The softmax half of [`online_update`] for `g` heads with running max `m`, sum `l`,
 /// accumulators `acc` (`[g][dp]`): logits become probabilities, the state is rescaled.
 /// With `corr` given, the accumulators are left alone (`acc` may be empty) and `corr[h]` gets
-/// the factor they must be scaled by before this tile's values are added. The AVX2 kernel on
-/// the SIMD paths, plain Rust on [`Path::Portable`] (so the forced-portable run tests it).
+/// the factor they must be scaled by before this tile's values are added. The 16-lane kernel
+/// on [`Path::Avx512`] (one register per head), the AVX2 kernel on [`Path::Avx2`], plain Rust
+/// on [`Path::Portable`] (so the forced-portable run tests it).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub fn online_softmax(
@@ -94,7 +95,7 @@ pub fn online_softmax(
     dp: usize,
     logits: &mut [f32],
     n: usize,
-    corr: Option<&mut [f32]>,
+    mut corr: Option<&mut [f32]>,
 ) {
     #[cfg(target_arch = "x86_64")]
     if path != Path::Portable {
@@ -105,6 +106,32 @@ pub fn online_softmax(
                 && logits.len() >= g * TILE
                 && n <= TILE
         );
+        let mut local = [0f32; 64];
+        if path == Path::Avx512 && (corr.is_some() || g <= local.len()) {
+            let c = match corr.as_deref_mut() {
+                Some(c) => &mut c[..g],
+                None => &mut local[..g],
+            };
+            // SAFETY: AVX-512 detected; m, l, c hold g floats and logits g * TILE (asserted).
+            unsafe {
+                crate::avx512::tile_softmax(
+                    m.as_mut_ptr(),
+                    l.as_mut_ptr(),
+                    g,
+                    logits.as_mut_ptr(),
+                    n,
+                    c.as_mut_ptr(),
+                )
+            };
+            if corr.is_none() {
+                for (a, &c) in acc[..g * dp].chunks_exact_mut(dp.max(1)).zip(&local[..g]) {
+                    if c != 1.0 {
+                        a.iter_mut().for_each(|x| *x *= c);
+                    }
+                }
+            }
+            return;
+        }
         // SAFETY: a SIMD path means avx2/fma/f16c were detected; logits hold g * TILE floats
         // (asserted), other accesses are checked.
         unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n, corr) };
@@ -211,19 +238,7 @@ pub fn dense_rows_update(
                     scale,
                     &mut lg,
                 );
-                if path == Path::Avx512 {
-                    // The same 16-lane softmax as MosaicKV's fused path (baselines with the same
-                    // care), the accumulators rescaled here since the f16-row kernel does not.
-                    let mut corr = [0f32; 8];
-                    path.tile_softmax(mg, lgs, gn, &mut lg, n, &mut corr[..gn]);
-                    for (a, &c) in ag.chunks_exact_mut(dp).zip(&corr[..gn]) {
-                        if c != 1.0 {
-                            a.iter_mut().for_each(|x| *x *= c);
-                        }
-                    }
-                } else {
-                    online_softmax(path, mg, lgs, ag, gn, dp, &mut lg, n, None);
-                }
+                online_softmax(path, mg, lgs, ag, gn, dp, &mut lg, n, None);
                 path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
                 t += n;
             }
@@ -653,7 +668,17 @@ pub fn packed_attention(
                                 let (m, rest) = st.split_at_mut(g);
                                 let (l, acc) = rest.split_at_mut(g);
                                 let corr = &mut corr[..g];
-                                path.tile_softmax(m, l, g, lg, n, corr);
+                                online_softmax(
+                                    path,
+                                    m,
+                                    l,
+                                    &mut [],
+                                    g,
+                                    gm.dpv,
+                                    lg,
+                                    n,
+                                    Some(&mut *corr),
+                                );
                                 let vrec = (&hs.values.bytes[t * vrb..], vrb, vl.bitmap_bytes());
                                 path.packed_accumulate(
                                     lg,

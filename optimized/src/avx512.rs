@@ -15,7 +15,7 @@
 //! - Value accumulation (SPEC.md section 9): each value record is expanded in
 //!   registers and multiplied straight into accumulators that stay in
 //!   registers for the whole tile, rescaled by the online-softmax factor on
-//!   load ([`packed_accumulate`], with [`tile_softmax`]); no expanded tile is
+//!   load ([`packed_accumulate`], with [`tile_softmax`] giving the factors); no expanded tile is
 //!   stored. Lane for lane the same operations as the AVX2 sequence, so the
 //!   same bits.
 //! - Block scores (SPEC.md section 8.2, exact integers): `vpdpbusd` sums four

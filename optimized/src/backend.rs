@@ -277,12 +277,10 @@ impl Backend for CpuBackend {
         Self::check_rows(&queries, d, "queries")?;
         let dt = key.layout.kept_dims;
         let q = contig(&queries);
-        let mut out = Array2::zeros((queries.nrows(), dt));
-        for (i, mut row) in out.rows_mut().into_iter().enumerate() {
-            let o = row.as_slice_mut().expect("standard layout");
-            self.path
-                .rotate_query(&key.rotation, d, &q[i * d..(i + 1) * d], o);
-        }
+        let rows = queries.nrows();
+        let mut out = Array2::zeros((rows, dt));
+        let o = out.as_slice_mut().expect("standard layout");
+        self.path.rotate_queries(&key.rotation, d, &q, rows, o, dt);
         Ok(out)
     }
 

@@ -24,7 +24,7 @@ pub enum Path {
     /// `std::arch` AVX2, FMA and F16C, detected at run time.
     Avx2,
     /// AVX-512 F/BW/VL/VBMI2/VNNI on top of [`Path::Avx2`], detected at run time: bitmap
-    /// expansion, the fused value accumulation with its tile softmax, block and page scores
+    /// expansion, the fused value accumulation, the online softmax, block and page scores
     /// and the query rotation (`crate::avx512`); everything else as `Avx2`.
     Avx512,
     /// Plain Rust, no target features beyond the build's baseline.
@@ -446,45 +446,6 @@ impl Path {
             let _ = (group_size, dt, r, dp);
             false
         }
-    }
-
-    /// The online-softmax step of one tile without touching the accumulators
-    /// ([`crate::attend::online_softmax`] with `corr` given): logits (`[g][TILE]`, first `n`
-    /// valid) become probabilities, `m` and `l` are updated, and `corr[h]` is the factor head
-    /// h's accumulators must be scaled by before this tile's values are added
-    /// ([`Path::packed_accumulate`] does that).
-    pub fn tile_softmax(
-        self,
-        m: &mut [f32],
-        l: &mut [f32],
-        g: usize,
-        logits: &mut [f32],
-        n: usize,
-        corr: &mut [f32],
-    ) {
-        assert!(
-            m.len() >= g
-                && l.len() >= g
-                && corr.len() >= g
-                && logits.len() >= g * TILE
-                && n <= TILE
-        );
-        #[cfg(target_arch = "x86_64")]
-        if self == Path::Avx512 {
-            // SAFETY: AVX-512 detected; lengths asserted above.
-            unsafe {
-                crate::avx512::tile_softmax(
-                    m.as_mut_ptr(),
-                    l.as_mut_ptr(),
-                    g,
-                    logits.as_mut_ptr(),
-                    n,
-                    corr.as_mut_ptr(),
-                )
-            };
-            return;
-        }
-        crate::attend::online_softmax(self, m, l, &mut [], g, 0, logits, n, Some(corr));
     }
 
     /// `acc_h = corr[h] * acc_h` (the online-softmax rescale), then [`Path::expand_records`]

@@ -4,6 +4,7 @@
 //! 1..8 (heads in groups of 4). A path this CPU lacks is reported and skipped.
 
 use half::f16;
+use mosaickv_optimized::attend::online_softmax;
 use mosaickv_optimized::simd::{avx2_available, avx512_available, Path};
 
 fn paths() -> Vec<Path> {
@@ -199,7 +200,7 @@ fn rotated_queries_are_bit_identical_on_every_path() {
 fn rotated_query_rows_match_one_row_at_a_time() {
     // `rotate_queries` (g rows at once, f64 FMAs on AVX-512: the f64 product of two f32 values
     // is exact, so the FMA rounds as mul-then-add does) against `rotate_query` row by row.
-    let mut rng = Rng(0x7e57_0f_9a0e_51e5);
+    let mut rng = Rng(0x007e_570f_9a0e_51e5);
     for path in [Path::Portable].into_iter().chain(paths()) {
         for (d, dt) in [
             (32usize, 24usize),
@@ -276,7 +277,8 @@ fn softmax_state(
 fn fused_value_accumulation_matches_expand_then_accumulate() {
     // Path::packed_accumulate (values expanded in registers, accumulators rescaled on load) is
     // bit-identical to the AVX2 sequence it replaces: online-softmax rescale, expansion, tile
-    // accumulation. Path::tile_softmax gives the same probabilities and max as the AVX2 online
+    // accumulation. The AVX-512 online softmax (factors out, accumulators untouched) gives the
+    // same probabilities and max as the AVX2 online
     // softmax, and the same `l` up to the 16-lane sum's rounding.
     if !avx512_available() {
         eprintln!("SKIPPED fused_value_accumulation: CPU lacks avx512f/bw/vl/vbmi2");
@@ -311,11 +313,21 @@ fn fused_value_accumulation_matches_expand_then_accumulate() {
                 mw.copy_from_slice(&st[..g]);
                 lw.copy_from_slice(&st[g..2 * g]);
                 accw.copy_from_slice(&st[2 * g..]);
-                // Got: tile_softmax + packed_accumulate.
+                // Got: the AVX-512 softmax + packed_accumulate.
                 let (mut mg, mut lg_, mut accg, mut lgg) =
                     (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
                 let mut corr = vec![f32::NAN; g];
-                Path::Avx512.tile_softmax(&mut mg, &mut lg_, g, &mut lgg, n, &mut corr);
+                online_softmax(
+                    Path::Avx512,
+                    &mut mg,
+                    &mut lg_,
+                    &mut [],
+                    g,
+                    dp,
+                    &mut lgg,
+                    n,
+                    Some(&mut corr),
+                );
                 for h in 0..g {
                     assert_eq!(
                         mg[h].to_bits(),
@@ -372,9 +384,7 @@ fn online_softmax_paths_agree() {
                 let run = |p: Path| {
                     let (mut m, mut l, mut acc, mut lg) =
                         (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
-                    mosaickv_optimized::attend::online_softmax(
-                        p, &mut m, &mut l, &mut acc, g, dp, &mut lg, n, None,
-                    );
+                    online_softmax(p, &mut m, &mut l, &mut acc, g, dp, &mut lg, n, None);
                     (m, l, acc, lg)
                 };
                 let (mw, lw, aw, pw) = run(Path::Portable);
