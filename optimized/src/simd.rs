@@ -65,7 +65,8 @@ impl Path {
     }
 
     /// SPEC.md section 8.1: `out[j] = f32(sum_i R[i][j] * q[i])` for `j < out.len()`, the sum
-    /// in f64 over ascending i (product, then sum; no FMA), as the reference computes it, so
+    /// in f64 over ascending i (product, then sum, or an FMA, which rounds the same since the
+    /// f64 product of two f32 values is exact), as the reference computes it, so
     /// every path gives the same f32 values (the block score quantizes them). `rot` is the
     /// stored `d x dt` row-major rotation (`dt = out.len()`).
     #[inline]
