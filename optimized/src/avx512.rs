@@ -463,6 +463,7 @@ unsafe fn expand_word(
     )
 }
 
+/// Word lanes `0, 1, ..., 31` (the `vpermw` index base of [`expand_word`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 fn iota16() -> __m512i {
