@@ -272,25 +272,32 @@ pub fn dense_rows_update(
 /// Key for the fused top-k: sorts by score descending, then index ascending (SPEC 8.3, 12).
 #[inline]
 pub fn rank_key(score: f32, index: u32) -> u64 {
+    // NaN ranks as -inf; `+ 0.0` turns -0 into +0 and leaves every other value alone.
     let s = if score.is_nan() {
         f32::NEG_INFINITY
-    } else if score == 0.0 {
-        0.0
     } else {
-        score
+        score + 0.0
     };
     let b = s.to_bits();
-    // Monotone map f32 -> u32 (increasing), then invert for descending.
-    let mono = if b & 0x8000_0000 != 0 {
-        !b
-    } else {
-        b | 0x8000_0000
-    };
+    // Monotone map f32 -> u32 (increasing: negative values have all bits flipped, positive
+    // ones the sign bit set), then inverted for descending.
+    let mono = b ^ (((b as i32 >> 31) as u32) | 0x8000_0000);
     ((!mono as u64) << 32) | index as u64
 }
 
 /// SPEC 8.3: blocks taken in (score desc, index asc) order while fewer than `budget` tokens are taken;
 /// written ascending into `out`. `keys` is scratch. `max_take` bounds how many blocks can be needed.
+///
+/// Work per call, for `n` scores and `k = max_take`:
+/// 1. when `n` is large against `k`, a pivot from an evenly strided sample of the keys
+///    bounds the `k` smallest keys, so one streaming pass keeps only the keys at or below
+///    it (about `2k` of them) instead of storing all `n` (a pivot that keeps fewer than `k`
+///    falls back to all keys: the result never depends on the sample);
+/// 2. with `len` the length of any candidate's block and `m = ceil(budget / len) <= k`,
+///    `select_nth_unstable` puts the `m` smallest keys first; when all of them name blocks
+///    of length `len`, exactly those `m` are taken (no sort);
+/// 3. otherwise the `k` smallest keys are sorted and taken in order until the budget is met;
+/// 4. the taken indices are marked in a bitmap and read back in ascending order.
 pub fn top_blocks(
     scores: &[f32],
     lens: impl Fn(usize) -> usize,
@@ -301,32 +308,91 @@ pub fn top_blocks(
 ) {
     out.clear();
     keys.clear();
-    if budget == 0 || scores.is_empty() {
+    let n = scores.len();
+    if budget == 0 || n == 0 {
         return;
     }
-    keys.extend(
-        scores
-            .iter()
-            .enumerate()
-            .map(|(i, &s)| rank_key(s, i as u32)),
-    );
-    let k = max_take.clamp(1, keys.len());
-    if k < keys.len() {
-        keys.select_nth_unstable(k - 1);
-    }
-    let head = &mut keys[..k];
-    head.sort_unstable();
-    let mut taken = 0usize;
-    for &key in head.iter() {
-        if taken >= budget {
-            break;
+    let k = max_take.clamp(1, n);
+    let key = |i: usize| rank_key(scores[i], i as u32);
+    if n >= SAMPLE_MIN_SCORES && k.saturating_mul(4) <= n {
+        // Pivot: the sample key at rank r = about k/n of the sample, plus a margin of
+        // 3 sqrt(r) + 2 ranks (the spread of the keys below a sample rank), so that at least
+        // k keys lie at or below it unless the scores are laid out against the stride.
+        keys.extend((0..SAMPLE_KEYS).map(|j| key(j * n / SAMPLE_KEYS)));
+        let r = (k * SAMPLE_KEYS).div_ceil(n);
+        let rank = r + 3 * (r as f64).sqrt().ceil() as usize + 2;
+        let pivot = if rank < SAMPLE_KEYS {
+            *keys.select_nth_unstable(rank).1
+        } else {
+            u64::MAX
+        };
+        keys.clear();
+        keys.resize(n, 0);
+        let mut c = 0;
+        for (i, &score) in scores.iter().enumerate() {
+            let x = rank_key(score, i as u32);
+            keys[c] = x;
+            c += usize::from(x <= pivot);
         }
-        let i = (key & 0xffff_ffff) as usize;
-        taken += lens(i);
-        out.push(i as u32);
+        keys.truncate(c);
+        if c < k {
+            keys.clear();
+        }
     }
-    out.sort_unstable();
+    if keys.is_empty() {
+        keys.extend((0..n).map(key));
+    }
+    let index = |x: u64| (x & 0xffff_ffff) as usize;
+    // Uniform case: the m smallest keys all name blocks of one length (that of any candidate).
+    let len0 = lens(index(keys[0]));
+    let m = if len0 > 0 { budget.div_ceil(len0) } else { 0 };
+    let uniform = m > 0 && m <= k && {
+        if m < keys.len() {
+            keys.select_nth_unstable(m - 1);
+        }
+        keys[..m].iter().all(|&x| lens(index(x)) == len0)
+    };
+    let take = if uniform {
+        m
+    } else {
+        if k < keys.len() {
+            keys.select_nth_unstable(k - 1);
+        }
+        keys.truncate(k);
+        keys.sort_unstable();
+        let mut taken = 0usize;
+        let mut m = 0;
+        for &x in keys.iter() {
+            if taken >= budget {
+                break;
+            }
+            taken += lens(index(x));
+            m += 1;
+        }
+        m
+    };
+    // Ascending output through a bitmap of the n blocks, stored after the taken keys.
+    let words = n.div_ceil(64);
+    keys.truncate(take);
+    keys.resize(take + words, 0);
+    let (taken, bits) = keys.split_at_mut(take);
+    for &x in taken.iter() {
+        let i = index(x);
+        bits[i / 64] |= 1 << (i % 64);
+    }
+    for (w, &word) in bits.iter().enumerate() {
+        let mut b = word;
+        while b != 0 {
+            out.push((w * 64) as u32 + b.trailing_zeros());
+            b &= b - 1;
+        }
+    }
 }
+
+/// Fewest scores for which [`top_blocks`] filters by a sampled pivot.
+const SAMPLE_MIN_SCORES: usize = 2048;
+/// Keys in [`top_blocks`]'s sample.
+const SAMPLE_KEYS: usize = 256;
 
 /// Per-segment geometry of one KV head, cached per step.
 #[derive(Debug, Clone, Copy, Default)]
@@ -516,7 +582,23 @@ pub fn packed_attention(
                 }
                 if compute {
                     let gh = &geom[h * nseg..(h + 1) * nseg];
+                    // Blocks below `full_until` all hold `b0` tokens (the leading segments of
+                    // one block size), so most lookups skip the search over segments.
+                    let b0 = gh[0].block;
+                    let mut full_until = 0;
+                    for (x, seg) in gh.iter().zip(&cache.segments) {
+                        if x.block != b0 || b0 == 0 {
+                            break;
+                        }
+                        full_until = x.first + seg.len / b0;
+                        if seg.len % b0 != 0 {
+                            break;
+                        }
+                    }
                     let lens = |i: usize| {
+                        if i < full_until {
+                            return b0;
+                        }
                         let s = gh.partition_point(|x| x.first + x.blocks <= i);
                         let b = i - gh[s].first;
                         (cache.segments[s].len - b * gh[s].block).min(gh[s].block)

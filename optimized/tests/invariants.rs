@@ -255,6 +255,66 @@ fn top_blocks_matches_full_sort() {
     assert!(attend::rank_key(-0.0, 1) > attend::rank_key(0.0, 0));
 }
 
+/// The sampled-pivot and uniform-length paths of `top_blocks` (n >= 2048) against a full sort:
+/// uniform and mixed lengths, heavy ties, NaN and signed zeros, sorted and reversed score runs
+/// (a sample that misses the top keys must fall back, not lose blocks).
+#[test]
+fn top_blocks_large_matches_full_sort() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for trial in 0..120 {
+        let n = rng.gen_range(2048..20_000);
+        let layout = trial % 5;
+        // The positions top_blocks samples (256 evenly strided), for the adversarial layout.
+        let sampled: std::collections::HashSet<usize> = (0..256).map(|j| j * n / 256).collect();
+        let scores: Vec<f32> = (0..n)
+            .map(|i| match layout {
+                0 => rng.gen_range(-50.0..50.0),
+                1 => (rng.gen_range(0..7) as f32) - 3.0,
+                2 => i as f32, // ascending: the best blocks are the last ones
+                3 => [f32::NAN, -0.0, 0.0, 1.0, -1.0][rng.gen_range(0..5)],
+                // Only the sampled positions score high: the pivot keeps too few, fallback.
+                _ if sampled.contains(&i) => 100.0,
+                _ => rng.gen_range(-50.0..50.0),
+            })
+            .collect();
+        let uniform = trial % 3 != 0;
+        let lens: Vec<usize> = (0..n)
+            .map(|i| {
+                if uniform && i % 997 != 996 {
+                    16
+                } else {
+                    [16usize, 32, 5, 16][rng.gen_range(0..4)]
+                }
+            })
+            .collect();
+        let budget = rng.gen_range(1..n * 16 / 3);
+        let bmin = lens.iter().copied().min().unwrap();
+        let mut keys = Vec::new();
+        let mut got = Vec::new();
+        attend::top_blocks(
+            &scores,
+            |i| lens[i],
+            budget,
+            budget.div_ceil(bmin),
+            &mut keys,
+            &mut got,
+        );
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| attend::rank_key(scores[i], i as u32));
+        let mut want = Vec::new();
+        let mut taken = 0;
+        for i in order {
+            if taken >= budget {
+                break;
+            }
+            taken += lens[i];
+            want.push(i as u32);
+        }
+        want.sort();
+        assert_eq!(got, want, "trial {trial} n {n} budget {budget}");
+    }
+}
+
 #[test]
 fn lossless_mosaic_equals_full_attention() {
     for (kvh, qh, d) in [(2, 8, 64), (1, 3, 80), (3, 3, 32)] {
