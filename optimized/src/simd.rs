@@ -297,7 +297,21 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: detected features; sizes asserted above.
-            Path::Avx2 | Path::Avx512 => unsafe { x86::tile_logits(q, g, dp, rows, n, scale, out) },
+            Path::Avx512 => unsafe {
+                crate::avx512::tile_logits(
+                    q.as_ptr(),
+                    g,
+                    dp,
+                    rows.as_ptr(),
+                    dp,
+                    n,
+                    scale,
+                    out.as_mut_ptr(),
+                )
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: detected features; sizes asserted above.
+            Path::Avx2 => unsafe { x86::tile_logits(q, g, dp, rows, n, scale, out) },
             _ => {
                 for h in 0..g {
                     for t in 0..n {
@@ -385,9 +399,15 @@ impl Path {
                 && out.len() >= g * TILE
         );
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: avx2/fma/f16c detected (fused_f16); every row read lies inside `rows` (asserted).
+        // SAFETY: avx2/fma/f16c (AVX-512 for that path) detected (fused_f16); every row read lies
+        // inside `rows` (asserted).
         unsafe {
-            x86::tile_logits_f16(q, g, dp, rows.as_ptr(), stride, n, scale, out)
+            if self == Path::Avx512 {
+                let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+                crate::avx512::tile_logits_f16(qp, g, dp, rows.as_ptr(), stride, n, scale, op)
+            } else {
+                x86::tile_logits_f16(q, g, dp, rows.as_ptr(), stride, n, scale, out)
+            }
         }
     }
 

@@ -409,3 +409,52 @@ fn online_softmax_paths_agree() {
         }
     }
 }
+
+/// Tile logits (f32 tiles and f16 rows) of every path against f64 dot products: `dp` with
+/// 16-lane tails (dp % 16 = 8), 0..=16 tokens (4-token passes plus 1..3 tails), 1..9 heads
+/// (groups of 4 plus tails). The paths sum in different orders (8 or 16 lanes, then trees), so
+/// the bound is relative to `sum |q_j k_j|`: an f32 sum of at most 136 terms is off by at most
+/// 136 * 2^-24 = 8.1e-6 of it, under the 1e-5 allowed; a wrong or missing term is far above.
+#[test]
+fn tile_logits_agree_with_portable() {
+    use mosaickv_optimized::simd::TILE;
+    let mut rng = Rng(0x7113_0001);
+    for path in paths() {
+        for dp in [8usize, 16, 24, 40, 96, 104, 128, 136] {
+            for g in 1..=9 {
+                let q: Vec<f32> = (0..g * dp).map(|_| rng.unit()).collect();
+                let rows: Vec<f32> = (0..TILE * dp).map(|_| 4.0 * rng.unit()).collect();
+                let rows16: Vec<f16> = rows.iter().map(|&x| f16::from_f32(x)).collect();
+                let rows_h: Vec<f32> = rows16.iter().map(|x| x.to_f32()).collect();
+                for n in 0..=TILE {
+                    for (f16_rows, src) in [(false, &rows), (true, &rows_h)] {
+                        let mut got = vec![f32::NAN; g * TILE];
+                        if f16_rows {
+                            path.tile_logits_f16(&q, g, dp, &rows16, dp, n, 0.5, &mut got);
+                        } else {
+                            path.tile_logits(&q, g, dp, &rows, n, 0.5, &mut got);
+                        }
+                        for h in 0..g {
+                            for t in 0..n {
+                                let (qh, kt) = (&q[h * dp..][..dp], &src[t * dp..][..dp]);
+                                let want: f64 =
+                                    qh.iter().zip(kt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                                let mag: f64 = qh
+                                    .iter()
+                                    .zip(kt)
+                                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                                    .sum();
+                                let x = got[h * TILE + t] as f64;
+                                assert!(
+                                    (x - 0.5 * want).abs() <= 1e-5 * 0.5 * mag + 1e-30,
+                                    "{path:?} f16 {f16_rows} dp {dp} g {g} n {n} h {h} t {t}: {x} vs {}",
+                                    0.5 * want
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
