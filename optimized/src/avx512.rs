@@ -689,8 +689,13 @@ unsafe fn expand_word(
     off: &mut i16,
 ) -> (__m512, __m512) {
     let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
-    let idx = _mm512_add_epi16(iota, _mm512_set1_epi16(*off));
-    let e = _mm512_maskz_expand_epi16(mask, _mm512_permutexvar_epi16(idx, vall));
+    // Word 0's values start at lane 0: no permute.
+    let src = if c == 0 {
+        vall
+    } else {
+        _mm512_permutexvar_epi16(_mm512_add_epi16(iota, _mm512_set1_epi16(*off)), vall)
+    };
+    let e = _mm512_maskz_expand_epi16(mask, src);
     *off += mask.count_ones() as i16;
     (
         _mm512_cvtph_ps(_mm512_castsi512_si256(e)),
