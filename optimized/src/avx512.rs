@@ -1,17 +1,21 @@
 //! AVX-512 (F, BW, VL, VBMI2, VNNI) versions of the kernels where it pays on
 //! the machine we measured (AMD Zen 4, which runs 512-bit arithmetic on
-//! 256-bit units): bitmap expansion, the value side of packed attention,
-//! MosaicKV's block scores, Quest's page scores and the query rotation. Every
-//! other kernel of [`crate::simd::Path::Avx512`] is the AVX2 one; 16-lane tile
-//! logits / accumulation on stored tiles were written, measured with the
-//! `kernel_cost` tool (docs/PERFORMANCE.md) no faster for f32 tiles and
-//! 10-20 % slower for f16 rows, and removed. So was a fused expansion + logits
-//! kernel (21-23 ns per token against 17.7 for expansion then tile logits).
+//! 256-bit units): bitmap expansion, the value side of packed attention, the
+//! logits of an expanded key tile, MosaicKV's block scores, Quest's page scores
+//! and the query rotation. Every other kernel of [`crate::simd::Path::Avx512`]
+//! is the AVX2 one. Measured and not kept (docs/PERFORMANCE.md): 16-lane tile
+//! accumulation on stored tiles (no faster); 16-lane logits on streamed f16
+//! rows (faster on L1-resident rows, 24 % slower for dense decode); a fused
+//! expansion + logits kernel (21-23 ns per token against 17.7 for expansion
+//! then tile logits, before the four-token logits kernel).
 //!
 //! What changes against AVX2:
 //! - Expansion (SPEC.md section 6, g = 1): one `vpexpandw` per 32 dims places
 //!   the packed f16 values at the set bits of the bitmap, instead of one
 //!   table-driven `pshufb` per 8 dims.
+//! - Key logits on the expanded tile: four tokens x four heads per pass, so each
+//!   query chunk is loaded once per four tokens and a head's four sums come out
+//!   of one transposed reduction ([`tile_logits`]).
 //! - Value accumulation (SPEC.md section 9): each value record is expanded in
 //!   registers and multiplied straight into accumulators that stay in
 //!   registers for the whole tile, rescaled by the online-softmax factor on
@@ -183,112 +187,105 @@ unsafe fn ldm_f32(p: *const f32, k: u16) -> __m512 {
     _mm512_maskz_loadu_ps(k, p)
 }
 
-macro_rules! tile_logits_512 {
-    ($name:ident, $pass:ident, $t:ty, $load:ident, $loadm:ident) => {
-        /// T tokens x N heads of [`$name`]: `4 N` (T = 4) accumulators, each query chunk loaded
-        /// once for the T tokens; the T sums of a head come out of one [`hsum4`].
-        #[target_feature(
-            enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt"
-        )]
-        #[inline]
-        unsafe fn $pass<const N: usize, const T: usize>(
-            q: *const f32,
-            dp: usize,
-            rows: *const $t,
-            stride: usize,
-            scale: f32,
-            out: *mut f32,
-        ) {
-            let mut acc = [[_mm512_setzero_ps(); T]; N];
-            let d16 = dp / 16 * 16;
-            let mut c = 0;
-            while c < dp {
-                let mut k = [_mm512_setzero_ps(); T];
-                let m = lanes16(dp - c);
-                for (j, kj) in k.iter_mut().enumerate() {
-                    let p = rows.add(j * stride + c);
-                    *kj = if c < d16 { $load(p) } else { $loadm(p, m) };
-                }
-                for (h, ah) in acc.iter_mut().enumerate() {
-                    let qp = q.add(h * dp + c);
-                    let qv = if c < d16 {
-                        _mm512_loadu_ps(qp)
-                    } else {
-                        _mm512_maskz_loadu_ps(m, qp)
-                    };
-                    for j in 0..T {
-                        ah[j] = _mm512_fmadd_ps(qv, k[j], ah[j]);
-                    }
-                }
-                c += 16;
-            }
-            let sv = _mm_set1_ps(scale);
-            for (h, ah) in acc.iter().enumerate() {
-                let o = out.add(h * crate::simd::TILE);
-                if T == 4 {
-                    _mm_storeu_ps(o, _mm_mul_ps(sv, hsum4(ah)));
-                } else {
-                    for (j, &x) in ah.iter().enumerate() {
-                        *o.add(j) = scale * _mm512_reduce_add_ps(x);
-                    }
-                }
+/// T tokens x N heads of [`tile_logits`]: `4 N` (T = 4) accumulators, each query chunk loaded
+/// once for the T tokens; the T sums of a head come out of one [`hsum4`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn tile_logits_pass<const N: usize, const T: usize>(
+    q: *const f32,
+    dp: usize,
+    rows: *const f32,
+    stride: usize,
+    scale: f32,
+    out: *mut f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); T]; N];
+    let d16 = dp / 16 * 16;
+    let mut c = 0;
+    while c < dp {
+        let mut k = [_mm512_setzero_ps(); T];
+        let m = lanes16(dp - c);
+        for (j, kj) in k.iter_mut().enumerate() {
+            let p = rows.add(j * stride + c);
+            *kj = if c < d16 {
+                _mm512_loadu_ps(p)
+            } else {
+                ldm_f32(p, m)
+            };
+        }
+        for (h, ah) in acc.iter_mut().enumerate() {
+            let qp = q.add(h * dp + c);
+            let qv = if c < d16 {
+                _mm512_loadu_ps(qp)
+            } else {
+                _mm512_maskz_loadu_ps(m, qp)
+            };
+            for j in 0..T {
+                ah[j] = _mm512_fmadd_ps(qv, k[j], ah[j]);
             }
         }
-
-        /// Logits `out[h * TILE + t] = scale * q_h . row_t` for `g` heads (`q` `[g][dp]`) and
-        /// `n <= TILE` rows at `rows + t * stride` (`dp` elements each): four tokens x up to four
-        /// heads per pass, 16 lanes per FMA. The sums run in a different order than the AVX2
-        /// kernel's (16 lanes, then a tree), so the logits agree to rounding, not bit for bit.
-        ///
-        /// # Safety
-        /// AVX-512 available; `q` holds `g * dp` floats, `out` `(g - 1) * TILE + n`; row `t < n`
-        /// holds `dp` elements at `rows + t * stride`.
-        #[target_feature(
-            enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt"
-        )]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn $name(
-            q: *const f32,
-            g: usize,
-            dp: usize,
-            rows: *const $t,
-            stride: usize,
-            n: usize,
-            scale: f32,
-            out: *mut f32,
-        ) {
-            macro_rules! pass {
-                ($N:literal, $qp:expr, $rp:expr, $op:expr, $left:expr) => {
-                    match $left {
-                        1 => $pass::<$N, 1>($qp, dp, $rp, stride, scale, $op),
-                        2 => $pass::<$N, 2>($qp, dp, $rp, stride, scale, $op),
-                        3 => $pass::<$N, 3>($qp, dp, $rp, stride, scale, $op),
-                        _ => $pass::<$N, 4>($qp, dp, $rp, stride, scale, $op),
-                    }
-                };
-            }
-            let mut h0 = 0;
-            while h0 < g {
-                let (qp, op) = (q.add(h0 * dp), out.add(h0 * crate::simd::TILE));
-                let mut t = 0;
-                while t < n {
-                    let (rp, o) = (rows.add(t * stride), op.add(t));
-                    match g - h0 {
-                        1 => pass!(1, qp, rp, o, n - t),
-                        2 => pass!(2, qp, rp, o, n - t),
-                        3 => pass!(3, qp, rp, o, n - t),
-                        _ => pass!(4, qp, rp, o, n - t),
-                    }
-                    t += 4;
-                }
-                h0 += 4;
+        c += 16;
+    }
+    let sv = _mm_set1_ps(scale);
+    for (h, ah) in acc.iter().enumerate() {
+        let o = out.add(h * crate::simd::TILE);
+        if T == 4 {
+            _mm_storeu_ps(o, _mm_mul_ps(sv, hsum4(ah)));
+        } else {
+            for (j, &x) in ah.iter().enumerate() {
+                *o.add(j) = scale * _mm512_reduce_add_ps(x);
             }
         }
-    };
+    }
 }
 
-tile_logits_512!(tile_logits, tile_logits_pass, f32, _mm512_loadu_ps, ldm_f32);
-tile_logits_512!(tile_logits_f16, tile_logits_f16_pass, f16, ld_f16, ldm_f16);
+/// Logits `out[h * TILE + t] = scale * q_h . row_t` for `g` heads (`q` `[g][dp]`) and
+/// `n <= TILE` rows at `rows + t * stride` (`dp` elements each): four tokens x up to four
+/// heads per pass, 16 lanes per FMA. The sums run in a different order than the AVX2
+/// kernel's (16 lanes, then a tree), so the logits agree to rounding, not bit for bit.
+///
+/// # Safety
+/// AVX-512 available; `q` holds `g * dp` floats, `out` `(g - 1) * TILE + n`; row `t < n`
+/// holds `dp` elements at `rows + t * stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn tile_logits(
+    q: *const f32,
+    g: usize,
+    dp: usize,
+    rows: *const f32,
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: *mut f32,
+) {
+    macro_rules! pass {
+        ($N:literal, $qp:expr, $rp:expr, $op:expr, $left:expr) => {
+            match $left {
+                1 => tile_logits_pass::<$N, 1>($qp, dp, $rp, stride, scale, $op),
+                2 => tile_logits_pass::<$N, 2>($qp, dp, $rp, stride, scale, $op),
+                3 => tile_logits_pass::<$N, 3>($qp, dp, $rp, stride, scale, $op),
+                _ => tile_logits_pass::<$N, 4>($qp, dp, $rp, stride, scale, $op),
+            }
+        };
+    }
+    let mut h0 = 0;
+    while h0 < g {
+        let (qp, op) = (q.add(h0 * dp), out.add(h0 * crate::simd::TILE));
+        let mut t = 0;
+        while t < n {
+            let (rp, o) = (rows.add(t * stride), op.add(t));
+            match g - h0 {
+                1 => pass!(1, qp, rp, o, n - t),
+                2 => pass!(2, qp, rp, o, n - t),
+                3 => pass!(3, qp, rp, o, n - t),
+                _ => pass!(4, qp, rp, o, n - t),
+            }
+            t += 4;
+        }
+        h0 += 4;
+    }
+}
 
 macro_rules! score_kernel_512 {
     ($name:ident, $heads:ident, $t:ty, $load:ident, $loadm:ident) => {
