@@ -287,6 +287,99 @@ pub unsafe fn tile_logits(
     }
 }
 
+/// N heads of [`tile_accumulate_f16`]: `N x ceil(dp / 16)` accumulators in registers, rows in
+/// order, each row converted once per pass.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn tile_accumulate_f16_pass<const N: usize, const C: usize>(
+    p: *const f32,
+    dp: usize,
+    rows: *const f16,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+) {
+    let mut m = [u16::MAX; C];
+    for (c, x) in m.iter_mut().enumerate() {
+        *x = lanes16(dp.saturating_sub(16 * c));
+    }
+    let mut a = [[_mm512_setzero_ps(); C]; N];
+    for (h, ah) in a.iter_mut().enumerate() {
+        for (c, x) in ah.iter_mut().enumerate() {
+            *x = _mm512_maskz_loadu_ps(m[c], acc.add(h * dp + 16 * c));
+        }
+    }
+    for t in 0..n {
+        let row = rows.add(t * stride);
+        let mut pv = [_mm512_setzero_ps(); N];
+        for (h, x) in pv.iter_mut().enumerate() {
+            *x = _mm512_set1_ps(*p.add(h * crate::simd::TILE + t));
+        }
+        for c in 0..C {
+            let v = if m[c] == u16::MAX {
+                ld_f16(row.add(16 * c))
+            } else {
+                ldm_f16(row.add(16 * c), m[c])
+            };
+            for h in 0..N {
+                a[h][c] = _mm512_fmadd_ps(pv[h], v, a[h][c]);
+            }
+        }
+    }
+    for (h, ah) in a.iter().enumerate() {
+        for (c, &x) in ah.iter().enumerate() {
+            _mm512_mask_storeu_ps(acc.add(h * dp + 16 * c), m[c], x);
+        }
+    }
+}
+
+/// `acc_h += sum_t p[h * TILE + t] row_t` for `g` heads over `n <= TILE` f16 rows at `rows + t *
+/// stride` (`dp <= 128` elements each): the rows are read in order (row by row, not column
+/// chunk by column chunk across the tile), heads in passes that keep every accumulator in
+/// registers. Per lane the same FMAs in the same order as the AVX2 kernel: the same bits.
+///
+/// # Safety
+/// AVX-512 available; `dp <= 128`; `p` holds `g * TILE` floats, `acc` `g * dp`; row `t < n`
+/// holds `dp` elements at `rows + t * stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+pub unsafe fn tile_accumulate_f16(
+    p: *const f32,
+    g: usize,
+    dp: usize,
+    rows: *const f16,
+    stride: usize,
+    n: usize,
+    acc: *mut f32,
+) {
+    macro_rules! pass {
+        ($C:literal, $N:literal, $pp:expr, $ap:expr, $left:expr) => {
+            match $left.min($N) {
+                1 => tile_accumulate_f16_pass::<1, $C>($pp, dp, rows, stride, n, $ap),
+                2 => tile_accumulate_f16_pass::<2, $C>($pp, dp, rows, stride, n, $ap),
+                3 => tile_accumulate_f16_pass::<3, $C>($pp, dp, rows, stride, n, $ap),
+                _ => tile_accumulate_f16_pass::<4, $C>($pp, dp, rows, stride, n, $ap),
+            }
+        };
+    }
+    let chunks = dp.div_ceil(16);
+    let per = (24 / chunks.max(1)).clamp(1, 4);
+    let mut h0 = 0;
+    while h0 < g {
+        let (pp, ap) = (p.add(h0 * crate::simd::TILE), acc.add(h0 * dp));
+        match chunks {
+            0 | 1 => pass!(1, 4, pp, ap, g - h0),
+            2 => pass!(2, 4, pp, ap, g - h0),
+            3 => pass!(3, 4, pp, ap, g - h0),
+            4 => pass!(4, 4, pp, ap, g - h0),
+            5 => pass!(5, 4, pp, ap, g - h0),
+            6 => pass!(6, 4, pp, ap, g - h0),
+            7 => pass!(7, 3, pp, ap, g - h0),
+            _ => pass!(8, 3, pp, ap, g - h0),
+        }
+        h0 += per;
+    }
+}
+
 macro_rules! score_kernel_512 {
     ($name:ident, $heads:ident, $t:ty, $load:ident, $loadm:ident) => {
         /// Sums of the bound for N heads over B consecutive blocks (`qp`/`qn`:

@@ -399,8 +399,10 @@ impl Path {
                 && out.len() >= g * TILE
         );
         // The AVX-512 path too: a 16-lane, four-token version (as `avx512::tile_logits`) was
-        // faster on L1-resident rows (11.4 vs 12.6 ns per token in `kernel_cost`) but made dense
-        // decode at 131K tokens 24 % and Quest 4 % slower in-process A/B (streamed rows).
+        // faster on L1-resident rows (11.4 vs 12.6 ns per token in `kernel_cost`) but not on
+        // streamed rows: dense decode at 131K tokens 24 % slower with the column-ordered value
+        // accumulation, 2.5 % slower with the row-ordered one; one- and two-token versions were
+        // slower still (in-process A/B, docs/PERFORMANCE.md).
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2/fma/f16c detected (fused_f16); every row read lies inside `rows` (asserted).
         unsafe {
@@ -431,7 +433,22 @@ impl Path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in tile_logits_f16.
         unsafe {
-            x86::tile_accumulate_f16(p, g, dp, rows.as_ptr(), stride, n, acc)
+            // Rows in order, accumulators in registers: slower on L1-resident rows (13.5 vs
+            // 9.7 ns per token) but dense decode at 131K tokens 14 % and Quest 9.5 % faster
+            // (in-process A/B): streamed rows want to be read in address order.
+            if self == Path::Avx512 && dp <= 128 {
+                crate::avx512::tile_accumulate_f16(
+                    p.as_ptr(),
+                    g,
+                    dp,
+                    rows.as_ptr(),
+                    stride,
+                    n,
+                    acc.as_mut_ptr(),
+                )
+            } else {
+                x86::tile_accumulate_f16(p, g, dp, rows.as_ptr(), stride, n, acc)
+            }
         }
     }
 
