@@ -977,30 +977,78 @@ unsafe fn tile_softmax_n<const N: usize>(
     n: usize,
     corr: *mut f32,
 ) {
+    // The N heads' reductions run side by side: one transposed max, one exp of the four
+    // corrections, one transposed sum (lanes past N are -inf, or 0 after the exp).
     let mask = lanes16(n);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut a = [ninf; N];
-    for (h, ah) in a.iter_mut().enumerate() {
+    let mut a = [ninf; 4];
+    for (h, ah) in a.iter_mut().enumerate().take(N) {
         *ah = _mm512_mask_loadu_ps(ninf, mask, logits.add(h * crate::simd::TILE));
     }
-    let mut m_new = [0f32; N];
+    let hm = (1u8 << N) - 1;
+    let m_old = _mm_mask_loadu_ps(_mm_set1_ps(f32::NEG_INFINITY), hm, m);
+    let m_new = _mm_max_ps(m_old, hmax4(&a));
+    let mut p = [_mm512_setzero_ps(); 4];
     for h in 0..N {
-        m_new[h] = (*m.add(h)).max(_mm512_reduce_max_ps(a[h]));
-    }
-    let mut p = [ninf; N];
-    for h in 0..N {
-        p[h] = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(a[h], _mm512_set1_ps(m_new[h]))));
-    }
-    for h in 0..N {
-        let m_old = *m.add(h);
-        let c = if m_old == f32::NEG_INFINITY {
-            0.0
-        } else {
-            crate::simd::fast_exp(m_old - m_new[h])
-        };
-        *corr.add(h) = c;
+        let mh = _mm512_broadcastss_ps(_mm_permutevar_ps(m_new, _mm_set1_epi32(h as i32)));
+        p[h] = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(a[h], mh)));
         _mm512_storeu_ps(logits.add(h * crate::simd::TILE), p[h]);
-        *l.add(h) = *l.add(h) * c + _mm512_reduce_add_ps(p[h]);
-        *m.add(h) = m_new[h];
     }
+    // corr = exp(m_old - m_new), 0 where m_old = -inf (nothing accumulated yet).
+    let live = _mm_cmp_ps_mask::<_CMP_NEQ_OQ>(m_old, _mm_set1_ps(f32::NEG_INFINITY));
+    let c = _mm_maskz_mov_ps(live, fast_exp4(_mm_sub_ps(m_old, m_new)));
+    let l_new = _mm_fmadd_ps(_mm_maskz_loadu_ps(hm, l), c, hsum4(&p));
+    _mm_mask_storeu_ps(corr, hm, c);
+    _mm_mask_storeu_ps(l, hm, l_new);
+    _mm_mask_storeu_ps(m, hm, m_new);
+}
+
+/// `simd::fast_exp` on four lanes, operation for operation (separate multiplies and adds, no
+/// FMA), so the same bits as the scalar function the AVX2 softmax uses for its corrections.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn fast_exp4(x: __m128) -> __m128 {
+    use crate::simd::{EXP_LN2_HI, EXP_LN2_LO, EXP_POLY};
+    let x = _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(-87.0)), _mm_set1_ps(88.0));
+    let big = _mm_set1_ps(12_582_912.0);
+    let n = _mm_sub_ps(
+        _mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(std::f32::consts::LOG2_E)), big),
+        big,
+    );
+    let r = _mm_sub_ps(
+        _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(EXP_LN2_HI))),
+        _mm_mul_ps(n, _mm_set1_ps(EXP_LN2_LO)),
+    );
+    let r2 = _mm_mul_ps(r, r);
+    let mut p = _mm_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
+        p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(c));
+    }
+    let y = _mm_add_ps(_mm_add_ps(_mm_mul_ps(p, r2), r), _mm_set1_ps(1.0));
+    let e = _mm_slli_epi32::<23>(_mm_and_si128(
+        _mm_castps_si128(_mm_add_ps(n, _mm_set1_ps(127.0 + 8_388_608.0))),
+        _mm_set1_epi32(0x7f_ffff),
+    ));
+    _mm_mul_ps(y, _mm_castsi128_ps(e))
+}
+
+/// The four horizontal maxima of `a[0..4]`, as one xmm (the shape of [`hsum4`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn hmax4(a: &[__m512; 4]) -> __m128 {
+    let t0 = _mm512_max_ps(
+        _mm512_unpacklo_ps(a[0], a[1]),
+        _mm512_unpackhi_ps(a[0], a[1]),
+    );
+    let t1 = _mm512_max_ps(
+        _mm512_unpacklo_ps(a[2], a[3]),
+        _mm512_unpackhi_ps(a[2], a[3]),
+    );
+    let u = _mm512_max_ps(
+        _mm512_shuffle_ps::<0x44>(t0, t1),
+        _mm512_shuffle_ps::<0xEE>(t0, t1),
+    );
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u)));
+    let v = _mm256_max_ps(_mm512_castps512_ps256(u), hi);
+    _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v))
 }

@@ -80,6 +80,46 @@ fn main() {
         black_box(&acc);
     });
     if path.fused_packed(1, dt, r, dp) {
+        let (mut m, mut l, mut corr) = (vec![0f32; g], vec![0f32; g], vec![0f32; g]);
+        let lg0: Vec<f32> = (0..g * TILE).map(|i| (i % 13) as f32 * 0.1).collect();
+        time("online_softmax (per token, g=4)", TILE, 200_000, || {
+            lg.copy_from_slice(&lg0);
+            mosaickv_optimized::attend::online_softmax(
+                path,
+                &mut m,
+                &mut l,
+                &mut [],
+                g,
+                dp,
+                &mut lg,
+                TILE,
+                Some(&mut corr),
+            );
+            black_box(&lg);
+        });
+        // One tile of the whole packed step: expansion, logits, softmax, fused values.
+        time(
+            "packed tile, all kernels (per token)",
+            TILE,
+            100_000,
+            || {
+                path.expand_records(&bytes, 64, TILE, rb, bb, 1, dt, r, dp, &mut tile);
+                path.tile_logits(&q, g, dp, &tile, TILE, 0.1, &mut lg);
+                mosaickv_optimized::attend::online_softmax(
+                    path,
+                    &mut m,
+                    &mut l,
+                    &mut [],
+                    g,
+                    dp,
+                    &mut lg,
+                    TILE,
+                    Some(&mut corr),
+                );
+                path.packed_accumulate(&lg, g, dp, (&bytes, rb, bb), TILE, dt, r, &corr, &mut acc);
+                black_box(&acc);
+            },
+        );
         time("packed_accumulate (per token)", TILE, 200_000, || {
             path.packed_accumulate(
                 &p,
