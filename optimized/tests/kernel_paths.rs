@@ -207,6 +207,8 @@ fn rotated_query_rows_match_one_row_at_a_time() {
             (64, 64),
             (80, 60),
             (128, 96),
+            (128, 100),
+            (128, 128),
             (256, 250),
         ] {
             for g in [1usize, 2, 3, 4, 5, 8] {
