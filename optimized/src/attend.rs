@@ -7,7 +7,7 @@
 //! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
 //! allocates nothing once the buffers have grown to the cache's size.
 
-use crate::simd::{fast_exp, Path, TILE};
+use crate::simd::{fast_exp, Path, HALF_TILE_MAX_DP, TILE};
 use half::f16;
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
 use rayon::prelude::*;
@@ -708,6 +708,8 @@ pub fn packed_attention(
                 let mut corr = [0f32; 64];
                 let fused_v =
                     g <= corr.len() && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
+                let half_keys = path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
+                let mut kh = [half::f16::ZERO; TILE * HALF_TILE_MAX_DP];
                 with_tiles(dpmax, g, |kt, vt, lg| {
                     let blocks = &sel[u.head][u.s0..u.s1];
                     // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
@@ -732,19 +734,26 @@ pub fn packed_attention(
                         while t < t1 {
                             let n = (t1 - t).min(TILE);
                             let kb = &hs.keys.bytes[t * krb..];
-                            path.expand_records(
-                                kb,
-                                kb.len() - n * krb,
-                                n,
-                                krb,
-                                kl.bitmap_bytes(),
-                                kl.group_size,
-                                kl.kept_dims,
-                                kl.r,
-                                gm.dpk,
-                                kt,
-                            );
-                            path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
+                            if half_keys {
+                                // Keys expanded to an f16 tile, widened as the logits load them.
+                                let kr = (kb, krb, kl.bitmap_bytes());
+                                path.expand_records_h(kr, n, kl.kept_dims, kl.r, gm.dpk, &mut kh);
+                                path.tile_logits_h(q, g, gm.dpk, &kh, n, scale, lg);
+                            } else {
+                                path.expand_records(
+                                    kb,
+                                    kb.len() - n * krb,
+                                    n,
+                                    krb,
+                                    kl.bitmap_bytes(),
+                                    kl.group_size,
+                                    kl.kept_dims,
+                                    kl.r,
+                                    gm.dpk,
+                                    kt,
+                                );
+                                path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
+                            }
                             let st = &mut st[..partial_len(g, gm.dpv)];
                             if fused_v {
                                 let (m, rest) = st.split_at_mut(g);

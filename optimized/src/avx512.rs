@@ -134,6 +134,41 @@ pub unsafe fn expand_g1(
     }
 }
 
+/// [`expand_g1`] into f16 rows of `32 * groups` halves (`r <= 32`, `dp = 32 * groups`): each
+/// expanded word is stored as it is, the conversion to f32 left to the loads of
+/// [`tile_logits_h`].
+///
+/// # Safety
+/// As [`expand_g1`] with `r <= 32` and `dp = 32 * groups`; `out` holds `n * 32 * groups` halves.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+pub unsafe fn expand_g1_h(
+    bytes: *const u8,
+    n: usize,
+    rb: usize,
+    bb: usize,
+    r: usize,
+    groups: usize,
+    out: *mut f16,
+) {
+    let iota = iota16();
+    for t in 0..n {
+        let rec = bytes.add(t * rb);
+        let row = out.add(t * 32 * groups) as *mut __m512i;
+        let vall = load_values(rec.add(bb), r);
+        let mut off = 0i16;
+        for c in 0..groups {
+            let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
+            let src = if c == 0 {
+                vall
+            } else {
+                _mm512_permutexvar_epi16(_mm512_add_epi16(iota, _mm512_set1_epi16(off)), vall)
+            };
+            _mm512_storeu_si512(row.add(c), _mm512_maskz_expand_epi16(mask, src));
+            off += mask.count_ones() as i16;
+        }
+    }
+}
+
 /// The four horizontal sums of `a[0..4]`, as one xmm `[sum a0, sum a1, sum a2, sum a3]`
 /// (about 13 shuffles and adds instead of 4 separate reductions of ~8 each).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
@@ -266,6 +301,98 @@ pub unsafe fn tile_logits(
                 2 => tile_logits_pass::<$N, 2>($qp, dp, $rp, stride, scale, $op),
                 3 => tile_logits_pass::<$N, 3>($qp, dp, $rp, stride, scale, $op),
                 _ => tile_logits_pass::<$N, 4>($qp, dp, $rp, stride, scale, $op),
+            }
+        };
+    }
+    let mut h0 = 0;
+    while h0 < g {
+        let (qp, op) = (q.add(h0 * dp), out.add(h0 * crate::simd::TILE));
+        let mut t = 0;
+        while t < n {
+            let (rp, o) = (rows.add(t * stride), op.add(t));
+            match g - h0 {
+                1 => pass!(1, qp, rp, o, n - t),
+                2 => pass!(2, qp, rp, o, n - t),
+                3 => pass!(3, qp, rp, o, n - t),
+                _ => pass!(4, qp, rp, o, n - t),
+            }
+            t += 4;
+        }
+        h0 += 4;
+    }
+}
+
+/// T tokens x N heads of [`tile_logits_h`]: `4 N` (T = 4) accumulators, each query chunk loaded
+/// once for the T tokens; the T sums of a head come out of one [`hsum4`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn tile_logits_h_pass<const N: usize, const T: usize>(
+    q: *const f32,
+    dp: usize,
+    rows: *const f16,
+    stride: usize,
+    scale: f32,
+    out: *mut f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); T]; N];
+    let d16 = dp / 16 * 16;
+    let mut c = 0;
+    while c < dp {
+        let mut k = [_mm512_setzero_ps(); T];
+        let m = lanes16(dp - c);
+        for (j, kj) in k.iter_mut().enumerate() {
+            let p = rows.add(j * stride + c);
+            *kj = if c < d16 { ld_f16(p) } else { ldm_f16(p, m) };
+        }
+        for (h, ah) in acc.iter_mut().enumerate() {
+            let qp = q.add(h * dp + c);
+            let qv = if c < d16 {
+                _mm512_loadu_ps(qp)
+            } else {
+                _mm512_maskz_loadu_ps(m, qp)
+            };
+            for j in 0..T {
+                ah[j] = _mm512_fmadd_ps(qv, k[j], ah[j]);
+            }
+        }
+        c += 16;
+    }
+    let sv = _mm_set1_ps(scale);
+    for (h, ah) in acc.iter().enumerate() {
+        let o = out.add(h * crate::simd::TILE);
+        if T == 4 {
+            _mm_storeu_ps(o, _mm_mul_ps(sv, hsum4(ah)));
+        } else {
+            for (j, &x) in ah.iter().enumerate() {
+                *o.add(j) = scale * _mm512_reduce_add_ps(x);
+            }
+        }
+    }
+}
+
+/// [`tile_logits`] on an f16 tile (rows converted as they are loaded).
+///
+/// # Safety
+/// As [`tile_logits`], rows of f16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn tile_logits_h(
+    q: *const f32,
+    g: usize,
+    dp: usize,
+    rows: *const f16,
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: *mut f32,
+) {
+    macro_rules! pass {
+        ($N:literal, $qp:expr, $rp:expr, $op:expr, $left:expr) => {
+            match $left {
+                1 => tile_logits_h_pass::<$N, 1>($qp, dp, $rp, stride, scale, $op),
+                2 => tile_logits_h_pass::<$N, 2>($qp, dp, $rp, stride, scale, $op),
+                3 => tile_logits_h_pass::<$N, 3>($qp, dp, $rp, stride, scale, $op),
+                _ => tile_logits_h_pass::<$N, 4>($qp, dp, $rp, stride, scale, $op),
             }
         };
     }

@@ -515,3 +515,60 @@ fn tile_accumulate_f16_paths_agree() {
         }
     }
 }
+
+/// The f16 key tile (AVX-512): expansion into halves, then logits widening each row as it is
+/// loaded, must give exactly the f32 tile's values and logits (the expanded values are f16, the
+/// widening is exact, and the logits kernels share their summation order).
+#[test]
+fn half_key_tile_matches_f32_tile() {
+    use mosaickv_optimized::simd::TILE;
+    if !avx512_available() {
+        eprintln!("SKIPPED half_key_tile: CPU lacks avx512f/bw/vl/vbmi2");
+        return;
+    }
+    let path = Path::Avx512;
+    let mut rng = Rng(0x4a1f_711e_0001);
+    let mut checked = 0;
+    for dt in [8usize, 31, 32, 33, 60, 64, 96, 100, 128] {
+        let dp = 32 * dt.div_ceil(32);
+        for r in [0usize, 1, dt.min(32) / 2, dt.min(32)] {
+            for g in [1usize, 3, 4, 5, 8] {
+                let n = 1 + rng.below(TILE);
+                if !path.half_tile(1, dt, r, dp) {
+                    continue;
+                }
+                let (bytes, bb, rb) = records(&mut rng, n, dt, r);
+                let q: Vec<f32> = (0..g * dp)
+                    .map(|i| if i % dp < dt { rng.unit() } else { 0.0 })
+                    .collect();
+                let mut tile = vec![f32::NAN; n * dp];
+                path.expand_records(&bytes, 0, n, rb, bb, 1, dt, r, dp, &mut tile);
+                let mut half = vec![f16::NAN; n * dp];
+                path.expand_records_h((&bytes, rb, bb), n, dt, r, dp, &mut half);
+                for (i, (a, b)) in tile.iter().zip(&half).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_f32().to_bits(),
+                        "dt {dt} r {r}: value {i}"
+                    );
+                }
+                let mut want = vec![f32::NAN; g * TILE];
+                let mut got = vec![f32::NAN; g * TILE];
+                path.tile_logits(&q, g, dp, &tile, n, 0.3, &mut want);
+                path.tile_logits_h(&q, g, dp, &half, n, 0.3, &mut got);
+                for h in 0..g {
+                    for t in 0..n {
+                        let (a, b) = (got[h * TILE + t], want[h * TILE + t]);
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "dt {dt} r {r} g {g} n {n}: [{h}][{t}]"
+                        );
+                    }
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 50, "only {checked} geometries took the f16 tile");
+}

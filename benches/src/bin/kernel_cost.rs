@@ -73,6 +73,17 @@ fn main() {
         path.tile_logits(&q, g, dp, &tile, TILE, 0.1, &mut lg);
         black_box(&lg);
     });
+    if path.half_tile(1, dt, r, dp) {
+        let mut half = vec![f16::ZERO; TILE * dp];
+        time("expand_records_h (per record, f16 tile)", TILE, 200_000, || {
+            path.expand_records_h((&bytes, rb, bb), TILE, dt, r, dp, &mut half);
+            black_box(&half);
+        });
+        time("tile_logits_h (per token, f16 tile)", TILE, 200_000, || {
+            path.tile_logits_h(&q, g, dp, &half, TILE, 0.1, &mut lg);
+            black_box(&lg);
+        });
+    }
     let mut acc = vec![0f32; g * dp];
     let p: Vec<f32> = (0..g * TILE).map(|i| 1e-3 * i as f32).collect();
     time("tile_accumulate (per token)", TILE, 200_000, || {
