@@ -75,10 +75,15 @@ fn main() {
     });
     if path.half_tile(1, dt, r, dp) {
         let mut half = vec![f16::ZERO; TILE * dp];
-        time("expand_records_h (per record, f16 tile)", TILE, 200_000, || {
-            path.expand_records_h((&bytes, rb, bb), TILE, dt, r, dp, &mut half);
-            black_box(&half);
-        });
+        time(
+            "expand_records_h (per record, f16 tile)",
+            TILE,
+            200_000,
+            || {
+                path.expand_records_h((&bytes, rb, bb), TILE, dt, r, dp, &mut half);
+                black_box(&half);
+            },
+        );
         time("tile_logits_h (per token, f16 tile)", TILE, 200_000, || {
             path.tile_logits_h(&q, g, dp, &half, TILE, 0.1, &mut lg);
             black_box(&lg);
@@ -108,14 +113,22 @@ fn main() {
             );
             black_box(&lg);
         });
-        // One tile of the whole packed step: expansion, logits, softmax, fused values.
+        // One tile of the whole packed step as packed_attention runs it: expansion (to an f16
+        // tile where the path has one), logits, softmax, fused values.
+        let half_keys = path.half_tile(1, dt, r, dp);
+        let mut half = vec![f16::ZERO; TILE * dp];
         time(
             "packed tile, all kernels (per token)",
             TILE,
             100_000,
             || {
-                path.expand_records(&bytes, 64, TILE, rb, bb, 1, dt, r, dp, &mut tile);
-                path.tile_logits(&q, g, dp, &tile, TILE, 0.1, &mut lg);
+                if half_keys {
+                    path.expand_records_h((&bytes, rb, bb), TILE, dt, r, dp, &mut half);
+                    path.tile_logits_h(&q, g, dp, &half, TILE, 0.1, &mut lg);
+                } else {
+                    path.expand_records(&bytes, 64, TILE, rb, bb, 1, dt, r, dp, &mut tile);
+                    path.tile_logits(&q, g, dp, &tile, TILE, 0.1, &mut lg);
+                }
                 mosaickv_optimized::attend::online_softmax(
                     path,
                     &mut m,
