@@ -24,9 +24,14 @@ struct Args {
     /// Print one JSON object per (method, context) instead of the table.
     #[arg(long)]
     json: bool,
-    /// Timed decode steps per method (after warm-up).
+    /// Timed decode steps per method (after warm-up), at least.
     #[arg(long, default_value_t = 41)]
     steps: usize,
+    /// Keep timing a method's steps until they add up to this many seconds (a 2.5 ms step
+    /// would otherwise be timed over 0.1 s, where one short disturbance moves the median;
+    /// the reference's steps are exempt).
+    #[arg(long, default_value_t = 1.0)]
+    min_seconds: f64,
     /// Warm-up steps per method.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
@@ -57,18 +62,23 @@ struct Row {
     steps: usize,
 }
 
-/// Times `steps` decode steps after `warmup`, with a fresh perturbed query per step.
+/// Times at least `steps` decode steps after `warmup`, and more until the timed steps add up
+/// to `min_seconds`, with a fresh perturbed query per step. Returns the median (µs) and the
+/// number of timed steps.
 fn time_steps(
     mut step: impl FnMut(&Array2<f32>),
     base: &[Array2<f32>],
     warmup: usize,
     steps: usize,
+    min_seconds: f64,
     seed: u64,
-) -> f64 {
+) -> (f64, usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut samples = Vec::with_capacity(steps);
     let mut q = base[0].clone();
-    for i in 0..warmup + steps {
+    let mut timed = 0.0;
+    let mut i = 0;
+    while i < warmup + steps || timed < min_seconds {
         let b = &base[i % base.len()];
         for (x, &y) in q.iter_mut().zip(b.iter()) {
             *x = y + 0.01 * rng.gen_range(-1.0f32..1.0);
@@ -78,9 +88,11 @@ fn time_steps(
         let dt = t.elapsed().as_secs_f64();
         if i >= warmup {
             samples.push(dt * 1e6);
+            timed += dt;
         }
+        i += 1;
     }
-    median(&samples)
+    (median(&samples), samples.len())
 }
 
 /// Bytes a MosaicKV step reads: all block metadata, K rotations of every segment
@@ -161,11 +173,12 @@ fn main() {
         let run =
             |name: &str, c: &mut dyn KvCache, build_s: f64, bytes: usize, rows: &mut Vec<Row>| {
                 let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
-                let us = time_steps(
+                let (us, steps) = time_steps(
                     |q| c.attend(q.view(), out.view_mut()).expect("attend"),
                     &base,
                     args.warmup,
                     args.steps,
+                    args.min_seconds,
                     7,
                 );
                 let m = c.memory();
@@ -179,7 +192,7 @@ fn main() {
                     kv_bytes_per_token: m.bytes_per_token(),
                     rel_error: e,
                     build_s,
-                    steps: args.steps,
+                    steps,
                 });
             };
         let want = |m: &str| args.methods.iter().any(|x| x == m);
@@ -239,7 +252,7 @@ fn main() {
             let rb = ReferenceBackend;
             let c = mosaic.compressed();
             let mut out = Array2::zeros((shape.q_heads, shape.head_dim));
-            let us = time_steps(
+            let (us, _) = time_steps(
                 |q| {
                     rb.attend(c, q.view(), out.view_mut())
                         .expect("reference attend")
@@ -247,6 +260,7 @@ fn main() {
                 &base,
                 1,
                 args.reference_steps,
+                0.0,
                 9,
             );
             let mut e = 0.0;
