@@ -732,10 +732,14 @@ unsafe fn score_int_x4<const N: usize>(
         let mut nmn = [zero; 4];
         for b in 0..4 {
             let (x, n) = bound_chunk(mxp.add(b * dt), mnp.add(b * dt), dt, c);
-            let w = _mm256_max_epu8(_mm256_abs_epi8(x), _mm256_abs_epi8(n));
+            // max(|max|, |min|) = max(max, -min) for min <= max (both >= 0 when both bounds
+            // are >= 0, -min when both are <= 0, either when they straddle 0): one signed max
+            // instead of two abs and an unsigned max, and the result is >= 0.
+            let neg = _mm256_sub_epi8(zero, n);
+            let w = _mm256_max_epi8(x, neg);
             wacc[b] = _mm256_dpbusd_epi32(wacc[b], w, ones);
             mx[b] = x;
-            nmn[b] = _mm256_sub_epi8(zero, n);
+            nmn[b] = neg;
         }
         for h in 0..N {
             let p = _mm256_loadu_si256(pp.add(h * qstride + c) as *const __m256i);

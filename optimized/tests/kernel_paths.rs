@@ -98,10 +98,14 @@ fn scores_agree_with_portable_within_score_rel() {
                 for blocks in 1..10 {
                     let stride = dt.div_ceil(8) * 8;
                     let q: Vec<f32> = (0..g * stride).map(|_| rng.unit()).collect();
-                    let mx: Vec<i8> = (0..blocks * dt).map(|_| rng.below(128) as i8).collect();
+                    // Bounds in [-127, 127] with min <= max: both positive, both negative, or
+                    // straddling zero (the AVX-512 kernel's W uses max(|M|, |m|) = max(M, -m)).
+                    let mx: Vec<i8> = (0..blocks * dt)
+                        .map(|_| (rng.below(255) as i16 - 127) as i8)
+                        .collect();
                     let mn: Vec<i8> = mx
                         .iter()
-                        .map(|&m| m - rng.below(128) as i8 / 2 - 1)
+                        .map(|&m| (m as i16 - rng.below(64) as i16).max(-127) as i8)
                         .collect();
                     let scale: Vec<f32> = (0..blocks).map(|_| rng.unit().abs() * 0.01).collect();
                     let mut want = vec![f32::NAN; blocks];
