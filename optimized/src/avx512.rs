@@ -1,21 +1,28 @@
 //! AVX-512 (F, BW, VL, VBMI2, VNNI) versions of the kernels where it pays on
 //! the machine we measured (AMD Zen 4, which runs 512-bit arithmetic on
 //! 256-bit units): bitmap expansion, the value side of packed attention, the
-//! logits of an expanded key tile, MosaicKV's block scores, Quest's page scores
-//! and the query rotation. Every other kernel of [`crate::simd::Path::Avx512`]
-//! is the AVX2 one. Measured and not kept (docs/PERFORMANCE.md): 16-lane tile
-//! accumulation on stored tiles (no faster); 16-lane logits on streamed f16
-//! rows (faster on L1-resident rows, 24 % slower for dense decode); a fused
-//! expansion + logits kernel (21-23 ns per token against 17.7 for expansion
-//! then tile logits, before the four-token logits kernel).
+//! logits of an expanded key tile, the online-softmax step, MosaicKV's block
+//! scores, Quest's page scores, the baselines' f16 value accumulation and the
+//! query rotation. Every other kernel of [`crate::simd::Path::Avx512`] is the
+//! AVX2 one. Measured and not kept (docs/PERFORMANCE.md): 16-lane tile
+//! accumulation on stored f32 tiles (no faster); 16-lane logits on streamed
+//! f16 rows (faster on L1-resident rows, slower for dense decode); fused
+//! expansion + logits kernels (21-23 ns per token against 17.7 for expansion
+//! then tile logits; later, with four tokens per pass, 16.4 against 14.5).
 //!
 //! What changes against AVX2:
 //! - Expansion (SPEC.md section 6, g = 1): one `vpexpandw` per 32 dims places
 //!   the packed f16 values at the set bits of the bitmap, instead of one
-//!   table-driven `pshufb` per 8 dims.
+//!   table-driven `pshufb` per 8 dims. Keys are expanded into an f16 tile
+//!   ([`expand_g1_h`]: one 64-byte store per 32 dims, no conversion), which
+//!   the logits widen as they load it.
 //! - Key logits on the expanded tile: four tokens x four heads per pass, so each
 //!   query chunk is loaded once per four tokens and a head's four sums come out
-//!   of one transposed reduction ([`tile_logits`]).
+//!   of one transposed reduction ([`tile_logits`], [`tile_logits_h`]).
+//! - Online softmax: the four heads' maxima and sums by transposed reductions,
+//!   the rescale factors by a 4-lane copy of the scalar `fast_exp`.
+//! - Dense / Quest value accumulation on f16 rows: rows read in address order
+//!   with every accumulator in registers ([`tile_accumulate_f16`]).
 //! - Value accumulation (SPEC.md section 9): each value record is expanded in
 //!   registers and multiplied straight into accumulators that stay in
 //!   registers for the whole tile, rescaled by the online-softmax factor on
@@ -25,8 +32,9 @@
 //! - Block scores (SPEC.md section 8.2, exact integers): `vpdpbusd` sums four
 //!   u8 x i8 products per i32 lane in one instruction, where AVX2 needs
 //!   `vpmaddubsw` + `vpmaddwd` + `vpaddd`; same integers, same f64 products.
-//! - Query rotation (SPEC.md section 8.1): up to 4 query rows per pass share
-//!   each widened rotation row, f64 FMAs (exact products, so the same sums).
+//! - Query rotation (SPEC.md section 8.1): the rotation read row by row, each
+//!   widened row shared by up to 4 query rows, f64 FMAs (exact products, so the
+//!   same sums).
 //! - Quest's page scores (SPEC.md section 12, f32): `max(q M, q m) = q+ M +
 //!   q- m` for `M >= m` (`q+ = max(q, 0)`, `q- = min(q, 0)`), two FMAs per lane
 //!   instead of mul, mul, max, add, 4 pages per pass; the same bound, only the
