@@ -473,7 +473,7 @@ fn tile_logits_agree_with_portable() {
 fn tile_accumulate_f16_paths_agree() {
     use mosaickv_optimized::simd::TILE;
     let ps = paths();
-    let mut rng = Rng(0xacc_f16_0001);
+    let mut rng = Rng(0x00ac_cf16_0001);
     for dp in [8usize, 16, 24, 40, 96, 104, 128, 136] {
         for g in 1..=9 {
             let stride = dp + 8 * rng.below(3);
