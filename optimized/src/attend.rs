@@ -299,6 +299,7 @@ pub fn rank_key(score: f32, index: u32) -> u64 {
 /// 3. otherwise the `k` smallest keys are sorted and taken in order until the budget is met;
 /// 4. the taken indices are marked in a bitmap and read back in ascending order.
 pub fn top_blocks(
+    path: Path,
     scores: &[f32],
     lens: impl Fn(usize) -> usize,
     budget: usize,
@@ -327,13 +328,24 @@ pub fn top_blocks(
             u64::MAX
         };
         keys.clear();
-        keys.resize(n, 0);
-        let mut c = 0;
-        for (i, &score) in scores.iter().enumerate() {
-            let x = rank_key(score, i as u32);
-            keys[c] = x;
-            c += usize::from(x <= pivot);
-        }
+        keys.resize(n + 16, 0);
+        let c = match path {
+            // SAFETY: AVX-512 detected (the path); keys hold n + 16; n < 2^32 (block indices
+            // are u32).
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512 => unsafe {
+                crate::avx512::filter_rank_keys(scores, pivot, keys.as_mut_ptr())
+            },
+            _ => {
+                let mut c = 0;
+                for (i, &score) in scores.iter().enumerate() {
+                    let x = rank_key(score, i as u32);
+                    keys[c] = x;
+                    c += usize::from(x <= pivot);
+                }
+                c
+            }
+        };
         keys.truncate(c);
         if c < k {
             keys.clear();
@@ -604,7 +616,15 @@ pub fn packed_attention(
                         (cache.segments[s].len - b * gh[s].block).min(gh[s].block)
                     };
                     let max_take = budget.div_ceil(bmin.max(1)) + nseg;
-                    top_blocks(&scores[..total_blocks], lens, budget, max_take, keys, sel);
+                    top_blocks(
+                        path,
+                        &scores[..total_blocks],
+                        lens,
+                        budget,
+                        max_take,
+                        keys,
+                        sel,
+                    );
                 }
             });
     }

@@ -345,6 +345,7 @@ impl Backend for CpuBackend {
         let mut keys = Vec::new();
         let mut out = Vec::new();
         crate::attend::top_blocks(
+            self.path,
             scores,
             |i| block_lens[i],
             budget_tokens,

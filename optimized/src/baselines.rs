@@ -452,6 +452,7 @@ impl KvCache for QuestF16Cache {
                     &mut scores[..others],
                 );
                 top_blocks(
+                    path,
                     &scores[..others],
                     |_| 1,
                     p_budget - 1,

@@ -3,6 +3,7 @@
 //! against a naive f64 computation, lifecycle shape, errors.
 
 use half::f16;
+use mosaickv_optimized::simd::Path;
 use mosaickv_optimized::{attend, CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
 use mosaickv_spec::{
     Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, MosaicError, SegmentState, Side,
@@ -263,7 +264,7 @@ fn top_blocks_large_matches_full_sort() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for trial in 0..120 {
         let n = rng.gen_range(2048..20_000);
-        let layout = trial % 5;
+        let layout = trial % 6;
         // The positions top_blocks samples (256 evenly strided), for the adversarial layout.
         let sampled: std::collections::HashSet<usize> = (0..256).map(|j| j * n / 256).collect();
         let scores: Vec<f32> = (0..n)
@@ -273,32 +274,59 @@ fn top_blocks_large_matches_full_sort() {
                 2 => i as f32, // ascending: the best blocks are the last ones
                 3 => [f32::NAN, -0.0, 0.0, 1.0, -1.0][rng.gen_range(0..5)],
                 // Only the sampled positions score high: the pivot keeps too few, fallback.
-                _ if sampled.contains(&i) => 100.0,
-                _ => rng.gen_range(-50.0..50.0),
+                4 if sampled.contains(&i) => 100.0,
+                4 => rng.gen_range(-50.0..50.0),
+                // Half NaN (ranks as -inf), the cut inside the tier of signed zeros.
+                _ => match i % 10 {
+                    0 => 1.0,
+                    1 | 3 | 5 | 7 | 9 => f32::NAN,
+                    2 | 6 => -0.0,
+                    _ => 0.0,
+                },
             })
             .collect();
-        let uniform = trial % 3 != 0;
+        let uniform = trial % 3 != 0 || layout == 5;
         let lens: Vec<usize> = (0..n)
             .map(|i| {
-                if uniform && i % 997 != 996 {
+                if layout == 5 || (uniform && i % 997 != 996) {
                     16
                 } else {
                     [16usize, 32, 5, 16][rng.gen_range(0..4)]
                 }
             })
             .collect();
-        let budget = rng.gen_range(1..n * 16 / 3);
+        let budget = if layout == 5 {
+            // Uniform 16-token blocks, k = n / 5 <= n / 4: the sampled filter runs, and the
+            // 10 % of 1.0 scores leave the cut among the zeros, next to the NaNs.
+            16 * (n / 5)
+        } else {
+            rng.gen_range(1..n * 16 / 3)
+        };
         let bmin = lens.iter().copied().min().unwrap();
-        let mut keys = Vec::new();
-        let mut got = Vec::new();
-        attend::top_blocks(
-            &scores,
-            |i| lens[i],
-            budget,
-            budget.div_ceil(bmin),
-            &mut keys,
-            &mut got,
-        );
+        // Every path this CPU has (the AVX-512 one filters 16 scores per step).
+        let mut results = Vec::new();
+        for path in [Path::Portable, Path::Avx2, Path::Avx512] {
+            let have = match path {
+                Path::Avx2 => mosaickv_optimized::simd::avx2_available(),
+                Path::Avx512 => mosaickv_optimized::simd::avx512_available(),
+                _ => true,
+            };
+            if !have {
+                continue;
+            }
+            let mut keys = Vec::new();
+            let mut got = Vec::new();
+            attend::top_blocks(
+                path,
+                &scores,
+                |i| lens[i],
+                budget,
+                budget.div_ceil(bmin),
+                &mut keys,
+                &mut got,
+            );
+            results.push((path, got));
+        }
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&i| attend::rank_key(scores[i], i as u32));
         let mut want = Vec::new();
@@ -311,7 +339,9 @@ fn top_blocks_large_matches_full_sort() {
             want.push(i as u32);
         }
         want.sort();
-        assert_eq!(got, want, "trial {trial} n {n} budget {budget}");
+        for (path, got) in &results {
+            assert_eq!(got, &want, "{path:?} trial {trial} n {n} budget {budget}");
+        }
     }
 }
 

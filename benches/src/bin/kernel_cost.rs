@@ -184,6 +184,7 @@ fn main() {
     let (mut keys, mut sel) = (Vec::new(), Vec::new());
     time("top_blocks (per score, n=8192, 10 %)", n, 2000, || {
         mosaickv_optimized::attend::top_blocks(
+            path,
             &scores,
             |_| 16,
             n * 16 / 10,
