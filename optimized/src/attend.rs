@@ -7,7 +7,7 @@
 //! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
 //! allocates nothing once the buffers have grown to the cache's size.
 
-use crate::simd::{fast_exp, Path, HALF_TILE_MAX_DP, TILE};
+use crate::simd::{fast_exp, Path, TILE};
 use half::f16;
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
 use rayon::prelude::*;
@@ -729,7 +729,6 @@ pub fn packed_attention(
                 let fused_v =
                     g <= corr.len() && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
                 let half_keys = path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
-                let mut kh = [half::f16::ZERO; TILE * HALF_TILE_MAX_DP];
                 with_tiles(dpmax, g, |kt, vt, lg| {
                     let blocks = &sel[u.head][u.s0..u.s1];
                     // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
@@ -755,10 +754,12 @@ pub fn packed_attention(
                             let n = (t1 - t).min(TILE);
                             let kb = &hs.keys.bytes[t * krb..];
                             if half_keys {
-                                // Keys expanded to an f16 tile, widened as the logits load them.
+                                // Keys expanded to an f16 tile (in the f32 key tile's bytes),
+                                // widened as the logits load them.
+                                let kh: &mut [half::f16] = bytemuck::cast_slice_mut(&mut kt[..]);
                                 let kr = (kb, krb, kl.bitmap_bytes());
-                                path.expand_records_h(kr, n, kl.kept_dims, kl.r, gm.dpk, &mut kh);
-                                path.tile_logits_h(q, g, gm.dpk, &kh, n, scale, lg);
+                                path.expand_records_h(kr, n, kl.kept_dims, kl.r, gm.dpk, kh);
+                                path.tile_logits_h(q, g, gm.dpk, kh, n, scale, lg);
                             } else {
                                 path.expand_records(
                                     kb,
