@@ -18,7 +18,7 @@
 //!   the logits widen as they load it.
 //! - Key logits on the expanded tile: four tokens x four heads per pass, so each
 //!   query chunk is loaded once per four tokens and a head's four sums come out
-//!   of one transposed reduction ([`tile_logits`], [`tile_logits_h`]).
+//!   of one transposed reduction ([`tile_logits`], on f32 or f16 rows).
 //! - Online softmax: the four heads' maxima and sums by transposed reductions,
 //!   the rescale factors by a 4-lane copy of the scalar `fast_exp`.
 //! - Dense / Quest value accumulation on f16 rows: rows read in address order
@@ -144,7 +144,7 @@ pub unsafe fn expand_g1(
 
 /// [`expand_g1`] into f16 rows of `32 * groups` halves (`r <= 32`, `dp = 32 * groups`): each
 /// expanded word is stored as it is, the conversion to f32 left to the loads of
-/// [`tile_logits_h`].
+/// [`tile_logits`].
 ///
 /// # Safety
 /// As [`expand_g1`] with `r <= 32` and `dp = 32 * groups`; `out` holds `n * 32 * groups` halves.
@@ -165,14 +165,7 @@ pub unsafe fn expand_g1_h(
         let vall = load_values(rec.add(bb), r);
         let mut off = 0i16;
         for c in 0..groups {
-            let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
-            let src = if c == 0 {
-                vall
-            } else {
-                _mm512_permutexvar_epi16(_mm512_add_epi16(iota, _mm512_set1_epi16(off)), vall)
-            };
-            _mm512_storeu_si512(row.add(c), _mm512_maskz_expand_epi16(mask, src));
-            off += mask.count_ones() as i16;
+            _mm512_storeu_si512(row.add(c), expand_word_h(rec, c, vall, iota, &mut off));
         }
     }
 }
@@ -276,20 +269,51 @@ unsafe fn ldm_f16(p: *const f16, k: u16) -> __m512 {
     _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p as *const i16))
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn ldm_f32(p: *const f32, k: u16) -> __m512 {
-    _mm512_maskz_loadu_ps(k, p)
+/// Rows of a tile the logits kernel reads 16 at a time as f32: f32 rows as they are, f16
+/// rows widened as they are loaded (exactly, so both give the same logits for the same values).
+pub trait TileRow: Copy {
+    /// 16 elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// AVX-512 F available (callers are `#[target_feature]` kernels); 16 elements readable.
+    unsafe fn load16(p: *const Self) -> __m512;
+    /// The first lanes of `k` at `p`, the others 0; reads only those lanes.
+    ///
+    /// # Safety
+    /// As [`TileRow::load16`], for the lanes of `k`.
+    unsafe fn load16_masked(p: *const Self, k: u16) -> __m512;
+}
+
+impl TileRow for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load16_masked(p: *const f32, k: u16) -> __m512 {
+        _mm512_maskz_loadu_ps(k, p)
+    }
+}
+
+impl TileRow for f16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> __m512 {
+        ld_f16(p)
+    }
+    #[inline(always)]
+    unsafe fn load16_masked(p: *const f16, k: u16) -> __m512 {
+        ldm_f16(p, k)
+    }
 }
 
 /// T tokens x N heads of [`tile_logits`]: `4 N` (T = 4) accumulators, each query chunk loaded
 /// once for the T tokens; the T sums of a head come out of one [`hsum4`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
-unsafe fn tile_logits_pass<const N: usize, const T: usize>(
+unsafe fn tile_logits_pass<R: TileRow, const N: usize, const T: usize>(
     q: *const f32,
     dp: usize,
-    rows: *const f32,
+    rows: *const R,
     stride: usize,
     scale: f32,
     out: *mut f32,
@@ -303,9 +327,9 @@ unsafe fn tile_logits_pass<const N: usize, const T: usize>(
         for (j, kj) in k.iter_mut().enumerate() {
             let p = rows.add(j * stride + c);
             *kj = if c < d16 {
-                _mm512_loadu_ps(p)
+                R::load16(p)
             } else {
-                ldm_f32(p, m)
+                R::load16_masked(p, m)
             };
         }
         for (h, ah) in acc.iter_mut().enumerate() {
@@ -335,20 +359,21 @@ unsafe fn tile_logits_pass<const N: usize, const T: usize>(
 }
 
 /// Logits `out[h * TILE + t] = scale * q_h . row_t` for `g` heads (`q` `[g][dp]`) and
-/// `n <= TILE` rows at `rows + t * stride` (`dp` elements each): four tokens x up to four
-/// heads per pass, 16 lanes per FMA. The sums run in a different order than the AVX2
-/// kernel's (16 lanes, then a tree), so the logits agree to rounding, not bit for bit.
+/// `n <= TILE` rows at `rows + t * stride` (`dp` elements each, f32 or f16): four tokens x up
+/// to four heads per pass, 16 lanes per FMA. The sums run in a different order than the AVX2
+/// kernel's (16 lanes, then a tree), so the logits agree to rounding, not bit for bit; f16
+/// rows give exactly the logits of the same values as f32 rows.
 ///
 /// # Safety
 /// AVX-512 available; `q` holds `g * dp` floats, `out` `(g - 1) * TILE + n`; row `t < n`
 /// holds `dp` elements at `rows + t * stride`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn tile_logits(
+pub unsafe fn tile_logits<R: TileRow>(
     q: *const f32,
     g: usize,
     dp: usize,
-    rows: *const f32,
+    rows: *const R,
     stride: usize,
     n: usize,
     scale: f32,
@@ -357,102 +382,10 @@ pub unsafe fn tile_logits(
     macro_rules! pass {
         ($N:literal, $qp:expr, $rp:expr, $op:expr, $left:expr) => {
             match $left {
-                1 => tile_logits_pass::<$N, 1>($qp, dp, $rp, stride, scale, $op),
-                2 => tile_logits_pass::<$N, 2>($qp, dp, $rp, stride, scale, $op),
-                3 => tile_logits_pass::<$N, 3>($qp, dp, $rp, stride, scale, $op),
-                _ => tile_logits_pass::<$N, 4>($qp, dp, $rp, stride, scale, $op),
-            }
-        };
-    }
-    let mut h0 = 0;
-    while h0 < g {
-        let (qp, op) = (q.add(h0 * dp), out.add(h0 * crate::simd::TILE));
-        let mut t = 0;
-        while t < n {
-            let (rp, o) = (rows.add(t * stride), op.add(t));
-            match g - h0 {
-                1 => pass!(1, qp, rp, o, n - t),
-                2 => pass!(2, qp, rp, o, n - t),
-                3 => pass!(3, qp, rp, o, n - t),
-                _ => pass!(4, qp, rp, o, n - t),
-            }
-            t += 4;
-        }
-        h0 += 4;
-    }
-}
-
-/// T tokens x N heads of [`tile_logits_h`]: `4 N` (T = 4) accumulators, each query chunk loaded
-/// once for the T tokens; the T sums of a head come out of one [`hsum4`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn tile_logits_h_pass<const N: usize, const T: usize>(
-    q: *const f32,
-    dp: usize,
-    rows: *const f16,
-    stride: usize,
-    scale: f32,
-    out: *mut f32,
-) {
-    let mut acc = [[_mm512_setzero_ps(); T]; N];
-    let d16 = dp / 16 * 16;
-    let mut c = 0;
-    while c < dp {
-        let mut k = [_mm512_setzero_ps(); T];
-        let m = lanes16(dp - c);
-        for (j, kj) in k.iter_mut().enumerate() {
-            let p = rows.add(j * stride + c);
-            *kj = if c < d16 { ld_f16(p) } else { ldm_f16(p, m) };
-        }
-        for (h, ah) in acc.iter_mut().enumerate() {
-            let qp = q.add(h * dp + c);
-            let qv = if c < d16 {
-                _mm512_loadu_ps(qp)
-            } else {
-                _mm512_maskz_loadu_ps(m, qp)
-            };
-            for j in 0..T {
-                ah[j] = _mm512_fmadd_ps(qv, k[j], ah[j]);
-            }
-        }
-        c += 16;
-    }
-    let sv = _mm_set1_ps(scale);
-    for (h, ah) in acc.iter().enumerate() {
-        let o = out.add(h * crate::simd::TILE);
-        if T == 4 {
-            _mm_storeu_ps(o, _mm_mul_ps(sv, hsum4(ah)));
-        } else {
-            for (j, &x) in ah.iter().enumerate() {
-                *o.add(j) = scale * _mm512_reduce_add_ps(x);
-            }
-        }
-    }
-}
-
-/// [`tile_logits`] on an f16 tile (rows converted as they are loaded).
-///
-/// # Safety
-/// As [`tile_logits`], rows of f16.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn tile_logits_h(
-    q: *const f32,
-    g: usize,
-    dp: usize,
-    rows: *const f16,
-    stride: usize,
-    n: usize,
-    scale: f32,
-    out: *mut f32,
-) {
-    macro_rules! pass {
-        ($N:literal, $qp:expr, $rp:expr, $op:expr, $left:expr) => {
-            match $left {
-                1 => tile_logits_h_pass::<$N, 1>($qp, dp, $rp, stride, scale, $op),
-                2 => tile_logits_h_pass::<$N, 2>($qp, dp, $rp, stride, scale, $op),
-                3 => tile_logits_h_pass::<$N, 3>($qp, dp, $rp, stride, scale, $op),
-                _ => tile_logits_h_pass::<$N, 4>($qp, dp, $rp, stride, scale, $op),
+                1 => tile_logits_pass::<R, $N, 1>($qp, dp, $rp, stride, scale, $op),
+                2 => tile_logits_pass::<R, $N, 2>($qp, dp, $rp, stride, scale, $op),
+                3 => tile_logits_pass::<R, $N, 3>($qp, dp, $rp, stride, scale, $op),
+                _ => tile_logits_pass::<R, $N, 4>($qp, dp, $rp, stride, scale, $op),
             }
         };
     }
@@ -1064,9 +997,31 @@ fn chunk_masks<const G: usize>(dp: usize) -> [u16; 8] {
     m
 }
 
-/// One record's values, expanded by bitmap word `c`, as two f32 registers (dims `32c ..
-/// 32c + 16` and `32c + 16 .. 32c + 32`). `vall` holds the record's `r <= 32` values; `off` is
-/// the number of values before word `c` and is advanced past it.
+/// One record's values, expanded by bitmap word `c`, as 32 f16 lanes (dims `32c .. 32c + 32`).
+/// `vall` holds the record's `r <= 32` values; `off` is the number of values before word `c`
+/// and is advanced past it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn expand_word_h(
+    rec: *const u8,
+    c: usize,
+    vall: __m512i,
+    iota: __m512i,
+    off: &mut i16,
+) -> __m512i {
+    let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
+    // Word 0's values start at lane 0: no permute.
+    let src = if c == 0 {
+        vall
+    } else {
+        _mm512_permutexvar_epi16(_mm512_add_epi16(iota, _mm512_set1_epi16(*off)), vall)
+    };
+    *off += mask.count_ones() as i16;
+    _mm512_maskz_expand_epi16(mask, src)
+}
+
+/// [`expand_word_h`] widened to two f32 registers (dims `32c .. 32c + 16` and `32c + 16 ..
+/// 32c + 32`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn expand_word(
@@ -1076,15 +1031,7 @@ unsafe fn expand_word(
     iota: __m512i,
     off: &mut i16,
 ) -> (__m512, __m512) {
-    let mask = u32::from_le((rec.add(4 * c) as *const u32).read_unaligned());
-    // Word 0's values start at lane 0: no permute.
-    let src = if c == 0 {
-        vall
-    } else {
-        _mm512_permutexvar_epi16(_mm512_add_epi16(iota, _mm512_set1_epi16(*off)), vall)
-    };
-    let e = _mm512_maskz_expand_epi16(mask, src);
-    *off += mask.count_ones() as i16;
+    let e = expand_word_h(rec, c, vall, iota, off);
     (
         _mm512_cvtph_ps(_mm512_castsi512_si256(e)),
         _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(e)),

@@ -555,7 +555,7 @@ impl Path {
         // SAFETY: AVX-512 detected; sizes asserted above.
         unsafe {
             let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
-            crate::avx512::tile_logits_h(qp, g, dp, rows.as_ptr(), dp, n, scale, op)
+            crate::avx512::tile_logits(qp, g, dp, rows.as_ptr(), dp, n, scale, op)
         }
     }
 
