@@ -224,6 +224,22 @@ fn score_is_an_upper_bound_of_packed_logits() {
     }
 }
 
+/// SPEC 8.3 by its words: blocks taken in `order` while fewer than `budget` tokens are taken,
+/// returned ascending.
+fn take_in_order(order: &[usize], lens: &[usize], budget: usize) -> Vec<u32> {
+    let mut want = Vec::new();
+    let mut taken = 0;
+    for &i in order {
+        if taken >= budget {
+            break;
+        }
+        taken += lens[i];
+        want.push(i as u32);
+    }
+    want.sort();
+    want
+}
+
 #[test]
 fn top_blocks_matches_full_sort() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -241,17 +257,7 @@ fn top_blocks_matches_full_sort() {
             .unwrap();
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
-        let mut want = Vec::new();
-        let mut taken = 0;
-        for i in order {
-            if taken >= budget {
-                break;
-            }
-            taken += lens[i];
-            want.push(i as u32);
-        }
-        want.sort();
-        assert_eq!(got, want, "trial {trial}");
+        assert_eq!(got, take_in_order(&order, &lens, budget), "trial {trial}");
     }
     assert!(attend::rank_key(-0.0, 1) > attend::rank_key(0.0, 0));
 }
@@ -329,16 +335,7 @@ fn top_blocks_large_matches_full_sort() {
         }
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&i| attend::rank_key(scores[i], i as u32));
-        let mut want = Vec::new();
-        let mut taken = 0;
-        for i in order {
-            if taken >= budget {
-                break;
-            }
-            taken += lens[i];
-            want.push(i as u32);
-        }
-        want.sort();
+        let want = take_in_order(&order, &lens, budget);
         for (path, got) in &results {
             assert_eq!(got, &want, "{path:?} trial {trial} n {n} budget {budget}");
         }

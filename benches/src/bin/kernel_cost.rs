@@ -98,19 +98,14 @@ fn main() {
     if path.fused_packed(1, dt, r, dp) {
         let (mut m, mut l, mut corr) = (vec![0f32; g], vec![0f32; g], vec![0f32; g]);
         let lg0: Vec<f32> = (0..g * TILE).map(|i| (i % 13) as f32 * 0.1).collect();
+        // The softmax step as the fused path runs it: factors out, accumulators untouched.
+        let softmax = |m: &mut [f32], l: &mut [f32], lg: &mut [f32], corr: &mut [f32]| {
+            let sm = mosaickv_optimized::attend::online_softmax;
+            sm(path, m, l, &mut [], g, dp, lg, TILE, Some(corr));
+        };
         time("online_softmax (per token, g=4)", TILE, 200_000, || {
             lg.copy_from_slice(&lg0);
-            mosaickv_optimized::attend::online_softmax(
-                path,
-                &mut m,
-                &mut l,
-                &mut [],
-                g,
-                dp,
-                &mut lg,
-                TILE,
-                Some(&mut corr),
-            );
+            softmax(&mut m, &mut l, &mut lg, &mut corr);
             black_box(&lg);
         });
         // One tile of the whole packed step as packed_attention runs it: expansion (to an f16
@@ -129,17 +124,7 @@ fn main() {
                     path.expand_records(&bytes, 64, TILE, rb, bb, 1, dt, r, dp, &mut tile);
                     path.tile_logits(&q, g, dp, &tile, TILE, 0.1, &mut lg);
                 }
-                mosaickv_optimized::attend::online_softmax(
-                    path,
-                    &mut m,
-                    &mut l,
-                    &mut [],
-                    g,
-                    dp,
-                    &mut lg,
-                    TILE,
-                    Some(&mut corr),
-                );
+                softmax(&mut m, &mut l, &mut lg, &mut corr);
                 path.packed_accumulate(&lg, g, dp, (&bytes, rb, bb), TILE, dt, r, &corr, &mut acc);
                 black_box(&acc);
             },
