@@ -27,8 +27,9 @@ pub enum Path {
     /// `std::arch` AVX2, FMA and F16C, detected at run time.
     Avx2,
     /// AVX-512 F/BW/VL/VBMI2/VNNI on top of [`Path::Avx2`], detected at run time: bitmap
-    /// expansion, the fused value accumulation, the online softmax, block and page scores
-    /// and the query rotation (`crate::avx512`); everything else as `Avx2`.
+    /// expansion, key logits on the expanded tile, the fused value accumulation, the online
+    /// softmax, block and page scores, the selection filter, the query rotation and the
+    /// baselines' f16 value accumulation (`crate::avx512`); everything else as `Avx2`.
     Avx512,
     /// Plain Rust, no target features beyond the build's baseline.
     Portable,
