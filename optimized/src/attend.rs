@@ -308,73 +308,83 @@ pub fn top_blocks(
     out: &mut Vec<u32>,
 ) {
     out.clear();
-    keys.clear();
     let n = scores.len();
     if budget == 0 || n == 0 {
         return;
     }
     let k = max_take.clamp(1, n);
     let key = |i: usize| rank_key(scores[i], i as u32);
+    // Scratch: candidate keys in [0, n + 16) (the vector filter stores 16 at a time), the output
+    // bitmap after them. Grown once, never cleared: every entry used below is written first.
+    let words = n.div_ceil(64);
+    if keys.len() < n + 16 + words {
+        keys.resize(n + 16 + words, 0);
+    }
+    let (cand, bits) = keys.split_at_mut(n + 16);
+    let bits = &mut bits[..words];
+    let mut c = 0;
     if n >= SAMPLE_MIN_SCORES && k.saturating_mul(4) <= n {
         // Pivot: the sample key at rank r = about k/n of the sample, plus a margin of
         // 3 sqrt(r) + 2 ranks (the spread of the keys below a sample rank), so that at least
         // k keys lie at or below it unless the scores are laid out against the stride.
-        keys.extend((0..SAMPLE_KEYS).map(|j| key(j * n / SAMPLE_KEYS)));
+        let mut sample = [0u64; SAMPLE_KEYS];
+        for (j, x) in sample.iter_mut().enumerate() {
+            *x = key(j * n / SAMPLE_KEYS);
+        }
         let r = (k * SAMPLE_KEYS).div_ceil(n);
         let rank = r + 3 * (r as f64).sqrt().ceil() as usize + 2;
         let pivot = if rank < SAMPLE_KEYS {
-            *keys.select_nth_unstable(rank).1
+            *sample.select_nth_unstable(rank).1
         } else {
             u64::MAX
         };
-        keys.clear();
-        keys.resize(n + 16, 0);
-        let c = match path {
-            // SAFETY: AVX-512 detected (the path); keys hold n + 16; n < 2^32 (block indices
+        c = match path {
+            // SAFETY: AVX-512 detected (the path); cand holds n + 16; n < 2^32 (block indices
             // are u32).
             #[cfg(target_arch = "x86_64")]
             Path::Avx512 => unsafe {
-                crate::avx512::filter_rank_keys(scores, pivot, keys.as_mut_ptr())
+                crate::avx512::filter_rank_keys(scores, pivot, cand.as_mut_ptr())
             },
             _ => {
                 let mut c = 0;
                 for (i, &score) in scores.iter().enumerate() {
                     let x = rank_key(score, i as u32);
-                    keys[c] = x;
+                    cand[c] = x;
                     c += usize::from(x <= pivot);
                 }
                 c
             }
         };
-        keys.truncate(c);
-        if c < k {
-            keys.clear();
+    }
+    if c < k {
+        // No filter, or a pivot that kept too few: every key is a candidate.
+        for (i, x) in cand[..n].iter_mut().enumerate() {
+            *x = key(i);
         }
+        c = n;
     }
-    if keys.is_empty() {
-        keys.extend((0..n).map(key));
-    }
+    let cand = &mut cand[..c];
     let index = |x: u64| (x & 0xffff_ffff) as usize;
     // Uniform case: the m smallest keys all name blocks of one length (that of any candidate).
-    let len0 = lens(index(keys[0]));
+    let len0 = lens(index(cand[0]));
     let m = if len0 > 0 { budget.div_ceil(len0) } else { 0 };
     let uniform = m > 0 && m <= k && {
-        if m < keys.len() {
-            keys.select_nth_unstable(m - 1);
+        if m < c {
+            cand.select_nth_unstable(m - 1);
         }
-        keys[..m].iter().all(|&x| lens(index(x)) == len0)
+        cand[..m].iter().all(|&x| lens(index(x)) == len0)
     };
     let take = if uniform {
         m
     } else {
-        if k < keys.len() {
-            keys.select_nth_unstable(k - 1);
+        if k < c {
+            cand.select_nth_unstable(k - 1);
         }
-        keys.truncate(k);
-        keys.sort_unstable();
+        let head = &mut cand[..k];
+        head.sort_unstable();
         let mut taken = 0usize;
         let mut m = 0;
-        for &x in keys.iter() {
+        for &x in head.iter() {
             if taken >= budget {
                 break;
             }
@@ -383,12 +393,9 @@ pub fn top_blocks(
         }
         m
     };
-    // Ascending output through a bitmap of the n blocks, stored after the taken keys.
-    let words = n.div_ceil(64);
-    keys.truncate(take);
-    keys.resize(take + words, 0);
-    let (taken, bits) = keys.split_at_mut(take);
-    for &x in taken.iter() {
+    // Ascending output through a bitmap of the n blocks.
+    bits.fill(0);
+    for &x in &cand[..take] {
         let i = index(x);
         bits[i / 64] |= 1 << (i % 64);
     }
