@@ -222,27 +222,38 @@ pub unsafe fn filter_rank_keys(scores: &[f32], pivot: u64, out: *mut u64) -> usi
     c
 }
 
-/// The four horizontal sums of `a[0..4]`, as one xmm `[sum a0, sum a1, sum a2, sum a3]`
-/// (about 13 shuffles and adds instead of 4 separate reductions of ~8 each).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn hsum4(a: &[__m512]) -> __m128 {
-    let t0 = _mm512_add_ps(
-        _mm512_unpacklo_ps(a[0], a[1]),
-        _mm512_unpackhi_ps(a[0], a[1]),
-    );
-    let t1 = _mm512_add_ps(
-        _mm512_unpacklo_ps(a[2], a[3]),
-        _mm512_unpackhi_ps(a[2], a[3]),
-    );
-    let u = _mm512_add_ps(
-        _mm512_shuffle_ps::<0x44>(t0, t1),
-        _mm512_shuffle_ps::<0xEE>(t0, t1),
-    );
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u)));
-    let v = _mm256_add_ps(_mm512_castps512_ps256(u), hi);
-    _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v))
+/// Defines `$name(a) -> [op a0, op a1, op a2, op a3]` (one xmm): the horizontal reductions of
+/// four registers by one transposition (about 13 shuffles and `$op`s instead of 4 separate
+/// reductions of ~8 each), `$op512` / `$op256` / `$op128` the operation at each width.
+macro_rules! transposed_reduce4 {
+    ($(#[$doc:meta])* $name:ident, $op512:ident, $op256:ident, $op128:ident) => {
+        $(#[$doc])*
+        #[target_feature(
+            enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt"
+        )]
+        #[inline]
+        unsafe fn $name(a: &[__m512]) -> __m128 {
+            let t0 = $op512(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+            let t1 = $op512(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+            let u = $op512(
+                _mm512_shuffle_ps::<0x44>(t0, t1),
+                _mm512_shuffle_ps::<0xEE>(t0, t1),
+            );
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u)));
+            let v = $op256(_mm512_castps512_ps256(u), hi);
+            $op128(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v))
+        }
+    };
 }
+
+transposed_reduce4!(
+    /// The four horizontal sums of `a[0..4]`, as one xmm `[sum a0, sum a1, sum a2, sum a3]`.
+    hsum4, _mm512_add_ps, _mm256_add_ps, _mm_add_ps
+);
+transposed_reduce4!(
+    /// The four horizontal maxima of `a[0..4]`, as one xmm.
+    hmax4, _mm512_max_ps, _mm256_max_ps, _mm_max_ps
+);
 
 /// Horizontal sums of `N` accumulators into `out[..N]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
@@ -471,22 +482,23 @@ pub unsafe fn tile_accumulate_f16(
     n: usize,
     acc: *mut f32,
 ) {
+    // One pass of up to N heads with C chunks (N * C <= 24 accumulators); evaluates to N.
     macro_rules! pass {
-        ($C:literal, $N:literal, $pp:expr, $ap:expr, $left:expr) => {
+        ($C:literal, $N:literal, $pp:expr, $ap:expr, $left:expr) => {{
             match $left.min($N) {
                 1 => tile_accumulate_f16_pass::<1, $C>($pp, dp, rows, stride, n, $ap),
                 2 => tile_accumulate_f16_pass::<2, $C>($pp, dp, rows, stride, n, $ap),
                 3 => tile_accumulate_f16_pass::<3, $C>($pp, dp, rows, stride, n, $ap),
                 _ => tile_accumulate_f16_pass::<4, $C>($pp, dp, rows, stride, n, $ap),
             }
-        };
+            $N
+        }};
     }
     let chunks = dp.div_ceil(16);
-    let per = (24 / chunks.max(1)).clamp(1, 4);
     let mut h0 = 0;
     while h0 < g {
         let (pp, ap) = (p.add(h0 * crate::simd::TILE), acc.add(h0 * dp));
-        match chunks {
+        h0 += match chunks {
             0 | 1 => pass!(1, 4, pp, ap, g - h0),
             2 => pass!(2, 4, pp, ap, g - h0),
             3 => pass!(3, 4, pp, ap, g - h0),
@@ -495,8 +507,7 @@ pub unsafe fn tile_accumulate_f16(
             6 => pass!(6, 4, pp, ap, g - h0),
             7 => pass!(7, 3, pp, ap, g - h0),
             _ => pass!(8, 3, pp, ap, g - h0),
-        }
-        h0 += per;
+        };
     }
 }
 
@@ -831,38 +842,31 @@ unsafe fn rotate_rows_in_order(
     q: *const f32,
     acc: *mut f64,
 ) {
+    // One pass of up to K query rows from row h0 with C chunks; evaluates to K.
     macro_rules! pass {
-        ($C:literal, $K:literal, $h0:expr) => {
+        ($C:literal, $K:literal, $h0:expr) => {{
+            let (q, acc) = (q.add($h0 * d), acc.add($h0 * dt));
             match (n - $h0).min($K) {
-                1 => rotate_rows_pass::<$C, 1>(rot, d, dt, q.add($h0 * d), acc.add($h0 * dt)),
-                2 => rotate_rows_pass::<$C, 2>(rot, d, dt, q.add($h0 * d), acc.add($h0 * dt)),
-                3 => rotate_rows_pass::<$C, 3>(rot, d, dt, q.add($h0 * d), acc.add($h0 * dt)),
-                _ => rotate_rows_pass::<$C, 4>(rot, d, dt, q.add($h0 * d), acc.add($h0 * dt)),
+                1 => rotate_rows_pass::<$C, 1>(rot, d, dt, q, acc),
+                2 => rotate_rows_pass::<$C, 2>(rot, d, dt, q, acc),
+                3 => rotate_rows_pass::<$C, 3>(rot, d, dt, q, acc),
+                _ => rotate_rows_pass::<$C, 4>(rot, d, dt, q, acc),
             }
-        };
+            $K
+        }};
     }
     let chunks = dt.div_ceil(8);
-    let per = if chunks <= 4 {
-        4
-    } else if chunks <= 8 {
-        3
-    } else if chunks <= 12 {
-        2
-    } else {
-        1
-    };
     let mut h0 = 0;
     while h0 < n {
-        if chunks <= 4 {
-            pass!(4, 4, h0);
+        h0 += if chunks <= 4 {
+            pass!(4, 4, h0)
         } else if chunks <= 8 {
-            pass!(8, 3, h0);
+            pass!(8, 3, h0)
         } else if chunks <= 12 {
-            pass!(12, 2, h0);
+            pass!(12, 2, h0)
         } else {
-            pass!(16, 1, h0);
-        }
-        h0 += per;
+            pass!(16, 1, h0)
+        };
     }
 }
 
@@ -1275,25 +1279,4 @@ unsafe fn fast_exp4(x: __m128) -> __m128 {
         _mm_set1_epi32(0x7f_ffff),
     ));
     _mm_mul_ps(y, _mm_castsi128_ps(e))
-}
-
-/// The four horizontal maxima of `a[0..4]`, as one xmm (the shape of [`hsum4`]).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-#[inline]
-unsafe fn hmax4(a: &[__m512; 4]) -> __m128 {
-    let t0 = _mm512_max_ps(
-        _mm512_unpacklo_ps(a[0], a[1]),
-        _mm512_unpackhi_ps(a[0], a[1]),
-    );
-    let t1 = _mm512_max_ps(
-        _mm512_unpacklo_ps(a[2], a[3]),
-        _mm512_unpackhi_ps(a[2], a[3]),
-    );
-    let u = _mm512_max_ps(
-        _mm512_shuffle_ps::<0x44>(t0, t1),
-        _mm512_shuffle_ps::<0xEE>(t0, t1),
-    );
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u)));
-    let v = _mm256_max_ps(_mm512_castps512_ps256(u), hi);
-    _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v))
 }
