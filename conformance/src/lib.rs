@@ -547,6 +547,119 @@ pub fn check_nonfinite(
     Ok(())
 }
 
+/// SPEC 5, 14: rows whose elements fit f16 but whose rotation does not, and rows with an
+/// element past f16, give the same result in both backends: equal bytes, or the same
+/// `NonFinite` error naming the same value (`row * Dt + j`, the first in row order). The
+/// overflows sit in the second and third 256-row chunk, so a parallel encoder that reports
+/// any chunk's error instead of the first one's is caught.
+pub fn check_large_finite(
+    cand: &dyn Backend,
+    head_dim: usize,
+    seed: u64,
+    cfg: &CompressConfig,
+) -> Check {
+    let shape = KvShape::new(1, 1, head_dim).map_err(|e| e.to_string())?;
+    let cache = reference_cache(shape, cfg, 60, 0, seed).map_err(|e| e.to_string())?;
+    let side = &cache.segments[0].heads[0].strategy.key;
+    let dt = side.layout.kept_dims;
+    let along = |c: f32, col: usize| -> Vec<f32> {
+        (0..head_dim)
+            .map(|i| c * side.rotation[i * dt + col])
+            .collect()
+    };
+    let mut rows = structured_rows(700, head_dim, seed);
+    let mut set = |t: usize, v: Vec<f32>| {
+        for (i, x) in v.into_iter().enumerate() {
+            rows[[t, i]] = x;
+        }
+    };
+    set(10, along(60000.0, 1)); // rotates to 60000 at dim 1: fits
+    set(300, along(66000.0, 2)); // rotates to 66000 at dim 2: the first overflow
+    set(650, along(70000.0, 0)); // a later overflow, in another chunk
+    rows[[120, 1]] = 65519.0; // one element near the limit: its rotation spreads it
+    let want = ReferenceBackend.encode(rows.view(), side);
+    let got = cand.encode(rows.view(), side);
+    let expected = MosaicError::NonFinite {
+        what: mosaickv_spec::rules::ROTATED_OVERFLOW,
+        index: 300 * dt + 2,
+    };
+    if want.as_ref().err() != Some(&expected) {
+        return Err(format!("reference gave {want:?}, expected {expected:?}"));
+    }
+    if want != got {
+        return Err(format!(
+            "encode: reference {:?}, candidate {:?}",
+            want.as_ref().err(),
+            got.as_ref().err()
+        ));
+    }
+    // Without the overflowing rows the same rows encode to the same bytes.
+    for t in [300, 650] {
+        for i in 0..head_dim {
+            rows[[t, i]] = 0.5;
+        }
+    }
+    check_encode(cand, rows.view(), side).map_err(|e| format!("large finite rows: {e}"))
+}
+
+/// SPEC 8.3: `+0.0` and `-0.0` scores tie (lower index first), like any equal scores.
+pub fn check_signed_zero_ties(cand: &dyn Backend) -> Check {
+    let scores = [0.0f32, -0.0, -0.0, 0.0, 0.25, -0.0, 0.0, -0.25, -0.0];
+    let lens = [16usize, 16, 8, 16, 16, 16, 3, 16, 16];
+    let total: usize = lens.iter().sum();
+    for budget in 0..=total + 1 {
+        check_select(cand, &scores, &lens, budget).map_err(|e| format!("budget {budget}: {e}"))?;
+    }
+    // The reference's own order, spelled out: 0.25 first, then the zeros by index.
+    let picked = ReferenceBackend
+        .select_blocks(&scores, &lens, 16 + 16 + 16)
+        .map_err(|e| e.to_string())?;
+    if picked != vec![0, 1, 4] {
+        return Err(format!("reference picked {picked:?}, expected [0, 1, 4]"));
+    }
+    Ok(())
+}
+
+/// SPEC 11.2: a candidate's loss exactly equal to the threshold passes. For each candidate
+/// the threshold is set to the reference's loss of that candidate (bit for bit), and the
+/// backend must choose the same layout: the losses must be summed in the same order (SPEC
+/// 11.1: rows in order), or a one-ulp difference flips the choice.
+pub fn check_loss_at_threshold(cand: &dyn Backend, head_dim: usize, n: usize, seed: u64) -> Check {
+    let rows = structured_rows(n, head_dim, seed);
+    let mut cfg = CompressConfig::default();
+    let rotation = mosaickv_reference::rotation::fit_rotation(rows.view());
+    for side in [Side::Key, Side::Value] {
+        for layout in mosaickv_spec::rules::candidates(&cfg.clone(), head_dim) {
+            let strategy = SideStrategy {
+                layout,
+                rotation: mosaickv_spec::layout::trim_rotation(
+                    &rotation,
+                    head_dim,
+                    layout.kept_dims,
+                ),
+                fit_loss: 0.0,
+            };
+            let loss = mosaickv_reference::side_loss(rows.view(), &strategy);
+            if let mosaickv_spec::ChannelPolicy::LossThreshold {
+                key_loss,
+                value_loss,
+                ..
+            } = &mut cfg.channels
+            {
+                *key_loss = loss.min(1.0);
+                *value_loss = loss.min(1.0);
+            }
+            check_fit_side(cand, rows.view(), side, &cfg).map_err(|e| {
+                format!(
+                    "{side:?}, threshold = loss of (r {}, g {}) = {loss:e}: {e}",
+                    layout.r, layout.group_size
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Stamps the conformance suite out for one backend:
 /// `conformance_suite!(mod_name, || -> Box<dyn Backend> [, #[attr]...])`; the
 /// attributes go on every test (e.g. an `ignore` when the backend's hardware
@@ -643,6 +756,33 @@ macro_rules! conformance_suite {
                 let Some(b) = backend("nonfinite_inputs_same_error") else { return };
                 for &d in &[32usize, 80, 128] {
                     check_nonfinite(b.as_ref(), d, d as u64, &CompressConfig::default()).unwrap_or_else(|e| panic!("D={d}: {e}"));
+                }
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn large_finite_rows_same_error() {
+                let Some(b) = backend("large_finite_rows_same_error") else { return };
+                for &d in &[32usize, 64, 80, 128] {
+                    for cfg in configs() {
+                        check_large_finite(b.as_ref(), d, d as u64 + 5, &cfg).unwrap_or_else(|e| panic!("D={d}: {e}"));
+                    }
+                }
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn select_signed_zero_ties() {
+                let Some(b) = backend("select_signed_zero_ties") else { return };
+                check_signed_zero_ties(b.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn fit_side_loss_at_threshold() {
+                let Some(b) = backend("fit_side_loss_at_threshold") else { return };
+                for &(d, n) in &[(32usize, 300usize), (64, 700), (128, 600)] {
+                    check_loss_at_threshold(b.as_ref(), d, n, d as u64).unwrap_or_else(|e| panic!("D={d}: {e}"));
                 }
             }
 

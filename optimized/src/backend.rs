@@ -119,68 +119,10 @@ impl CpuBackend {
         validate::finite(what, rows.iter())
     }
 
-    /// Checks every structural invariant a foreign cache must satisfy before attention reads it.
+    /// Checks every structural invariant a foreign cache must satisfy before attention reads
+    /// it: the spec crate's one validator ([`CompressedCache::validate`]).
     fn check_cache(cache: &CompressedCache) -> Result<()> {
-        let s = &cache.shape;
-        let d = s.head_dim;
-        let dense = |rows: &mosaickv_spec::DenseRows, what: &'static str| -> Result<()> {
-            let n = rows.tokens * s.kv_heads * d;
-            if rows.keys.len() != n || rows.values.len() != n {
-                return Err(MosaicError::ShapeMismatch {
-                    what,
-                    expected: format!("{n} f16 values"),
-                    got: format!("{} / {}", rows.keys.len(), rows.values.len()),
-                });
-            }
-            Ok(())
-        };
-        dense(&cache.sink, "sink")?;
-        dense(&cache.buffer, "buffer")?;
-        for seg in &cache.segments {
-            if seg.heads.len() != s.kv_heads {
-                return Err(MosaicError::ShapeMismatch {
-                    what: "segment heads",
-                    expected: s.kv_heads.to_string(),
-                    got: seg.heads.len().to_string(),
-                });
-            }
-            for hs in &seg.heads {
-                let st = &hs.strategy;
-                st.key.validate()?;
-                st.value.validate()?;
-                if st.key.head_dim() != d || st.value.head_dim() != d {
-                    return Err(MosaicError::ShapeMismatch {
-                        what: "strategy head_dim",
-                        expected: d.to_string(),
-                        got: st.key.head_dim().to_string(),
-                    });
-                }
-                if hs.keys.count != seg.len || hs.values.count != seg.len {
-                    return Err(MosaicError::CorruptPacked(format!(
-                        "{} / {} records for a segment of {}",
-                        hs.keys.count, hs.values.count, seg.len
-                    )));
-                }
-                hs.keys.validate(&st.key.layout)?;
-                hs.values.validate(&st.value.layout)?;
-                let m = &hs.meta;
-                let dt = st.key.layout.kept_dims;
-                if st.block_size == 0
-                    || m.block_size != st.block_size
-                    || m.kept_dims != dt
-                    || m.tokens != seg.len
-                    || m.min.len() != m.blocks() * dt
-                    || m.max.len() != m.min.len()
-                    || m.scale.len() != m.blocks()
-                    || m.validate().is_err()
-                {
-                    return Err(MosaicError::CorruptPacked(
-                        "block metadata does not match its segment".into(),
-                    ));
-                }
-            }
-        }
-        Ok(())
+        cache.validate_for_attention()
     }
 }
 
@@ -225,7 +167,7 @@ impl Backend for CpuBackend {
         if config.block_sizes.len() == 1 {
             return Ok(config.block_sizes[0]);
         }
-        let packed = encode::encode_rows(&contig(&keys), key);
+        let packed = encode::encode_rows(&contig(&keys), key)?;
         let dense = encode::decode_rows(&packed, &key.layout)?;
         Ok(encode::block_size_dense(
             &dense,
@@ -237,7 +179,7 @@ impl Backend for CpuBackend {
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
         side.validate()?;
         Self::check_rows(&rows, side.head_dim(), "rows")?;
-        Ok(encode::encode_rows(&contig(&rows), side))
+        encode::encode_rows(&contig(&rows), side)
     }
 
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
@@ -323,13 +265,7 @@ impl Backend for CpuBackend {
         block_lens: &[usize],
         budget_tokens: usize,
     ) -> Result<Vec<u32>> {
-        if scores.len() != block_lens.len() {
-            return Err(MosaicError::ShapeMismatch {
-                what: "block_lens",
-                expected: scores.len().to_string(),
-                got: block_lens.len().to_string(),
-            });
-        }
+        validate::block_scores(scores, block_lens)?;
         let bmin = block_lens
             .iter()
             .copied()

@@ -5,8 +5,8 @@
 
 use half::f16;
 use mosaickv_spec::{
-    ceil_to, BlockMeta, ChannelPolicy, CompressConfig, MosaicError, PackedRows, RecordLayout,
-    Result, Side, SideStrategy, ValueDtype,
+    rules, BlockMeta, CompressConfig, MosaicError, PackedRows, RecordLayout, Result, Side,
+    SideStrategy,
 };
 use nalgebra::{DMatrix, SymmetricEigen};
 use rayon::prelude::*;
@@ -204,6 +204,8 @@ fn select_groups(
 }
 
 /// Packs one record (SPEC.md section 6) from a row's rotated f64 coordinates (at least Dt of them).
+/// Returns the first rotated dim whose kept value overflows f16 (SPEC.md section 14), if any;
+/// the record's bytes are then meaningless and the caller reports the error.
 fn pack_record(
     x: &[f64],
     layout: &RecordLayout,
@@ -212,7 +214,7 @@ fn pack_record(
     imp: &mut [f32],
     order: &mut [u16],
     keep: &mut [bool],
-) {
+) -> Option<usize> {
     let dt = layout.kept_dims;
     let g = layout.group_size;
     for j in 0..dt {
@@ -221,14 +223,33 @@ fn pack_record(
     select_groups(&y[..dt], g, layout.kept_groups(), imp, order, keep);
     out.fill(0);
     let mut o = layout.bitmap_bytes();
+    let mut overflow = None;
     for k in 0..layout.groups() {
         if keep[k] {
             out[k / 8] |= 1 << (k % 8);
-            for &v in &y[k * g..(k + 1) * g] {
+            for (j, &v) in (k * g..).zip(&y[k * g..(k + 1) * g]) {
+                if !v.is_finite() && overflow.is_none() {
+                    overflow = Some(j);
+                }
                 out[o..o + 2].copy_from_slice(&v.to_le_bytes());
                 o += 2;
             }
         }
+    }
+    overflow
+}
+
+/// The first overflow of rows packed in chunks of [`ROWS_PER_TASK`]: `(row in chunk, dim)`
+/// per chunk, in chunk order, turned into SPEC.md section 14's error (flat index
+/// `row * Dt + dim`, the first in row order, as the reference reports it).
+fn first_overflow(per_chunk: Vec<Option<(usize, usize)>>, layout: &RecordLayout) -> Result<()> {
+    let first = per_chunk
+        .into_iter()
+        .enumerate()
+        .find_map(|(c, o)| o.map(|(i, j)| (c * ROWS_PER_TASK + i, j)));
+    match first {
+        Some((row, j)) => Err(rules::rotated_overflow(row, j, layout.kept_dims)),
+        None => Ok(()),
     }
 }
 
@@ -252,18 +273,24 @@ impl PackBufs {
 }
 
 /// Packs rows whose rotated coordinates are given (`[n][stride]`, stride >= Dt), in parallel.
-pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> PackedRows {
+/// A kept value beyond the f16 range is `NonFinite` (SPEC.md section 14).
+pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> Result<PackedRows> {
     let n = rot_rows.len() / stride.max(1);
     let rb = layout.record_bytes();
     let mut bytes = vec![0u8; n * rb];
     let d = layout.head_dim;
-    bytes
+    let overflows: Vec<Option<(usize, usize)>> = bytes
         .par_chunks_mut(rb * ROWS_PER_TASK)
         .zip(rot_rows.par_chunks(stride * ROWS_PER_TASK))
-        .for_each(|(out, x)| {
+        .map(|(out, x)| {
             let mut b = PackBufs::new(d);
-            for (o, row) in out.chunks_exact_mut(rb).zip(x.chunks_exact(stride)) {
-                pack_record(
+            let mut first = None;
+            for (i, (o, row)) in out
+                .chunks_exact_mut(rb)
+                .zip(x.chunks_exact(stride))
+                .enumerate()
+            {
+                let bad = pack_record(
                     row,
                     layout,
                     o,
@@ -272,28 +299,40 @@ pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> P
                     &mut b.order,
                     &mut b.keep,
                 );
+                if let (None, Some(j)) = (first, bad) {
+                    first = Some((i, j));
+                }
             }
-        });
-    PackedRows { count: n, bytes }
+            first
+        })
+        .collect();
+    first_overflow(overflows, layout)?;
+    Ok(PackedRows { count: n, bytes })
 }
 
 /// SPEC 5-6: rotate and pack rows `[n][d]` with a side strategy (parallel over row chunks).
-pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> PackedRows {
+/// A kept value beyond the f16 range is `NonFinite` (SPEC.md section 14).
+pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
     let layout = side.layout;
     let d = layout.head_dim;
     let dt = layout.kept_dims;
     let n = rows.len() / d;
     let rb = layout.record_bytes();
     let mut bytes = vec![0u8; n * rb];
-    bytes
+    let overflows: Vec<Option<(usize, usize)>> = bytes
         .par_chunks_mut(rb * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
-        .for_each(|(out, x)| {
+        .map(|(out, x)| {
             let mut b = PackBufs::new(d);
             let mut xr = vec![0f64; x.len() / d * dt];
             rotate_rows_f64(&side.rotation, d, x, dt, &mut xr);
-            for (o, row) in out.chunks_exact_mut(rb).zip(xr.chunks_exact(dt)) {
-                pack_record(
+            let mut first = None;
+            for (i, (o, row)) in out
+                .chunks_exact_mut(rb)
+                .zip(xr.chunks_exact(dt))
+                .enumerate()
+            {
+                let bad = pack_record(
                     row,
                     &layout,
                     o,
@@ -302,9 +341,15 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> PackedRows {
                     &mut b.order,
                     &mut b.keep,
                 );
+                if let (None, Some(j)) = (first, bad) {
+                    first = Some((i, j));
+                }
             }
-        });
-    PackedRows { count: n, bytes }
+            first
+        })
+        .collect();
+    first_overflow(overflows, &layout)?;
+    Ok(PackedRows { count: n, bytes })
 }
 
 /// SPEC 11.1 terms `(dropped, total)` of one row `x` (`[d]`) with rotated coordinates `xr`
@@ -335,124 +380,63 @@ pub fn row_loss_terms(
     (dropped, total)
 }
 
-/// SPEC 11.1: relative dropped energy of rows `[n][d]` given their rotated coordinates
+/// SPEC 11.1 sums `(dropped, total)` of rows `[n][d]` given their rotated coordinates
 /// (`[n][w]` f64, `w >= Dt`) under `(Dt, r, g)`: kept groups chosen by SPEC 5 from the
-/// f16-rounded values.
-pub fn loss_rotated(rows: &[f32], rot_rows: &[f64], w: usize, layout: &RecordLayout) -> f64 {
+/// f16-rounded values. The per-row terms are computed in parallel and added in row order,
+/// as SPEC 11.1 says (and as the reference's `LossSums` does), so the sums are the
+/// reference's bit for bit: a fold of per-chunk partial sums would round differently.
+pub fn loss_sums_rotated(
+    rows: &[f32],
+    rot_rows: &[f64],
+    w: usize,
+    layout: &RecordLayout,
+) -> (f64, f64) {
     let (d, dt, g) = (layout.head_dim, layout.kept_dims, layout.group_size);
-    let parts: Vec<(f64, f64)> = rot_rows
+    let terms: Vec<Vec<(f64, f64)>> = rot_rows
         .par_chunks(w * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .map(|(xr, x)| {
             let mut b = PackBufs::new(d);
-            let (mut num, mut den) = (0f64, 0f64);
-            for (row, xrow) in xr.chunks_exact(w).zip(x.chunks_exact(d)) {
-                for j in 0..dt {
-                    b.y[j] = f16_from_f64(row[j]);
-                }
-                select_groups(
-                    &b.y[..dt],
-                    g,
-                    layout.kept_groups(),
-                    &mut b.imp,
-                    &mut b.order,
-                    &mut b.keep,
-                );
-                let (a, t) = row_loss_terms(xrow, row, layout, |k| b.keep[k]);
-                num += a;
-                den += t;
-            }
-            (num, den)
+            xr.chunks_exact(w)
+                .zip(x.chunks_exact(d))
+                .map(|(row, xrow)| {
+                    for j in 0..dt {
+                        b.y[j] = f16_from_f64(row[j]);
+                    }
+                    select_groups(
+                        &b.y[..dt],
+                        g,
+                        layout.kept_groups(),
+                        &mut b.imp,
+                        &mut b.order,
+                        &mut b.keep,
+                    );
+                    row_loss_terms(xrow, row, layout, |k| b.keep[k])
+                })
+                .collect()
         })
         .collect();
-    let (num, den) = parts
-        .iter()
-        .fold((0f64, 0f64), |(a, b), (x, y)| (a + x, b + y));
-    if den == 0.0 {
+    let (mut dropped, mut total) = (0f64, 0f64);
+    for (a, t) in terms.into_iter().flatten() {
+        dropped += a;
+        total += t;
+    }
+    (dropped, total)
+}
+
+/// SPEC 11.1: `dropped / total`, 0 when the denominator is 0.
+pub fn loss_of(sums: (f64, f64)) -> f64 {
+    if sums.1 == 0.0 {
         0.0
     } else {
-        num / den
+        sums.0 / sums.1
     }
 }
 
-/// SPEC 11.2: candidate layouts for a policy.
-pub fn candidates(d: usize, config: &CompressConfig) -> Vec<RecordLayout> {
-    let mk = |g: usize, f: f64| {
-        let dt = config.kept_dims(d, g);
-        let r = ceil_to((f * d as f64).ceil() as usize, g).min(dt);
-        RecordLayout {
-            head_dim: d,
-            kept_dims: dt,
-            r,
-            group_size: g,
-            dtype: ValueDtype::F16,
-        }
-    };
-    let mut out: Vec<RecordLayout> = Vec::new();
-    match &config.channels {
-        ChannelPolicy::Fixed {
-            retention,
-            group_size,
-        } => out.push(mk(*group_size, *retention)),
-        ChannelPolicy::LossThreshold {
-            retentions,
-            group_sizes,
-            ..
-        } => {
-            for &g in group_sizes {
-                for &f in retentions {
-                    let l = mk(g, f);
-                    if !out.contains(&l) {
-                        out.push(l);
-                    }
-                }
-            }
-        }
-    }
-    out
-}
-
-/// SPEC 11.2: picks the candidate by the policy's rule, given each candidate's loss.
-pub fn choose(
-    cands: &[RecordLayout],
-    losses: &[f64],
-    side: Side,
-    config: &CompressConfig,
-) -> usize {
-    let threshold = match &config.channels {
-        ChannelPolicy::Fixed { .. } => return 0,
-        ChannelPolicy::LossThreshold {
-            key_loss,
-            value_loss,
-            ..
-        } => match side {
-            Side::Key => *key_loss,
-            Side::Value => *value_loss,
-        },
-    };
-    let passing: Vec<usize> = (0..cands.len())
-        .filter(|&i| losses[i] <= threshold)
-        .collect();
-    let cmp_f = |a: f64, b: f64| a.partial_cmp(&b).unwrap_or(std::cmp::Ordering::Equal);
-    if !passing.is_empty() {
-        *passing
-            .iter()
-            .min_by(|&&a, &&b| {
-                cands[a]
-                    .record_bytes()
-                    .cmp(&cands[b].record_bytes())
-                    .then(cmp_f(losses[a], losses[b]))
-                    .then(cands[a].group_size.cmp(&cands[b].group_size))
-            })
-            .expect("non-empty")
-    } else {
-        (0..cands.len())
-            .min_by(|&a, &b| {
-                cmp_f(losses[a], losses[b])
-                    .then(cands[a].record_bytes().cmp(&cands[b].record_bytes()))
-            })
-            .expect("at least one candidate")
-    }
+/// SPEC 11.1: relative dropped energy of rows `[n][d]` given their rotated coordinates
+/// (see [`loss_sums_rotated`]).
+pub fn loss_rotated(rows: &[f32], rot_rows: &[f64], w: usize, layout: &RecordLayout) -> f64 {
+    loss_of(loss_sums_rotated(rows, rot_rows, w, layout))
 }
 
 /// SPEC 3, 4, 11: fits one side from rows `[n][d]`; also returns the rows' full rotated coordinates
@@ -471,7 +455,7 @@ pub fn fit_side_rotated(
     xr.par_chunks_mut(d * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .for_each(|(o, x)| rotate_rows_f64(&rotation, d, x, d, o));
-    let cands = candidates(d, config);
+    let cands = rules::candidates(config, d);
     for l in &cands {
         l.validate()?;
     }
@@ -479,7 +463,7 @@ pub fn fit_side_rotated(
         .iter()
         .map(|l| loss_rotated(rows, &xr, d, l))
         .collect();
-    let k = choose(&cands, &losses, side, config);
+    let k = rules::choose_candidate(&cands, &losses, side, config);
     Ok((
         SideStrategy {
             layout: cands[k],
@@ -490,15 +474,21 @@ pub fn fit_side_rotated(
     ))
 }
 
-/// SPEC 11.1 for rows `[n][d]` under an existing strategy.
-pub fn loss_rows(rows: &[f32], side: &SideStrategy) -> f64 {
+/// SPEC 11.1 sums `(dropped, total)` for rows `[n][d]` under an existing strategy
+/// (`total = K + T` per row, rows added in order).
+pub fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
     let (d, dt) = (side.layout.head_dim, side.layout.kept_dims);
     let n = rows.len() / d;
     let mut xr = vec![0f64; n * dt];
     xr.par_chunks_mut(dt * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .for_each(|(o, x)| rotate_rows_f64(&side.rotation, d, x, dt, o));
-    loss_rotated(rows, &xr, dt, &side.layout)
+    loss_sums_rotated(rows, &xr, dt, &side.layout)
+}
+
+/// SPEC 11.1 for rows `[n][d]` under an existing strategy.
+pub fn loss_rows(rows: &[f32], side: &SideStrategy) -> f64 {
+    loss_of(loss_sums(rows, side))
 }
 
 /// SPEC 6: decodes records to dense rotated rows `[n][Dt]` (validating them first).

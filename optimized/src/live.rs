@@ -54,9 +54,9 @@ use crate::mosaic::encode_segment;
 use crate::simd::Path;
 use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::{
-    persist, validate, BlockMeta, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape,
-    MemoryReport, MosaicError, PackedRows, RecordLayout, Result, Segment, SegmentState, Side,
-    SideStrategy, Strategy,
+    persist, rules, validate, BlockMeta, CompressConfig, CompressedCache, HeadSegment, KvCache,
+    KvShape, MemoryReport, MosaicError, PackedRows, RecordLayout, Result, Segment, SegmentState,
+    Side, SideStrategy, Strategy,
 };
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use rayon::prelude::*;
@@ -360,7 +360,7 @@ fn fit_side_from_cov(
     xr.par_chunks_mut(d * 256)
         .zip(rows.par_chunks(d * 256))
         .for_each(|(o, x)| encode::rotate_rows_f64(&rotation, d, x, d, o));
-    let cands = encode::candidates(d, config);
+    let cands = rules::candidates(config, d);
     for l in &cands {
         l.validate()?;
     }
@@ -368,7 +368,7 @@ fn fit_side_from_cov(
         .iter()
         .map(|l| encode::loss_rotated(rows, &xr, d, l))
         .collect();
-    let k = encode::choose(&cands, &losses, side, config);
+    let k = rules::choose_candidate(&cands, &losses, side, config);
     Ok((
         SideStrategy {
             layout: cands[k],
@@ -389,10 +389,10 @@ fn finalize_head(
     config: &CompressConfig,
 ) -> Result<HeadSegment> {
     let (ks, kr) = fit_side_from_cov(keys, ck, d, Side::Key, config)?;
-    let packed_k = encode::pack_rotated(&kr, d, &ks.layout);
+    let packed_k = encode::pack_rotated(&kr, d, &ks.layout)?;
     drop(kr);
     let (vs, vr) = fit_side_from_cov(values, cv, d, Side::Value, config)?;
-    let packed_v = encode::pack_rotated(&vr, d, &vs.layout);
+    let packed_v = encode::pack_rotated(&vr, d, &vs.layout)?;
     drop(vr);
     let dense = encode::decode_trusted(&packed_k, &ks.layout);
     let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
@@ -410,12 +410,12 @@ fn finalize_head(
 }
 
 /// SPEC 10.2 step 2 for one head: records and metadata of rows `[n][d]` under `st`.
-fn encode_part(k: &[f32], v: &[f32], st: &Strategy) -> Part {
-    let keys = encode::encode_rows(k, &st.key);
-    let values = encode::encode_rows(v, &st.value);
+fn encode_part(k: &[f32], v: &[f32], st: &Strategy) -> Result<Part> {
+    let keys = encode::encode_rows(k, &st.key)?;
+    let values = encode::encode_rows(v, &st.value)?;
     let dense = encode::decode_trusted(&keys, &st.key.layout);
     let meta = encode::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
-    Part { keys, values, meta }
+    Ok(Part { keys, values, meta })
 }
 
 impl WorkerState {
@@ -457,11 +457,14 @@ impl WorkerState {
     /// Adds rows `[n][kv][d]` to the open segment: covariance and loss sums per
     /// head and side; returns the records under the temporary strategy when
     /// `want_parts` (a re-encode).
-    fn ingest(&mut self, keys: &[f32], values: &[f32], want_parts: bool) -> Vec<Part> {
+    ///
+    /// Rows accepted by `append` cannot overflow f16 under a fitted rotation (SPEC 14);
+    /// an error here means a rotation from a damaged file, and the worker stops.
+    fn ingest(&mut self, keys: &[f32], values: &[f32], want_parts: bool) -> Result<Vec<Part>> {
         let (kv, d) = (self.shape.kv_heads, self.shape.head_dim);
         let open = self.open.as_mut().expect("ingest needs an open segment");
         let temp = open.temp.clone();
-        let parts: Vec<Option<Part>> = open
+        let parts: Vec<Result<Option<Part>>> = open
             .sides
             .par_iter_mut()
             .enumerate()
@@ -476,24 +479,25 @@ impl WorkerState {
                     let dt = side.layout.kept_dims;
                     let mut xr = vec![0f64; n * dt];
                     encode::rotate_rows_f64(&side.rotation, d, rows, dt, &mut xr);
-                    let p = encode::pack_rotated(&xr, dt, &side.layout);
+                    let p = encode::pack_rotated(&xr, dt, &side.layout)?;
                     add_loss_terms(&mut sides[s].loss, rows, &xr, &p, &side.layout);
                     packed.push(p);
                 }
-                want_parts.then(|| {
+                Ok(want_parts.then(|| {
                     let values = packed.pop().expect("value records");
                     let keys = packed.pop().expect("key records");
                     let dense = encode::decode_trusted(&keys, &st.key.layout);
                     let meta =
                         encode::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
                     Part { keys, values, meta }
-                })
+                }))
             })
             .collect();
+        let parts = parts.into_iter().collect::<Result<Vec<_>>>()?;
         open.keys.extend_from_slice(keys);
         open.values.extend_from_slice(values);
         open.len += keys.len() / (kv * d);
-        parts.into_iter().flatten().collect()
+        Ok(parts.into_iter().flatten().collect())
     }
 
     /// [`WorkerState::process_inner`], timed.
@@ -529,7 +533,7 @@ impl WorkerState {
             )));
         }
         let reencode = job.tag != open.tag;
-        let parts = self.ingest(&job.keys, &job.values, reencode);
+        let parts = self.ingest(&job.keys, &job.values, reencode)?;
         let open = self.open.as_ref().expect("open");
         let cfg = &self.config;
         let margin = cfg.segment_loss_margin;
@@ -683,13 +687,6 @@ impl Drop for LiveCache {
                 }
             }
         }
-    }
-}
-
-fn check_f16_range(what: &'static str, values: impl IntoIterator<Item = f32>) -> Result<()> {
-    match values.into_iter().position(|x| x.abs() >= 65520.0) {
-        Some(index) => Err(MosaicError::NonFinite { what, index }),
-        None => Ok(()),
     }
 }
 
@@ -1071,18 +1068,21 @@ impl LiveCache {
         let start = self.view.sink.tokens + self.view.segment_tokens();
         let last_open =
             matches!(self.view.segments.last(), Some(s) if s.state == SegmentState::Open);
-        let mut send_strategies = None;
-        let tag = if last_open {
-            self.tags
+        // Everything fallible (fitting the first strategy, encoding) runs before the
+        // first mutation, so an error leaves the cache as it was (SPEC 14).
+        let (tag, new_open): (Tag, Option<Vec<Strategy>>) = if last_open {
+            let tag = self
+                .tags
                 .last()
                 .copied()
                 .flatten()
-                .expect("an open segment has a tag")
+                .expect("an open segment has a tag");
+            (tag, None)
         } else {
-            let (tag, strategies): (Tag, Vec<Strategy>) = match self.view.segments.last() {
+            match self.view.segments.last() {
                 Some(last) => (
                     Tag::Seg(last.start),
-                    last.heads.iter().map(|h| h.strategy.clone()).collect(),
+                    Some(last.heads.iter().map(|h| h.strategy.clone()).collect()),
                 ),
                 None => {
                     let config = &self.view.config;
@@ -1094,7 +1094,7 @@ impl LiveCache {
                             let v = gather(bv, kv, d, h);
                             let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, config)?;
                             let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, config)?;
-                            let packed = encode::encode_rows(&k, &ks);
+                            let packed = encode::encode_rows(&k, &ks)?;
                             let dense = encode::decode_trusted(&packed, &ks.layout);
                             let block_size =
                                 encode::block_size_dense(&dense, ks.layout.kept_dims, config);
@@ -1104,10 +1104,34 @@ impl LiveCache {
                                 block_size,
                             })
                         })
+                        .collect::<Vec<Result<_>>>()
+                        .into_iter()
                         .collect::<Result<Vec<_>>>()?;
-                    (Tag::First, fitted)
+                    (Tag::First, Some(fitted))
                 }
-            };
+            }
+        };
+        // Encode with the temporary strategy (the fast path), heads in order.
+        let (bk, bv) = (&self.buf_k, &self.buf_v);
+        let temp: Vec<&Strategy> = match &new_open {
+            Some(st) => st.iter().collect(),
+            None => {
+                let seg = self.view.segments.last().expect("open segment");
+                seg.heads.iter().map(|h| &h.strategy).collect()
+            }
+        };
+        let parts: Vec<Part> = temp
+            .par_iter()
+            .enumerate()
+            .map(|(h, st)| encode_part(&gather(bk, kv, d, h), &gather(bv, kv, d, h), st))
+            .collect::<Vec<Result<_>>>()
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        drop(temp);
+
+        // Commit.
+        let mut send_strategies = None;
+        if let Some(strategies) = new_open {
             if !self.primed {
                 send_strategies = Some(Arc::new(strategies.clone()));
             }
@@ -1127,23 +1151,13 @@ impl LiveCache {
                 heads,
             });
             self.tags.push(Some(tag));
-            tag
-        };
+        }
         if !self.primed && send_strategies.is_none() {
             let seg = self.view.segments.last().expect("open segment");
             send_strategies = Some(Arc::new(
                 seg.heads.iter().map(|h| h.strategy.clone()).collect(),
             ));
         }
-        // Encode with the temporary strategy and append (the fast path).
-        let seg = self.view.segments.last().expect("open segment");
-        let (bk, bv) = (&self.buf_k, &self.buf_v);
-        let parts: Vec<Part> = seg
-            .heads
-            .par_iter()
-            .enumerate()
-            .map(|(h, hs)| encode_part(&gather(bk, kv, d, h), &gather(bv, kv, d, h), &hs.strategy))
-            .collect();
         let seg = self.view.segments.last_mut().expect("open segment");
         for (hs, p) in seg.heads.iter_mut().zip(parts) {
             append_part(hs, p);
@@ -1226,14 +1240,10 @@ impl LiveCache {
             .min(n);
         let kdata: Vec<f32> = keys.iter().copied().collect();
         let vdata: Vec<f32> = values.iter().copied().collect();
-        check_f16_range(
-            "keys (beyond f16 range)",
-            kdata[..to_sink * row].iter().copied(),
-        )?;
-        check_f16_range(
-            "values (beyond f16 range)",
-            vdata[..to_sink * row].iter().copied(),
-        )?;
+        // SPEC 14: every row's norm within f16's range (keys, then values), so that no
+        // later flush or close (on the worker) can fail on magnitude.
+        rules::rows_storable(rules::ROW_KEYS, &kdata, shape.head_dim)?;
+        rules::rows_storable(rules::ROW_VALUES, &vdata, shape.head_dim)?;
         for t in 0..to_sink {
             self.view.sink.push(
                 kdata[t * row..(t + 1) * row].iter().copied(),
@@ -1383,6 +1393,18 @@ impl LiveCache {
         }
         validate::finite("host keys", host_keys.iter())?;
         validate::finite("host values", host_values.iter())?;
+        // The worker re-encodes these rows when the open segment closes: they must obey
+        // the append rule (SPEC 14), or a close could fail on the worker.
+        rules::rows_storable(
+            "host keys (row norm beyond f16 range)",
+            &host_keys,
+            shape.head_dim,
+        )?;
+        rules::rows_storable(
+            "host values (row norm beyond f16 range)",
+            &host_values,
+            shape.head_dim,
+        )?;
         let split = open_len * row;
         let round = |v: &[f32]| {
             v.iter()
@@ -1408,7 +1430,7 @@ impl LiveCache {
                     tag,
                     Arc::new(seg.heads.iter().map(|h| h.strategy.clone()).collect()),
                 );
-                w.ingest(&host_keys[..split], &host_values[..split], false);
+                w.ingest(&host_keys[..split], &host_values[..split], false)?;
                 Some(w)
             }
             None => None,
@@ -1535,8 +1557,8 @@ impl KvCache for LiveCache {
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
         let shape = self.view.shape;
         validate::token_kv(&shape, &key, &value)?;
-        check_f16_range("key (beyond f16 range)", key.iter().copied())?;
-        check_f16_range("value (beyond f16 range)", value.iter().copied())?;
+        rules::rows_storable(rules::ROW_KEY, &contig(&key), shape.head_dim)?;
+        rules::rows_storable(rules::ROW_VALUE, &contig(&value), shape.head_dim)?;
         self.check_failed()?;
         self.poll();
         self.end_prompt()?;
@@ -1552,7 +1574,19 @@ impl KvCache for LiveCache {
         self.buf_k.extend(key.iter().copied());
         self.buf_v.extend(value.iter().copied());
         if self.view.buffer.tokens >= self.view.config.buffer_capacity {
-            self.flush()?;
+            if let Err(e) = self.flush() {
+                if self.failed.is_none() {
+                    // The flush mutated nothing (SPEC 14): take the token back out.
+                    let row = self.row_len();
+                    let b = &mut self.view.buffer;
+                    b.tokens -= 1;
+                    b.keys.truncate(b.keys.len() - row);
+                    b.values.truncate(b.values.len() - row);
+                    self.buf_k.truncate(self.buf_k.len() - row);
+                    self.buf_v.truncate(self.buf_v.len() - row);
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }

@@ -6,8 +6,8 @@ use crate::backend::contig;
 use crate::encode;
 use crate::simd::Path;
 use mosaickv_spec::{
-    validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport,
-    MosaicError, Result, Segment, SegmentState, Side, SideStrategy, Strategy,
+    rules, validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport,
+    MosaicError, Result, Segment, SegmentState, Side, Strategy,
 };
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use rayon::prelude::*;
@@ -39,10 +39,10 @@ pub(crate) fn encode_segment(
     config: &CompressConfig,
 ) -> Result<HeadSegment> {
     let (ks, kr) = encode::fit_side_rotated(keys, d, Side::Key, config)?;
-    let packed_k = encode::pack_rotated(&kr, d, &ks.layout);
+    let packed_k = encode::pack_rotated(&kr, d, &ks.layout)?;
     drop(kr);
     let (vs, vr) = encode::fit_side_rotated(values, d, Side::Value, config)?;
-    let packed_v = encode::pack_rotated(&vr, d, &vs.layout);
+    let packed_v = encode::pack_rotated(&vr, d, &vs.layout)?;
     drop(vr);
     let dense = encode::decode_trusted(&packed_k, &ks.layout);
     let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
@@ -136,18 +136,12 @@ impl OptimizedMosaicCache {
         }
     }
 
-    /// SPEC 11.1 sums (dropped, total) of rows `[n][d]` under a strategy side.
-    fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
-        let d = side.layout.head_dim;
-        let l = encode::loss_rows(rows, side);
-        let total: f64 = rows
-            .chunks_exact(d)
-            .map(|r| r.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
-            .sum();
-        (l * total, total)
-    }
-
     /// SPEC 10.2 flush of a full buffer, then the SPEC 10.3 close rule.
+    ///
+    /// Every fallible step (fitting, encoding, the close's re-encoding: a kept
+    /// rotated value beyond f16 is `NonFinite`) runs before the first mutation,
+    /// in the reference's order (heads ascending, keys before values), so an
+    /// error leaves the cache as it was and names the same element.
     fn flush(&mut self) -> Result<()> {
         let shape = self.cache.shape;
         let (kv, d) = (shape.kv_heads, shape.head_dim);
@@ -155,18 +149,25 @@ impl OptimizedMosaicCache {
         let config = self.cache.config.clone();
         let start = self.cache.sink.tokens + self.cache.segment_tokens();
         let (bk, bv) = (&self.buf_k, &self.buf_v);
-        // 1. Open a segment if none is open.
-        if self.open_segment().is_none() {
-            let strategies: Vec<Strategy> = match self.cache.segments.last() {
-                Some(last) => last.heads.iter().map(|h| h.strategy.clone()).collect(),
-                None => (0..kv)
+        let open = self.open_segment();
+        // 1. The temporary strategy per head: the open segment's, else the last
+        //    segment's, else fitted on the buffer rows.
+        let strategies: Vec<Strategy> = match (open, self.cache.segments.last()) {
+            (Some(i), _) => self.cache.segments[i]
+                .heads
+                .iter()
+                .map(|h| h.strategy.clone())
+                .collect(),
+            (None, Some(last)) => last.heads.iter().map(|h| h.strategy.clone()).collect(),
+            (None, None) => first_error_in_order(
+                (0..kv)
                     .into_par_iter()
                     .map(|h| {
                         let k = gather(bk, kv, d, h, 0, n);
                         let v = gather(bv, kv, d, h, 0, n);
                         let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, &config)?;
                         let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, &config)?;
-                        let packed = encode::encode_rows(&k, &ks);
+                        let packed = encode::encode_rows(&k, &ks)?;
                         let dense = encode::decode_trusted(&packed, &ks.layout);
                         let block_size =
                             encode::block_size_dense(&dense, ks.layout.kept_dims, &config);
@@ -176,8 +177,77 @@ impl OptimizedMosaicCache {
                             block_size,
                         })
                     })
-                    .collect::<Result<Vec<_>>>()?,
-            };
+                    .collect(),
+            )?,
+        };
+        // 2. The buffer encoded with it, the new rows' loss sums (SPEC 11.1).
+        type Part = (
+            mosaickv_spec::PackedRows,
+            mosaickv_spec::PackedRows,
+            Vec<f32>,
+            [(f64, f64); 2],
+        );
+        let parts: Vec<Part> = first_error_in_order(
+            strategies
+                .par_iter()
+                .enumerate()
+                .map(|(h, st)| {
+                    let k = gather(bk, kv, d, h, 0, n);
+                    let v = gather(bv, kv, d, h, 0, n);
+                    let pk = encode::encode_rows(&k, &st.key)?;
+                    let pv = encode::encode_rows(&v, &st.value)?;
+                    let dense = encode::decode_trusted(&pk, &st.key.layout);
+                    Ok((
+                        pk,
+                        pv,
+                        dense,
+                        [
+                            encode::loss_sums(&k, &st.key),
+                            encode::loss_sums(&v, &st.value),
+                        ],
+                    ))
+                })
+                .collect(),
+        )?;
+        let old_len = open.map_or(0, |i| self.cache.segments[i].len);
+        let mut open_loss = if open.is_some() {
+            self.open_loss.clone()
+        } else {
+            vec![[(0.0, 0.0); 2]; kv]
+        };
+        for (h, p) in parts.iter().enumerate() {
+            for s in 0..2 {
+                open_loss[h][s].0 += p.3[s].0;
+                open_loss[h][s].1 += p.3[s].1;
+            }
+        }
+        // 3. The close rule (SPEC 10.3); closing fits and encodes the segment's own strategy.
+        let new_len = old_len + n;
+        let margin = config.segment_loss_margin;
+        let drifted = strategies.iter().zip(&open_loss).any(|(st, sums)| {
+            encode::loss_of(sums[0]) > st.key.fit_loss + margin
+                || encode::loss_of(sums[1]) > st.value.fit_loss + margin
+        });
+        let closed: Option<Vec<HeadSegment>> = if new_len >= config.max_segment_len || drifted {
+            let (ok, ov) = (&self.open_k, &self.open_v);
+            Some(first_error_in_order(
+                (0..kv)
+                    .into_par_iter()
+                    .map(|h| {
+                        let mut k = gather(ok, kv, d, h, 0, old_len);
+                        k.extend(gather(bk, kv, d, h, 0, n));
+                        let mut v = gather(ov, kv, d, h, 0, old_len);
+                        v.extend(gather(bv, kv, d, h, 0, n));
+                        encode_segment(&k, &v, d, &config)
+                    })
+                    .collect(),
+            )?)
+        } else {
+            None
+        };
+
+        // Commit (infallible from here on).
+        if open.is_none() {
             let heads = strategies
                 .into_iter()
                 .map(|strategy| HeadSegment {
@@ -198,101 +268,51 @@ impl OptimizedMosaicCache {
             });
             self.open_k.clear();
             self.open_v.clear();
-            self.open_loss = vec![[(0.0, 0.0); 2]; kv];
         }
-        // 2. Encode the buffer with the temporary strategy and append.
-        let si = self.cache.segments.len() - 1;
-        let seg = &self.cache.segments[si];
-        let new: Vec<(
-            mosaickv_spec::PackedRows,
-            mosaickv_spec::PackedRows,
-            Vec<f32>,
-            [(f64, f64); 2],
-        )> = (0..kv)
-            .into_par_iter()
-            .map(|h| {
-                let st = &seg.heads[h].strategy;
-                let k = gather(bk, kv, d, h, 0, n);
-                let v = gather(bv, kv, d, h, 0, n);
-                let pk = encode::encode_rows(&k, &st.key);
-                let pv = encode::encode_rows(&v, &st.value);
-                let dense = encode::decode_trusted(&pk, &st.key.layout);
-                Ok((
-                    pk,
-                    pv,
-                    dense,
-                    [Self::loss_sums(&k, &st.key), Self::loss_sums(&v, &st.value)],
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let seg = &mut self.cache.segments[si];
-        let old_len = seg.len;
-        for (h, (pk, pv, dense, ls)) in new.into_iter().enumerate() {
-            let hs = &mut seg.heads[h];
-            hs.keys.bytes.extend_from_slice(&pk.bytes);
-            hs.keys.count += pk.count;
-            hs.values.bytes.extend_from_slice(&pv.bytes);
-            hs.values.count += pv.count;
-            let b = hs.strategy.block_size;
-            let dt = hs.strategy.key.layout.kept_dims;
-            if old_len % b == 0 {
-                let m = encode::block_meta_dense(&dense, dt, b);
-                debug_assert_eq!(m.tokens, n);
-                hs.meta.append(&m);
-            } else {
-                let all = encode::decode_trusted(&hs.keys, &hs.strategy.key.layout);
-                hs.meta = encode::block_meta_dense(&all, dt, b);
+        let seg = self.cache.segments.last_mut().expect("an open segment");
+        match closed {
+            Some(heads) => {
+                seg.heads = heads;
+                seg.state = SegmentState::Closed;
+                self.open_k = Vec::new();
+                self.open_v = Vec::new();
+                self.open_loss.clear();
             }
-            for s in 0..2 {
-                self.open_loss[h][s].0 += ls[s].0;
-                self.open_loss[h][s].1 += ls[s].1;
+            None => {
+                for (hs, (pk, pv, dense, _)) in seg.heads.iter_mut().zip(parts) {
+                    hs.keys.bytes.extend_from_slice(&pk.bytes);
+                    hs.keys.count += pk.count;
+                    hs.values.bytes.extend_from_slice(&pv.bytes);
+                    hs.values.count += pv.count;
+                    let b = hs.strategy.block_size;
+                    let dt = hs.strategy.key.layout.kept_dims;
+                    if old_len % b == 0 {
+                        let m = encode::block_meta_dense(&dense, dt, b);
+                        debug_assert_eq!(m.tokens, n);
+                        hs.meta.append(&m);
+                    } else {
+                        let all = encode::decode_trusted(&hs.keys, &hs.strategy.key.layout);
+                        hs.meta = encode::block_meta_dense(&all, dt, b);
+                    }
+                }
+                self.open_k.extend_from_slice(&self.buf_k);
+                self.open_v.extend_from_slice(&self.buf_v);
+                self.open_loss = open_loss;
             }
         }
-        seg.len += n;
-        self.open_k.extend_from_slice(&self.buf_k);
-        self.open_v.extend_from_slice(&self.buf_v);
+        seg.len = new_len;
         self.cache.buffer.clear();
         self.buf_k.clear();
         self.buf_v.clear();
-        // 3. Close rule.
-        let seg = &self.cache.segments[si];
-        let margin = config.segment_loss_margin;
-        let mut close = seg.len >= config.max_segment_len;
-        for h in 0..kv {
-            for (s, side) in [&seg.heads[h].strategy.key, &seg.heads[h].strategy.value]
-                .into_iter()
-                .enumerate()
-            {
-                let (num, den) = self.open_loss[h][s];
-                let l = if den == 0.0 { 0.0 } else { num / den };
-                if l > side.fit_loss + margin {
-                    close = true;
-                }
-            }
-        }
-        if close {
-            let len = seg.len;
-            let (ok, ov) = (&self.open_k, &self.open_v);
-            let heads = (0..kv)
-                .into_par_iter()
-                .map(|h| {
-                    encode_segment(
-                        &gather(ok, kv, d, h, 0, len),
-                        &gather(ov, kv, d, h, 0, len),
-                        d,
-                        &config,
-                    )
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let seg = &mut self.cache.segments[si];
-            seg.heads = heads;
-            seg.state = SegmentState::Closed;
-            self.open_k = Vec::new();
-            self.open_v = Vec::new();
-            self.open_loss.clear();
-        }
         Ok(())
     }
+}
+
+/// The results of per-head work in head order, or the first head's error: rayon's
+/// `collect::<Result<_>>` may return any failing item's error, and SPEC.md section 14
+/// wants the same error (and index) on every backend.
+fn first_error_in_order<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
+    results.into_iter().collect()
 }
 
 impl KvCache for OptimizedMosaicCache {
@@ -316,30 +336,27 @@ impl KvCache for OptimizedMosaicCache {
         let kdata: Vec<f32> = keys.iter().copied().collect();
         let vdata: Vec<f32> = values.iter().copied().collect();
         let config = self.cache.config.clone();
-        let s = config.sink_tokens.min(n);
-        let m = n - s;
-        let l_in = config.input_segment_len;
-        let c = if m == 0 { 0 } else { (m / l_in).max(1) };
-        let bounds: Vec<(usize, usize)> = (0..c)
-            .map(|i| {
-                let a = s + i * l_in;
-                let b = if i + 1 == c { n } else { a + l_in };
-                (a, b)
-            })
+        let (s, split) = rules::prompt_segments(n, config.sink_tokens, config.input_segment_len);
+        // SPEC 14: every row's norm within f16's range (keys, then values).
+        rules::rows_storable(rules::ROW_KEYS, &kdata, d)?;
+        rules::rows_storable(rules::ROW_VALUES, &vdata, d)?;
+        let bounds: Vec<(usize, usize)> = split.iter().map(|&(a, len)| (a, a + len)).collect();
+        let jobs: Vec<(usize, usize)> = (0..bounds.len())
+            .flat_map(|i| (0..kv).map(move |h| (i, h)))
             .collect();
-        let jobs: Vec<(usize, usize)> = (0..c).flat_map(|i| (0..kv).map(move |h| (i, h))).collect();
-        let encoded = jobs
-            .par_iter()
-            .map(|&(i, h)| {
-                let (a, b) = bounds[i];
-                encode_segment(
-                    &gather(&kdata, kv, d, h, a, b),
-                    &gather(&vdata, kv, d, h, a, b),
-                    d,
-                    &config,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let encoded = first_error_in_order(
+            jobs.par_iter()
+                .map(|&(i, h)| {
+                    let (a, b) = bounds[i];
+                    encode_segment(
+                        &gather(&kdata, kv, d, h, a, b),
+                        &gather(&vdata, kv, d, h, a, b),
+                        d,
+                        &config,
+                    )
+                })
+                .collect(),
+        )?;
         let mut it = encoded.into_iter();
         let mut sink = mosaickv_spec::DenseRows::default();
         for t in 0..s {
@@ -365,6 +382,8 @@ impl KvCache for OptimizedMosaicCache {
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
         let shape = self.cache.shape;
         validate::token_kv(&shape, &key, &value)?;
+        rules::rows_storable(rules::ROW_KEY, &contig(&key), shape.head_dim)?;
+        rules::rows_storable(rules::ROW_VALUE, &contig(&value), shape.head_dim)?;
         if self.cache.len() < self.cache.config.sink_tokens {
             self.cache
                 .sink
@@ -377,9 +396,17 @@ impl KvCache for OptimizedMosaicCache {
         self.buf_k.extend(key.iter().copied());
         self.buf_v.extend(value.iter().copied());
         if self.cache.buffer.tokens >= self.cache.config.buffer_capacity {
-            // Inputs were validated above and the config at construction, so a flush
-            // cannot fail part-way (SPEC 14: errors never leave a half-mutated cache).
-            self.flush()?;
+            if let Err(e) = self.flush() {
+                // The flush mutated nothing (SPEC 14): take the token back out.
+                let row = shape.kv_heads * shape.head_dim;
+                let b = &mut self.cache.buffer;
+                b.tokens -= 1;
+                b.keys.truncate(b.keys.len() - row);
+                b.values.truncate(b.values.len() - row);
+                self.buf_k.truncate(self.buf_k.len() - row);
+                self.buf_v.truncate(self.buf_v.len() - row);
+                return Err(e);
+            }
         }
         Ok(())
     }

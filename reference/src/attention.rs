@@ -1,10 +1,8 @@
 //! SPEC.md section 9: PackedAttention (what is attended, and how).
 
 use crate::packed::decode_record;
-use crate::select::{check_meta, rotate_query_f64, select};
-use mosaickv_spec::{
-    CompressedCache, DenseRows, KvShape, MosaicError, Result, SegmentState, Selection,
-};
+use crate::select::{rotate_query_f64, select};
+use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 fn mismatch(what: &'static str, expected: String, got: String) -> MosaicError {
@@ -15,99 +13,11 @@ fn mismatch(what: &'static str, expected: String, got: String) -> MosaicError {
     }
 }
 
-fn check_dense(shape: &KvShape, rows: &DenseRows, what: &'static str) -> Result<()> {
-    let want = rows.tokens * shape.kv_heads * shape.head_dim;
-    if rows.keys.len() != want || rows.values.len() != want {
-        return Err(mismatch(
-            what,
-            format!("{want} key and value elements"),
-            format!("{} keys, {} values", rows.keys.len(), rows.values.len()),
-        ));
-    }
-    for (index, v) in rows.keys.iter().chain(&rows.values).enumerate() {
-        if !v.is_finite() {
-            return Err(MosaicError::NonFinite { what, index });
-        }
-    }
-    Ok(())
-}
-
-/// Structural validation of a whole compressed cache (SPEC.md sections 6,
-/// 7, 10, 14): shape and configuration, dense row sizes, contiguous
-/// segments starting after the sink, one head entry per KV head, valid
-/// strategies of this head_dim, record counts and bytes (`CorruptPacked`),
-/// metadata sizes matching the segment and its block size, and at most one
-/// open segment, the last one.
+/// Structural validation of a compressed cache before it is read: the spec
+/// crate's one validator, [`CompressedCache::validate_for_attention`] (SPEC.md
+/// sections 6, 7, 14, 15.4; segment states are lifecycle data attention does not read).
 pub fn check_cache(cache: &CompressedCache) -> Result<()> {
-    let shape = cache.shape;
-    KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
-    cache.config.validate(shape.head_dim)?;
-    check_dense(&shape, &cache.sink, "sink")?;
-    check_dense(&shape, &cache.buffer, "buffer")?;
-    let mut next = cache.sink.tokens;
-    for (s, seg) in cache.segments.iter().enumerate() {
-        if seg.start != next || seg.len == 0 {
-            return Err(mismatch(
-                "segment",
-                format!("start {next}, len > 0"),
-                format!("start {}, len {}", seg.start, seg.len),
-            ));
-        }
-        if seg.state == SegmentState::Open && s + 1 != cache.segments.len() {
-            return Err(mismatch(
-                "segment state",
-                "only the last segment open".into(),
-                format!("segment {s} open"),
-            ));
-        }
-        if seg.heads.len() != shape.kv_heads {
-            return Err(mismatch(
-                "segment heads",
-                format!("{}", shape.kv_heads),
-                format!("{}", seg.heads.len()),
-            ));
-        }
-        for h in &seg.heads {
-            let st = &h.strategy;
-            for (side, rows) in [(&st.key, &h.keys), (&st.value, &h.values)] {
-                side.validate()?;
-                if side.head_dim() != shape.head_dim {
-                    return Err(mismatch(
-                        "strategy head_dim",
-                        format!("{}", shape.head_dim),
-                        format!("{}", side.head_dim()),
-                    ));
-                }
-                if rows.count != seg.len {
-                    return Err(mismatch(
-                        "packed rows",
-                        format!("{} records", seg.len),
-                        format!("{}", rows.count),
-                    ));
-                }
-                rows.validate(&side.layout)?;
-            }
-            check_meta(&h.meta)?;
-            if h.meta.tokens != seg.len
-                || h.meta.block_size != st.block_size
-                || h.meta.kept_dims != st.key.layout.kept_dims
-            {
-                return Err(mismatch(
-                    "block metadata",
-                    format!(
-                        "{} tokens, block {}, {} dims",
-                        seg.len, st.block_size, st.key.layout.kept_dims
-                    ),
-                    format!(
-                        "{} tokens, block {}, {} dims",
-                        h.meta.tokens, h.meta.block_size, h.meta.kept_dims
-                    ),
-                ));
-            }
-        }
-        next += seg.len;
-    }
-    Ok(())
+    cache.validate_for_attention()
 }
 
 /// Checks a selection against the cache: one list per KV head, entries

@@ -1,26 +1,13 @@
 //! SPEC.md section 12: the baselines (Full, Quest, naive 2-D), same `KvCache` API.
 
-use crate::round::F16_OVERFLOW;
 use half::f16;
+use mosaickv_spec::rules::f16_storable as check_f16_range;
 use mosaickv_spec::validate::{prompt_kv, queries as check_queries, token_kv};
 use mosaickv_spec::{KvCache, KvShape, MemoryReport, MosaicError, Result};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
 /// Quest's page size (SPEC.md section 12).
 pub const PAGE: usize = 16;
-
-fn check_f16_range<'a>(
-    what: &'static str,
-    values: impl IntoIterator<Item = &'a f32>,
-) -> Result<()> {
-    match values
-        .into_iter()
-        .position(|x| f64::from(x.abs()) >= F16_OVERFLOW)
-    {
-        Some(index) => Err(MosaicError::NonFinite { what, index }),
-        None => Ok(()),
-    }
-}
 
 /// Softmax attention of one query over `tokens`, f64: `z_t = logit(t) / sqrt(D)`
 /// (the caller's dot product), `o = sum_t p_t v_t` with `value(t, p, o)` adding

@@ -1,13 +1,13 @@
 //! SPEC.md section 10: the cache lifecycle (sink, prompt segments, update
 //! buffer, open segment with a temporary strategy, close rule), synchronous.
 
-use crate::attention::{attend, attended_tokens, check_cache};
+use crate::attention::{attend, attended_tokens};
 use crate::meta::block_meta_of_decoded;
 use crate::packed::{decode_rows, encode_rows};
-use crate::round::F16_OVERFLOW;
 use crate::select::select;
 use crate::strategy::{fit_strategy, LossSums};
 use half::f16;
+use mosaickv_spec::rules::{rows_storable, ROW_KEY, ROW_KEYS, ROW_VALUE, ROW_VALUES};
 use mosaickv_spec::validate::{finite, prompt_kv, token_kv};
 use mosaickv_spec::{
     CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport, MosaicError,
@@ -15,45 +15,8 @@ use mosaickv_spec::{
 };
 use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut2};
 
-/// SPEC.md section 10.1: the prompt's split for `n` tokens: the sink size
-/// `S = min(sink_tokens, n)` and the closed segments `(start, len)`.
-/// With `m = n - S`: no segment when `m = 0`; else `c = max(1, floor(m / L_in))`
-/// segments, segment i covering `S + i*L_in .. S + (i+1)*L_in` for `i < c-1`,
-/// the last one the rest.
-pub fn prompt_segments(
-    n: usize,
-    sink_tokens: usize,
-    input_segment_len: usize,
-) -> (usize, Vec<(usize, usize)>) {
-    let sink = sink_tokens.min(n);
-    let m = n - sink;
-    if m == 0 {
-        return (sink, Vec::new());
-    }
-    let c = (m / input_segment_len).max(1);
-    let mut segments = Vec::with_capacity(c);
-    for i in 0..c - 1 {
-        segments.push((sink + i * input_segment_len, input_segment_len));
-    }
-    let last_start = sink + (c - 1) * input_segment_len;
-    segments.push((last_start, n - last_start));
-    (sink, segments)
-}
-
-/// Rows that will be stored dense as f16 must fit its range (SPEC.md 14:
-/// a row that would become +-Inf is `NonFinite`).
-fn check_f16_range<'a>(
-    what: &'static str,
-    values: impl IntoIterator<Item = &'a f32>,
-) -> Result<()> {
-    match values
-        .into_iter()
-        .position(|x| f64::from(x.abs()) >= F16_OVERFLOW)
-    {
-        Some(index) => Err(MosaicError::NonFinite { what, index }),
-        None => Ok(()),
-    }
-}
+/// SPEC.md section 10.1's split (written once, in the spec crate).
+pub use mosaickv_spec::rules::prompt_segments;
 
 /// One head's segment built from its f32 rows `[n, D]` with `strategy`
 /// (SPEC.md sections 5-7).
@@ -148,7 +111,7 @@ impl MosaicCache {
         host_keys: Vec<f32>,
         host_values: Vec<f32>,
     ) -> Result<Self> {
-        check_cache(&compressed)?;
+        compressed.validate()?;
         let shape = compressed.shape;
         let cfg = &compressed.config;
         let bad = |m: String| Err(MosaicError::InvalidConfig(m));
@@ -381,14 +344,10 @@ impl KvCache for MosaicCache {
         let cfg = self.compressed.config.clone();
         let n = keys.shape()[0];
         let (sink_len, bounds) = prompt_segments(n, cfg.sink_tokens, cfg.input_segment_len);
-        check_f16_range(
-            "keys (beyond f16 range)",
-            keys.slice(s![..sink_len, .., ..]).iter(),
-        )?;
-        check_f16_range(
-            "values (beyond f16 range)",
-            values.slice(s![..sink_len, .., ..]).iter(),
-        )?;
+        // SPEC.md section 14: every row's norm within f16's range (keys, then values).
+        let d = shape.head_dim;
+        rows_storable(ROW_KEYS, &keys.iter().copied().collect::<Vec<f32>>(), d)?;
+        rows_storable(ROW_VALUES, &values.iter().copied().collect::<Vec<f32>>(), d)?;
         let mut sink = mosaickv_spec::DenseRows::default();
         for t in 0..sink_len {
             sink.push(
@@ -421,8 +380,9 @@ impl KvCache for MosaicCache {
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
         let shape = self.compressed.shape;
         token_kv(&shape, &key, &value)?;
-        check_f16_range("key (beyond f16 range)", key.iter())?;
-        check_f16_range("value (beyond f16 range)", value.iter())?;
+        let d = shape.head_dim;
+        rows_storable(ROW_KEY, &key.iter().copied().collect::<Vec<f32>>(), d)?;
+        rows_storable(ROW_VALUE, &value.iter().copied().collect::<Vec<f32>>(), d)?;
         if self.compressed.len() < self.compressed.config.sink_tokens {
             self.compressed
                 .sink

@@ -2,6 +2,7 @@
 
 use crate::topr::{rotate_row_f64, select_row};
 use mosaickv_spec::layout::{bitmap_bit, record_value};
+use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, SideStrategy};
 use ndarray::{Array2, ArrayView2};
@@ -25,6 +26,12 @@ pub fn check_rows(rows: &ArrayView2<f32>, side: &SideStrategy, what: &'static st
 ///
 /// A kept value that overflows f16 (|x'| >= 65520) is `NonFinite`: it could
 /// not be stored, and SPEC.md section 14 forbids non-finite decoded values.
+/// The first overflowing rotated dim is always kept (its f16 importance is
+/// +Inf, and ties go to the lower group), so the first kept overflow found
+/// here is the row's first overflowing rotated value.
+///
+/// On overflow the error's index is the rotated dim `j` of this row; [`encode_rows`]
+/// makes it the flat index `row * Dt + j` (SPEC.md section 14). `out` is left as it was.
 pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result<()> {
     let layout = &side.layout;
     let rotated = rotate_row_f64(row, &side.rotation);
@@ -45,10 +52,7 @@ pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result
             for j in k * g..(k + 1) * g {
                 if !y[j].is_finite() {
                     out.truncate(start);
-                    return Err(MosaicError::NonFinite {
-                        what: "rotated value (f16 overflow)",
-                        index: j,
-                    });
+                    return Err(rules::rotated_overflow(0, j, layout.kept_dims));
                 }
                 out.extend_from_slice(&y[j].to_le_bytes());
             }
@@ -62,9 +66,14 @@ pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result
 pub fn encode_rows(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
     check_rows(&rows, side, "rows")?;
     let mut bytes = Vec::with_capacity(rows.nrows() * side.layout.record_bytes());
-    for row in rows.rows() {
+    for (i, row) in rows.rows().into_iter().enumerate() {
         let row: Vec<f32> = row.iter().copied().collect();
-        encode_row(&row, side, &mut bytes)?;
+        encode_row(&row, side, &mut bytes).map_err(|e| match e {
+            MosaicError::NonFinite { what, index } if what == rules::ROTATED_OVERFLOW => {
+                rules::rotated_overflow(i, index, side.layout.kept_dims)
+            }
+            other => other,
+        })?;
     }
     Ok(PackedRows {
         count: rows.nrows(),

@@ -11,7 +11,7 @@ use half::f16;
 pub const F16_MAX: f64 = 65504.0;
 
 /// Magnitudes at or above this round to +-Inf in f16 (midpoint of 65504 and 2^16).
-pub const F16_OVERFLOW: f64 = 65520.0;
+pub use mosaickv_spec::rules::F16_OVERFLOW;
 
 /// `x` rounded once to the nearest f16, ties to even; +-Inf past the f16
 /// range (|x| >= 65520, the midpoint between 65504 and 2^16); NaN stays NaN.

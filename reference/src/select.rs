@@ -169,17 +169,11 @@ pub fn select_blocks(
     block_lens: &[usize],
     budget_tokens: usize,
 ) -> Result<Vec<u32>> {
-    if scores.len() != block_lens.len() {
-        return Err(MosaicError::ShapeMismatch {
-            what: "block_lens",
-            expected: format!("{} entries like scores", scores.len()),
-            got: format!("{}", block_lens.len()),
-        });
-    }
-    finite("scores", scores.iter())?;
+    mosaickv_spec::validate::block_scores(scores, block_lens)?;
     let mut order: Vec<usize> = (0..scores.len()).collect();
-    // Stable sort, descending: equal scores stay in ascending index order.
-    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+    // Stable sort, descending: equal scores (+0 and -0 included) stay in
+    // ascending index order.
+    order.sort_by(|&a, &b| mosaickv_spec::rules::score_order(scores[a], scores[b]));
     let mut taken_tokens = 0;
     let mut chosen = Vec::new();
     for b in order {

@@ -2,13 +2,11 @@
 
 use crate::packed::{decode_rows, encode_rows};
 use crate::rotation::fit_rotation;
-use crate::topr::{kept_dims, rotate_row_f64, select_row};
+use crate::topr::{rotate_row_f64, select_row};
 use mosaickv_spec::layout::trim_rotation;
+use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
-use mosaickv_spec::{
-    ceil_to, ChannelPolicy, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy,
-    ValueDtype,
-};
+use mosaickv_spec::{CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy};
 use ndarray::ArrayView2;
 
 /// Running sums of SPEC.md section 11.1's loss: `dropped = sum_i sum_{j not
@@ -81,61 +79,12 @@ pub fn side_loss(rows: ArrayView2<f32>, side: &SideStrategy) -> f64 {
     sums.loss()
 }
 
-/// `ceil_g(f * D)`: the smallest multiple of g at or above `f * D`.
-fn ceil_g_fraction(f: f64, head_dim: usize, g: usize) -> usize {
-    ceil_to((f * head_dim as f64).ceil() as usize, g)
-}
-
-/// SPEC.md section 11.2: the candidate `(r, g)` pairs of a policy, in
-/// policy order with duplicates removed. `r = min(Dt_g, ceil_g(f * D))`.
-pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    let mut push = |f: f64, g: usize| {
-        let dt = kept_dims(head_dim, config.truncate_fraction, g);
-        let r = ceil_g_fraction(f, head_dim, g).min(dt);
-        if !out.contains(&(r, g)) {
-            out.push((r, g));
-        }
-    };
-    match &config.channels {
-        ChannelPolicy::Fixed {
-            retention,
-            group_size,
-        } => push(*retention, *group_size),
-        ChannelPolicy::LossThreshold {
-            retentions,
-            group_sizes,
-            ..
-        } => {
-            for &g in group_sizes {
-                for &f in retentions {
-                    push(f, g);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// The record layout of candidate `(r, g)`.
-pub fn layout_for(config: &CompressConfig, head_dim: usize, r: usize, g: usize) -> RecordLayout {
-    RecordLayout {
-        head_dim,
-        kept_dims: kept_dims(head_dim, config.truncate_fraction, g),
-        r,
-        group_size: g,
-        dtype: ValueDtype::F16,
-    }
-}
-
-/// SPEC.md section 11.2: chooses `(r, g)` among the candidates, given the
-/// rows and their rotations with the full R (f64, all D dims). Returns the
-/// layout and its loss.
-///
-/// - fixed: the one candidate;
-/// - loss_threshold: the cheapest `record_bytes` whose loss is at most the
-///   side's threshold (ties: lower loss, then smaller g); if none passes,
-///   the lowest loss (ties: fewer bytes, then smaller g).
+/// SPEC.md section 11.2: chooses `(r, g)` among the candidates
+/// ([`mosaickv_spec::rules::candidates`]), given the rows and their rotations
+/// with the full R (f64, all D dims). Each candidate's loss is section 11.1's,
+/// rows added in order; the pick is [`mosaickv_spec::rules::choose_candidate`]
+/// (the rule is data, written once in the spec crate). Returns the layout and
+/// its loss.
 pub fn choose_layout(
     rows: ArrayView2<f32>,
     rotated: &[Vec<f64>],
@@ -143,38 +92,20 @@ pub fn choose_layout(
     config: &CompressConfig,
     head_dim: usize,
 ) -> (RecordLayout, f64) {
-    let threshold = match (&config.channels, side) {
-        (ChannelPolicy::Fixed { .. }, _) => f64::INFINITY,
-        (ChannelPolicy::LossThreshold { key_loss, .. }, Side::Key) => *key_loss,
-        (ChannelPolicy::LossThreshold { value_loss, .. }, Side::Value) => *value_loss,
-    };
-    let mut scored: Vec<(RecordLayout, f64)> = Vec::new();
-    for (r, g) in candidates(config, head_dim) {
-        let layout = layout_for(config, head_dim, r, g);
-        let mut sums = LossSums::default();
-        for (row, rot) in rows.rows().into_iter().zip(rotated) {
-            let row: Vec<f32> = row.iter().copied().collect();
-            sums.add_rotated(&row, rot, &layout);
-        }
-        scored.push((layout, sums.loss()));
-    }
-    let key_pass = |c: &(RecordLayout, f64)| (c.0.record_bytes(), c.1, c.0.group_size);
-    let key_fail = |c: &(RecordLayout, f64)| (c.1, c.0.record_bytes(), c.0.group_size);
-    let passing: Vec<&(RecordLayout, f64)> = scored.iter().filter(|c| c.1 <= threshold).collect();
-    let best = if passing.is_empty() {
-        scored.iter().min_by(|a, b| {
-            key_fail(a)
-                .partial_cmp(&key_fail(b))
-                .expect("finite losses")
+    let candidates = rules::candidates(config, head_dim);
+    let losses: Vec<f64> = candidates
+        .iter()
+        .map(|layout| {
+            let mut sums = LossSums::default();
+            for (row, rot) in rows.rows().into_iter().zip(rotated) {
+                let row: Vec<f32> = row.iter().copied().collect();
+                sums.add_rotated(&row, rot, layout);
+            }
+            sums.loss()
         })
-    } else {
-        passing.into_iter().min_by(|a, b| {
-            key_pass(a)
-                .partial_cmp(&key_pass(b))
-                .expect("finite losses")
-        })
-    };
-    *best.expect("a validated policy has at least one candidate")
+        .collect();
+    let k = rules::choose_candidate(&candidates, &losses, side, config);
+    (candidates[k], losses[k])
 }
 
 /// SPEC.md sections 3, 4, 11.1, 11.2: one side's strategy for rows `[n, D]`:

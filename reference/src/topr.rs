@@ -4,12 +4,6 @@ use crate::round::f16_from_f64;
 use half::f16;
 use mosaickv_spec::RecordLayout;
 
-/// SPEC.md section 4: `Dt = D - floor_g(truncate_fraction * D)`.
-pub fn kept_dims(head_dim: usize, truncate_fraction: f64, group_size: usize) -> usize {
-    let cut = (truncate_fraction * head_dim as f64).floor() as usize;
-    head_dim - cut / group_size * group_size
-}
-
 /// SPEC.md section 5 step 1 (before f16 rounding), over the rotation's
 /// columns: `x'_j = sum_i R[i][j] * x_i`, f64, ascending i, R's f32 values
 /// widened. `rotation` is row-major `D x W` (`W = rotation.len() / D`: `Dt`

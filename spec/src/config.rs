@@ -25,6 +25,17 @@ impl KvShape {
                 "head_dim must be positive".into(),
             ));
         }
+        // A row of f32 (and a query block) must be addressable: every backend
+        // multiplies these, and a product that wraps would index past its buffers.
+        if q_heads
+            .checked_mul(head_dim)
+            .and_then(|x| x.checked_mul(std::mem::size_of::<f64>()))
+            .is_none_or(|bytes| bytes > isize::MAX as usize)
+        {
+            return Err(MosaicError::InvalidConfig(format!(
+                "q_heads {q_heads} x head_dim {head_dim} is too large"
+            )));
+        }
         Ok(Self {
             kv_heads,
             q_heads,

@@ -5,10 +5,12 @@
 //! is `spec/SPEC.md`; section numbers in doc comments refer to it.
 
 pub mod cache;
+pub mod check;
 pub mod config;
 pub mod error;
 pub mod layout;
 pub mod persist;
+pub mod rules;
 pub mod traits;
 pub mod validate;
 

@@ -289,7 +289,7 @@ pub fn write_cache(
 /// of a whole prompt, for the full / Quest / naive 2-D baselines (SPEC.md
 /// section 15.5). It is not a compressed cache; [`read_cache`] refuses it.
 pub fn write_dense(w: &mut impl Write, shape: &KvShape, rows: &DenseRows) -> Result<()> {
-    validate_dense(shape, rows, "dense rows")?;
+    crate::check::validate_dense(shape, rows, "dense rows")?;
     let manifest = DenseManifest {
         shape: *shape,
         role: DENSE_ROLE.to_string(),
@@ -687,186 +687,33 @@ pub fn read_dense(bytes: &[u8]) -> Result<(KvShape, DenseRows)> {
 
 // ---------------------------------------------------------------- structure
 
-fn validate_dense(shape: &KvShape, rows: &DenseRows, what: &'static str) -> Result<()> {
-    let n = rows
-        .tokens
-        .checked_mul(shape.kv_heads)
-        .and_then(|x| x.checked_mul(shape.head_dim));
-    if n.is_none() || rows.keys.len() != n.unwrap_or(0) || rows.values.len() != n.unwrap_or(0) {
-        let n = n.map_or("too many".to_string(), |n| n.to_string());
-        return Err(MosaicError::ShapeMismatch {
-            what,
-            expected: format!("{n} keys and values for {} tokens", rows.tokens),
-            got: format!("{} keys, {} values", rows.keys.len(), rows.values.len()),
-        });
-    }
-    Ok(())
-}
-
-fn shape_err(
-    what: &'static str,
-    expected: impl std::fmt::Display,
-    got: impl std::fmt::Display,
-) -> MosaicError {
-    MosaicError::ShapeMismatch {
-        what,
-        expected: expected.to_string(),
-        got: got.to_string(),
-    }
-}
-
-fn validate_side(
-    shape: &KvShape,
-    s: &SideStrategy,
-    rows: &PackedRows,
-    tokens: usize,
-    what: &'static str,
-) -> Result<()> {
-    s.validate()?;
-    if s.layout.head_dim != shape.head_dim {
-        return Err(shape_err(
-            what,
-            format!("head_dim {}", shape.head_dim),
-            s.layout.head_dim,
-        ));
-    }
-    if !(s.fit_loss.is_finite() && s.fit_loss >= 0.0) {
-        return Err(MosaicError::InvalidConfig(format!(
-            "{what}: fit_loss {} is not a finite value >= 0",
-            s.fit_loss
-        )));
-    }
-    if rows.count != tokens {
-        return Err(shape_err(what, format!("{tokens} records"), rows.count));
-    }
-    // Checked here so that a huge count cannot overflow inside `PackedRows::validate`.
-    if rows.count.checked_mul(s.layout.record_bytes()) != Some(rows.bytes.len()) {
-        return Err(MosaicError::CorruptPacked(format!(
-            "{what}: {} bytes for {} records of {} bytes",
-            rows.bytes.len(),
-            rows.count,
-            s.layout.record_bytes()
-        )));
-    }
-    rows.validate(&s.layout)
-}
-
-/// Checks a cache's structure: shape, configuration, dense rows, segment
-/// boundaries and states, each head's layouts, packed records (SPEC.md
-/// section 6) and block metadata (section 7), and the host rows' token count
-/// (SPEC.md section 15.4). Called by [`write_cache`] and [`read_cache`].
+/// Checks a cache's structure (SPEC.md section 15.4): everything
+/// [`CompressedCache::validate`] checks, then the host rows' token count.
+/// Called by [`write_cache`] and [`read_cache`].
 pub fn validate_structure(
     cache: &CompressedCache,
     host_keys: &[f32],
     host_values: &[f32],
 ) -> Result<()> {
+    cache.validate()?;
     let shape = &cache.shape;
-    KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
-    let cfg = &cache.config;
-    cfg.validate(shape.head_dim)?;
-    validate_dense(shape, &cache.sink, "sink rows")?;
-    validate_dense(shape, &cache.buffer, "buffer rows")?;
-    if cache.sink.tokens > cfg.sink_tokens {
-        return Err(shape_err(
-            "sink rows",
-            format!("at most {} tokens", cfg.sink_tokens),
-            cache.sink.tokens,
-        ));
-    }
-    if cache.sink.tokens < cfg.sink_tokens
-        && (!cache.segments.is_empty() || cache.buffer.tokens > 0)
-    {
-        return Err(shape_err(
-            "sink rows",
-            format!(
-                "{} tokens before any segment or buffer token",
-                cfg.sink_tokens
-            ),
-            cache.sink.tokens,
-        ));
-    }
-    if cache.buffer.tokens >= cfg.buffer_capacity {
-        return Err(shape_err(
-            "buffer rows",
-            format!("fewer than {} tokens", cfg.buffer_capacity),
-            cache.buffer.tokens,
-        ));
-    }
-    let mut next = cache.sink.tokens;
-    let last = cache.segments.len().saturating_sub(1);
-    for (si, seg) in cache.segments.iter().enumerate() {
-        if seg.start != next || seg.len == 0 {
-            return Err(shape_err(
-                "segment",
-                format!("segment {si} starting at token {next}, non-empty"),
-                format!("start {}, len {}", seg.start, seg.len),
-            ));
-        }
-        if seg.state == SegmentState::Open && si != last {
-            return Err(MosaicError::InvalidConfig(format!(
-                "segment {si} is open but is not the last segment"
-            )));
-        }
-        if seg.heads.len() != shape.kv_heads {
-            return Err(shape_err("segment heads", shape.kv_heads, seg.heads.len()));
-        }
-        for h in &seg.heads {
-            let st = &h.strategy;
-            validate_side(shape, &st.key, &h.keys, seg.len, "packed keys")?;
-            validate_side(shape, &st.value, &h.values, seg.len, "packed values")?;
-            let m = &h.meta;
-            if st.block_size == 0
-                || m.block_size != st.block_size
-                || m.kept_dims != st.key.layout.kept_dims
-                || m.tokens != seg.len
-            {
-                return Err(shape_err(
-                    "block metadata",
-                    format!(
-                        "block size {}, {} dims, {} tokens",
-                        st.block_size, st.key.layout.kept_dims, seg.len
-                    ),
-                    format!(
-                        "block size {}, {} dims, {} tokens",
-                        m.block_size, m.kept_dims, m.tokens
-                    ),
-                ));
-            }
-            let n = m.blocks() * m.kept_dims;
-            if m.min.len() != n || m.max.len() != n || m.scale.len() != m.blocks() {
-                return Err(shape_err(
-                    "block metadata",
-                    format!("{n} min and max values, {} scales", m.blocks()),
-                    format!(
-                        "{} min, {} max, {} scales",
-                        m.min.len(),
-                        m.max.len(),
-                        m.scale.len()
-                    ),
-                ));
-            }
-            m.validate()
-                .map_err(|e| MosaicError::InvalidConfig(format!("block metadata: {e}")))?;
-        }
-        next += seg.len;
-    }
     let open = match cache.segments.last() {
         Some(s) if s.state == SegmentState::Open => s.len,
         _ => 0,
     };
-    let row = shape.kv_heads * shape.head_dim;
+    let row = shape.kv_heads * shape.head_dim; // no overflow: KvShape::new checked it
     let expected = (open + cache.buffer.tokens).saturating_mul(row);
     if host_keys.len() != host_values.len()
         || !(host_keys.is_empty() || host_keys.len() == expected)
     {
-        return Err(shape_err(
-            "host rows",
-            format!(
+        return Err(MosaicError::ShapeMismatch {
+            what: "host rows",
+            expected: format!(
                 "none, or {} open-segment + buffer tokens ({expected} keys and values)",
                 open + cache.buffer.tokens
             ),
-            format!("{} keys, {} values", host_keys.len(), host_values.len()),
-        ));
+            got: format!("{} keys, {} values", host_keys.len(), host_values.len()),
+        });
     }
     Ok(())
 }

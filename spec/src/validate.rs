@@ -75,3 +75,16 @@ pub fn queries(shape: &KvShape, queries: &ArrayView2<f32>, out_shape: &[usize]) 
     }
     finite("queries", queries.iter())
 }
+
+/// Inputs of top-k selection (SPEC.md section 8.3): one length per score, every
+/// score finite (a NaN has no place in a descending order).
+pub fn block_scores(scores: &[f32], block_lens: &[usize]) -> Result<()> {
+    if scores.len() != block_lens.len() {
+        return Err(MosaicError::ShapeMismatch {
+            what: "block_lens",
+            expected: format!("{} entries like scores", scores.len()),
+            got: format!("{}", block_lens.len()),
+        });
+    }
+    finite("scores", scores.iter())
+}

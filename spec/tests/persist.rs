@@ -399,3 +399,78 @@ fn dense_file_round_trip_and_kind_check() {
         assert!(read_dense(&b[..len]).is_err());
     }
 }
+
+/// Builds a file from (kind, payload) sections with valid CRCs (SPEC.md 15.1-15.2).
+fn file_of(sections: &[(u32, Vec<u8>)]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(b"MOSAICKV");
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b.extend_from_slice(&(sections.len() as u32).to_le_bytes());
+    let crc = crc32fast::hash(&b[..16]);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    for (kind, payload) in sections {
+        let len = payload.len() as u64;
+        let mut h = crc32fast::Hasher::new();
+        h.update(&kind.to_le_bytes());
+        h.update(&len.to_le_bytes());
+        h.update(payload);
+        b.extend_from_slice(&kind.to_le_bytes());
+        b.extend_from_slice(&h.finalize().to_le_bytes());
+        b.extend_from_slice(&len.to_le_bytes());
+        b.extend_from_slice(payload);
+    }
+    b
+}
+
+/// Splits a valid file into its (kind, payload) sections.
+fn sections_of(b: &[u8]) -> Vec<(u32, Vec<u8>)> {
+    let count = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+    let mut pos = 24;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let kind = u32::from_le_bytes(b[pos..pos + 4].try_into().unwrap());
+        let len = u64::from_le_bytes(b[pos + 8..pos + 16].try_into().unwrap()) as usize;
+        out.push((kind, b[pos + 16..pos + 16 + len].to_vec()));
+        pos += 16 + len;
+    }
+    out
+}
+
+/// A manifest whose `kv_heads * head_dim` overflows usize (2 * 2^63 wraps to 0)
+/// used to load, then divide by zero when saved. It is refused on load, and a
+/// cache of that shape is refused on save, with a typed error.
+#[test]
+fn overflowing_shape_is_refused() {
+    let shape = KvShape::new(2, 2, 8).unwrap();
+    let cache = CompressedCache::new(shape, CompressConfig::default());
+    let bytes = save(&cache, &[], &[]);
+    let mut sections = sections_of(&bytes);
+    assert_eq!(sections[0].0, 1, "the manifest comes first");
+    let text = String::from_utf8(sections[0].1.clone()).unwrap();
+    for (kv, q, d) in [
+        (2u64, 2u64, 1u64 << 63),
+        (1 << 33, 1 << 33, 1 << 31),
+        (1, 1, u64::MAX),
+    ] {
+        let crafted = text.replacen(
+            "\"kv_heads\":2,\"q_heads\":2,\"head_dim\":8",
+            &format!("\"kv_heads\":{kv},\"q_heads\":{q},\"head_dim\":{d}"),
+            1,
+        );
+        assert_ne!(crafted, text, "manifest text changed: {text}");
+        sections[0].1 = crafted.into_bytes();
+        let e = read_cache(&file_of(&sections)).expect_err("an overflowing shape must not load");
+        assert!(is_format_error(&e), "{e}");
+    }
+    let mut wide = cache.clone();
+    wide.shape = KvShape {
+        kv_heads: 2,
+        q_heads: 2,
+        head_dim: 1 << 63,
+    };
+    assert!(write_cache(&mut Vec::new(), &wide, &[], &[]).is_err());
+    assert!(KvShape::new(2, 2, 1 << 63).is_err());
+    assert!(KvShape::new(1, 1 << 40, 1 << 30).is_err());
+    assert!(KvShape::new(8, 32, 128).is_ok());
+}

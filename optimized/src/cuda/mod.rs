@@ -180,10 +180,15 @@ impl Backend for CudaBackend {
             .map_err(drv("launch"))?;
         let st = gpu.down(&status)?;
         if st[0] != 0 {
-            return Err(MosaicError::NonFinite {
-                what: "encoded values (f16 overflow)",
-                index: 0,
-            });
+            // A kept rotated value overflowed f16 (SPEC 14). The kernel only flags it; the
+            // error names the first such value in row order, the same on every backend, so
+            // this rare path asks the host encoder (the same SPEC 5 arithmetic) which one.
+            return match self.host.encode(rows, side) {
+                Err(e) => Err(e),
+                Ok(_) => Err(MosaicError::BackendUnavailable(
+                    "mkv_encode flagged an f16 overflow the host encoder does not see".into(),
+                )),
+            };
         }
         let mut bytes = gpu.down(&out)?;
         bytes.truncate(n * rb);

@@ -1,0 +1,349 @@
+//! Decisions every backend must make identically, written once.
+//!
+//! These are *data* decisions of SPEC.md: which inputs are storable, where a
+//! prompt is split, which `(r, g)` candidates exist and which one a rule
+//! picks from their losses. They do no floating-point arithmetic whose order
+//! could differ between backends, so there is nothing to cross-check: every
+//! backend calls these functions. The arithmetic (rotations, losses,
+//! attention) stays independent in each backend and is compared by the
+//! conformance suite.
+
+use crate::config::{ceil_to, ChannelPolicy, CompressConfig};
+use crate::error::{MosaicError, Result};
+use crate::layout::{RecordLayout, ValueDtype};
+use crate::traits::Side;
+
+/// Magnitudes at or above this round to +-Inf in f16: the midpoint between
+/// the largest finite f16 (65504) and 2^16 (SPEC.md section 14).
+pub const F16_OVERFLOW: f64 = 65520.0;
+
+/// The `what` of the `NonFinite` error for a kept rotated value that would
+/// overflow f16 (SPEC.md sections 5 and 14); every backend uses this text.
+pub const ROTATED_OVERFLOW: &str = "rotated value (f16 overflow)";
+
+/// Whether a finite or non-finite f64 would be stored as a finite f16.
+#[inline]
+pub fn fits_f16(x: f64) -> bool {
+    x.abs() < F16_OVERFLOW // false for NaN and +-Inf too
+}
+
+/// SPEC.md section 14: values that will be stored as f16 (sink and buffer
+/// rows) must be finite and round to a finite f16. The error is `NonFinite`
+/// with the first offending flat index (row-major), the same on every backend.
+pub fn f16_storable<'a>(
+    what: &'static str,
+    values: impl IntoIterator<Item = &'a f32>,
+) -> Result<()> {
+    match values.into_iter().position(|&x| !fits_f16(f64::from(x))) {
+        Some(index) => Err(MosaicError::NonFinite { what, index }),
+        None => Ok(()),
+    }
+}
+
+/// Largest L2 norm of a K/V row a MosaicKV cache accepts: the largest finite
+/// f16, 65504 (SPEC.md section 14).
+///
+/// Why a norm: a stored rotated value is `x'_j = sum_i R_ij x_i` with `R`'s
+/// columns unit vectors rounded to f32, so `|x'_j| <= (1 + 2^-20) ||x||` (plus
+/// f64 rounding, far below that) `< 65520` whenever `||x|| <= 65504`: no
+/// rotation a fit produces can overflow f16, and no element of the row can
+/// either (so the sink and the buffer store it finitely). Checked once, at
+/// `prefill`/`append`, the same on every backend, it makes every later flush
+/// and segment close unable to fail on magnitude, which the background worker
+/// of a production cache relies on.
+pub const ROW_NORM_MAX: f64 = 65504.0;
+
+/// The `what` of [`rows_storable`]'s error at `prefill` (keys, values) and `append`
+/// (key, value), the same on every backend.
+pub const ROW_KEYS: &str = "keys (row norm beyond f16 range)";
+pub const ROW_VALUES: &str = "values (row norm beyond f16 range)";
+pub const ROW_KEY: &str = "key (row norm beyond f16 range)";
+pub const ROW_VALUE: &str = "value (row norm beyond f16 range)";
+
+/// SPEC.md section 14: every row of `rows` (`[n][d]` row-major, the rows of
+/// `[tokens, kv_heads, head_dim]` in order) has `||x||^2 <= 65504^2`, with
+/// `||x||^2 = sum_i x_i^2` in f64 over ascending i (each square is exact in
+/// f64). Else `NonFinite` with the flat index of the first such row's first
+/// element. NaN and Inf fail too (the caller checks finiteness first).
+pub fn rows_storable(what: &'static str, rows: &[f32], d: usize) -> Result<()> {
+    let max = ROW_NORM_MAX * ROW_NORM_MAX; // 4290774016, exact in f64
+    for (t, row) in rows.chunks(d.max(1)).enumerate() {
+        let mut sq = 0f64;
+        for &x in row {
+            sq += f64::from(x) * f64::from(x);
+        }
+        if !(sq <= max) {
+            return Err(MosaicError::NonFinite { what, index: t * d });
+        }
+    }
+    Ok(())
+}
+
+/// The error for a kept rotated value of row `row`, rotated dim `dim`, that
+/// overflows f16: index `row * Dt + dim`, the flat index into the rows'
+/// rotated coordinates `[n, Dt]` (SPEC.md section 14).
+pub fn rotated_overflow(row: usize, dim: usize, kept_dims: usize) -> MosaicError {
+    MosaicError::NonFinite {
+        what: ROTATED_OVERFLOW,
+        index: row * kept_dims + dim,
+    }
+}
+
+/// SPEC.md section 10.1: the prompt's split for `n` tokens: the sink size
+/// `S = min(sink_tokens, n)` and the closed segments `(start, len)`.
+/// With `m = n - S`: no segment when `m = 0`; else `c = max(1, floor(m / L_in))`
+/// segments, segment i covering `S + i*L_in .. S + (i+1)*L_in` for `i < c-1`,
+/// the last one the rest (so its length is in `[L_in, 2 L_in)` unless `m < L_in`).
+pub fn prompt_segments(
+    n: usize,
+    sink_tokens: usize,
+    input_segment_len: usize,
+) -> (usize, Vec<(usize, usize)>) {
+    let sink = sink_tokens.min(n);
+    let m = n - sink;
+    if m == 0 {
+        return (sink, Vec::new());
+    }
+    let l_in = input_segment_len.max(1);
+    let c = (m / l_in).max(1);
+    let mut segments = Vec::with_capacity(c);
+    for i in 0..c - 1 {
+        segments.push((sink + i * l_in, l_in));
+    }
+    let last_start = sink + (c - 1) * l_in;
+    segments.push((last_start, n - last_start));
+    (sink, segments)
+}
+
+/// SPEC.md section 11.2: the candidate record layouts of a policy for
+/// `head_dim`, in policy order (group sizes outer, retentions inner) with
+/// duplicates removed: `r = min(Dt_g, ceil_g(f * D))`, `Dt_g` from section 4.
+pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout> {
+    let layout = |f: f64, g: usize| {
+        let kept_dims = config.kept_dims(head_dim, g);
+        let r = ceil_to((f * head_dim as f64).ceil() as usize, g).min(kept_dims);
+        RecordLayout {
+            head_dim,
+            kept_dims,
+            r,
+            group_size: g,
+            dtype: ValueDtype::F16,
+        }
+    };
+    let mut out: Vec<RecordLayout> = Vec::new();
+    let mut push = |l: RecordLayout| {
+        if !out.contains(&l) {
+            out.push(l);
+        }
+    };
+    match &config.channels {
+        ChannelPolicy::Fixed {
+            retention,
+            group_size,
+        } => push(layout(*retention, *group_size)),
+        ChannelPolicy::LossThreshold {
+            retentions,
+            group_sizes,
+            ..
+        } => {
+            for &g in group_sizes {
+                for &f in retentions {
+                    push(layout(f, g));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// SPEC.md section 11.2: the index of the chosen candidate, given each
+/// candidate's loss (`losses[i]` for `candidates[i]`, finite and >= 0).
+///
+/// - fixed: the one candidate;
+/// - loss_threshold: among the candidates whose loss is at most the side's
+///   threshold, the fewest `record_bytes`, ties by lower loss, then smaller
+///   g, then candidate order; if none passes, the lowest loss, ties by fewer
+///   bytes, then smaller g, then candidate order.
+///
+/// Losses are compared with `total_cmp` (equal f64 values tie; the losses
+/// are never NaN, and `-0.0` cannot occur in a sum of squares over a
+/// positive total).
+pub fn choose_candidate(
+    candidates: &[RecordLayout],
+    losses: &[f64],
+    side: Side,
+    config: &CompressConfig,
+) -> usize {
+    assert_eq!(candidates.len(), losses.len(), "one loss per candidate");
+    let threshold = match (&config.channels, side) {
+        (ChannelPolicy::Fixed { .. }, _) => return 0,
+        (ChannelPolicy::LossThreshold { key_loss, .. }, Side::Key) => *key_loss,
+        (ChannelPolicy::LossThreshold { value_loss, .. }, Side::Value) => *value_loss,
+    };
+    let bytes = |i: usize| candidates[i].record_bytes();
+    let g = |i: usize| candidates[i].group_size;
+    let passing: Vec<usize> = (0..candidates.len())
+        .filter(|&i| losses[i] <= threshold)
+        .collect();
+    let pick = if passing.is_empty() {
+        (0..candidates.len()).min_by(|&a, &b| {
+            losses[a]
+                .total_cmp(&losses[b])
+                .then(bytes(a).cmp(&bytes(b)))
+                .then(g(a).cmp(&g(b)))
+        })
+    } else {
+        passing.into_iter().min_by(|&a, &b| {
+            bytes(a)
+                .cmp(&bytes(b))
+                .then(losses[a].total_cmp(&losses[b]))
+                .then(g(a).cmp(&g(b)))
+        })
+    };
+    // `min_by` returns the first of equal elements: candidate order breaks the last tie.
+    pick.expect("a validated policy has at least one candidate")
+}
+
+/// SPEC.md section 8.3: orders two block scores for top-k: higher first,
+/// equal scores (including `+0.0` and `-0.0`) tie. NaN is rejected before
+/// any selection, so it never reaches this comparison.
+#[inline]
+pub fn score_order(a: f32, b: f32) -> std::cmp::Ordering {
+    b.partial_cmp(&a).unwrap_or(std::cmp::Ordering::Equal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_range_edges() {
+        assert!(fits_f16(65519.99));
+        assert!(fits_f16(-65504.0));
+        assert!(!fits_f16(65520.0));
+        assert!(!fits_f16(-65520.0));
+        assert!(!fits_f16(f64::NAN));
+        assert!(!fits_f16(f64::INFINITY));
+        let e = f16_storable("keys", [1.0f32, -65520.0, f32::NAN].iter()).unwrap_err();
+        assert_eq!(
+            e,
+            MosaicError::NonFinite {
+                what: "keys",
+                index: 1
+            }
+        );
+        // What the boundary means: 65519.99 rounds to 65504, 65520 to infinity.
+        assert!(half::f16::from_f32(65519.99).is_finite());
+        assert!(half::f16::from_f32(65520.0).is_infinite());
+    }
+
+    #[test]
+    fn row_norm_edges() {
+        // 65504 alone is storable; one more ulp of norm is not.
+        let mut row = vec![0f32; 8];
+        row[3] = 65504.0;
+        assert!(rows_storable("k", &row, 8).is_ok());
+        row[5] = 1.0; // norm sqrt(65504^2 + 1) > 65504
+        assert_eq!(
+            rows_storable("k", &row, 8),
+            Err(MosaicError::NonFinite {
+                what: "k",
+                index: 0
+            })
+        );
+        // Small elements, large norm: 8 x 23170 has norm 65534 > 65504.
+        let rows: Vec<f32> = [vec![1.0f32; 8], vec![23170.0; 8]].concat();
+        assert_eq!(
+            rows_storable("v", &rows, 8),
+            Err(MosaicError::NonFinite {
+                what: "v",
+                index: 8
+            })
+        );
+        assert!(rows_storable("v", &[23158.0f32; 8], 8).is_ok()); // norm 65500.6
+        assert!(rows_storable("v", &[f32::NAN; 4], 4).is_err());
+    }
+
+    #[test]
+    fn prompt_split_rule() {
+        assert_eq!(prompt_segments(0, 4, 16), (0, vec![]));
+        assert_eq!(prompt_segments(3, 4, 16), (3, vec![]));
+        assert_eq!(prompt_segments(4, 4, 16), (4, vec![]));
+        assert_eq!(prompt_segments(5, 4, 16), (4, vec![(4, 1)]));
+        assert_eq!(prompt_segments(4 + 31, 4, 16), (4, vec![(4, 31)]));
+        assert_eq!(prompt_segments(4 + 32, 4, 16), (4, vec![(4, 16), (20, 16)]));
+        assert_eq!(prompt_segments(4 + 47, 4, 16), (4, vec![(4, 16), (20, 31)]));
+    }
+
+    #[test]
+    fn choose_ties_follow_the_rule() {
+        let mut cfg = CompressConfig::default();
+        cfg.channels = ChannelPolicy::LossThreshold {
+            key_loss: 0.1,
+            value_loss: 0.2,
+            retentions: vec![0.25, 0.5],
+            group_sizes: vec![2, 1],
+        };
+        let c = candidates(&cfg, 64);
+        // Policy order: g = 2 first, then g = 1; r = ceil_g(f * D).
+        assert_eq!(
+            c.iter().map(|l| (l.r, l.group_size)).collect::<Vec<_>>(),
+            vec![(16, 2), (32, 2), (16, 1), (32, 1)]
+        );
+        let bytes: Vec<usize> = c.iter().map(|l| l.record_bytes()).collect();
+        assert_eq!(bytes, vec![36, 68, 40, 72]);
+        // A loss exactly at the threshold passes: the cheapest passing one wins.
+        assert_eq!(
+            choose_candidate(&c, &[0.1, 0.0, 0.0, 0.0], Side::Key, &cfg),
+            0
+        );
+        let above = f64::from_bits(0.1f64.to_bits() + 1); // one ulp over: fails
+        assert_eq!(
+            choose_candidate(&c, &[above, 0.0, 0.0, 0.0], Side::Key, &cfg),
+            2
+        );
+        assert_eq!(
+            choose_candidate(&c, &[0.11, 0.0, 0.1, 0.0], Side::Key, &cfg),
+            2
+        );
+        // The value side has its own threshold.
+        assert_eq!(
+            choose_candidate(&c, &[0.2, 0.0, 0.0, 0.0], Side::Value, &cfg),
+            0
+        );
+        assert_eq!(
+            choose_candidate(&c, &[0.21, 0.3, 0.0, 0.0], Side::Value, &cfg),
+            2
+        );
+        // None passes: lowest loss; equal losses go to fewer bytes.
+        assert_eq!(
+            choose_candidate(&c, &[0.5, 0.3, 0.9, 0.3], Side::Key, &cfg),
+            1
+        );
+        // Equal bytes and loss: the smaller g, whatever the candidate order.
+        let small = |g: usize| RecordLayout {
+            head_dim: 32,
+            kept_dims: 32,
+            r: 8,
+            group_size: g,
+            dtype: ValueDtype::F16,
+        };
+        let twins = vec![small(2), small(1)];
+        assert_eq!(twins[0].record_bytes(), twins[1].record_bytes());
+        assert_eq!(choose_candidate(&twins, &[0.5, 0.5], Side::Key, &cfg), 1);
+        assert_eq!(choose_candidate(&twins, &[0.05, 0.05], Side::Key, &cfg), 1);
+        // Fixed policy: the one candidate.
+        let fixed = CompressConfig::paper_fixed();
+        assert_eq!(candidates(&fixed, 64).len(), 1);
+        assert_eq!(
+            choose_candidate(&candidates(&fixed, 64), &[0.9], Side::Key, &fixed),
+            0
+        );
+    }
+
+    #[test]
+    fn signed_zero_scores_tie() {
+        assert_eq!(score_order(0.0, -0.0), std::cmp::Ordering::Equal);
+        assert_eq!(score_order(1.0, 0.0), std::cmp::Ordering::Less);
+    }
+}
