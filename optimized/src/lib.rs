@@ -22,8 +22,6 @@
 )]
 
 pub mod attend;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 pub mod backend;
 pub mod baselines;
 #[cfg(feature = "cuda")]
