@@ -137,6 +137,7 @@ pub fn online_softmax(
         unsafe { crate::simd::avx2::softmax::online_softmax(m, l, acc, g, dp, logits, n, corr) };
         return;
     }
+    Path::Portable.ran();
     online_softmax_body(m, l, acc, g, dp, logits, n, corr)
 }
 
@@ -346,6 +347,7 @@ pub fn top_blocks(
                 crate::simd::avx512::select::filter_rank_keys(scores, pivot, cand.as_mut_ptr())
             },
             _ => {
+                Path::Portable.ran();
                 let mut c = 0;
                 for (i, &score) in scores.iter().enumerate() {
                     let x = rank_key(score, i as u32);

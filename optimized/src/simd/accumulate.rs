@@ -33,6 +33,7 @@ impl Path {
                 avx2::tiles::tile_accumulate(p, g, dp, rows, n, acc)
             },
             _ => {
+                Path::Portable.ran();
                 for h in 0..g {
                     let a = &mut acc[h * dp..(h + 1) * dp];
                     for t in 0..n {

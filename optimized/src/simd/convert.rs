@@ -16,6 +16,7 @@ impl Path {
             // SAFETY: `Path::Avx2` is only constructed after run-time detection of avx2/fma/f16c.
             Path::Avx2 | Path::Avx512 => unsafe { avx2::convert::f16_to_f32(src, dst) },
             _ => {
+                Path::Portable.ran();
                 for (d, s) in dst.iter_mut().zip(src) {
                     *d = f16_bits_to_f32(s.to_bits());
                 }

@@ -63,6 +63,7 @@ impl Path {
             }
             return;
         }
+        Path::Portable.ran();
         for t in 0..n {
             let rec = &bytes[t * rb..(t + 1) * rb];
             let row = &mut out[t * dp..(t + 1) * dp];

@@ -135,6 +135,7 @@ impl Path {
 /// 8-lane dot product, lanes reduced in a fixed tree (portable).
 #[inline]
 fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    Path::Portable.ran();
     let n8 = a.len() / 8 * 8;
     let mut acc = [0f32; 8];
     for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {

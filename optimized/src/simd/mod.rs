@@ -55,5 +55,8 @@ mod score;
 pub use common::{f16_bits_to_f32, fast_exp, TILE};
 pub use expand::HALF_TILE_MAX_DP;
 pub use memory::advise_huge_pages;
-pub use path::{avx2_available, avx512_available, Path};
+pub use path::{
+    avx2_available, avx2_features, avx512_available, avx512_features, kernels_ran, Path,
+    FORCE_AVX2, FORCE_PORTABLE,
+};
 pub use score::{quantize_query, QMAX_DT};

@@ -61,6 +61,7 @@ fn portable_score_pages_f16(
     max: &[f16],
     out: &mut [f32],
 ) {
+    Path::Portable.ran();
     let d8 = dt / 8 * 8;
     let mut mx = vec![0f32; dt];
     let mut mn = vec![0f32; dt];

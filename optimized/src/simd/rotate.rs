@@ -34,6 +34,7 @@ impl Path {
             // SAFETY: detected features; slice bounds asserted above.
             Path::Avx2 => unsafe { avx2::rotate::rotate_query_f64(rot, d, q, acc) },
             _ => {
+                Path::Portable.ran();
                 for i in 0..d {
                     let qi = f64::from(q[i]);
                     for (a, &r) in acc.iter_mut().zip(&rot[i * dt..(i + 1) * dt]) {

@@ -3,8 +3,6 @@
 //! `common::combine_scores` (bit-identical on every path).
 
 use super::common::combine_scores;
-#[cfg(target_arch = "x86_64")]
-use super::path::avx2_available;
 use super::Path;
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
@@ -38,7 +36,7 @@ impl Path {
             // Wider than the stack buffers (head_dim > 256): the portable kernel on heap buffers.
             let (mut pos, mut neg) = (vec![0u8; dt], vec![0u8; dt]);
             for h in 0..g {
-                let sq = quantize_query(&q[h * stride..h * stride + dt], &mut pos, &mut neg);
+                let sq = quantize_query(self, &q[h * stride..h * stride + dt], &mut pos, &mut neg);
                 portable_score_int::<1>(&pos, &neg, dt, &[sq; 4], dt, min, max, scale, h == 0, out);
             }
         } else {
@@ -51,7 +49,7 @@ impl Path {
                 for k in 0..hn {
                     let r = k * QMAX_DT..(k + 1) * QMAX_DT;
                     let qh = &q[(h0 + k) * stride..(h0 + k) * stride + dt];
-                    sq[k] = quantize_query(qh, &mut pos[r.clone()], &mut neg[r]);
+                    sq[k] = quantize_query(self, qh, &mut pos[r.clone()], &mut neg[r]);
                 }
                 let first = h0 == 0;
                 let (p, n) = (&pos[..], &neg[..]);
@@ -102,11 +100,12 @@ fn round_half_even(x: f64) -> f64 {
 /// SPEC.md section 8.2: quantizes one rotated query `q` (length `Dt`) to int8,
 /// `a_j = round_half_even(q_j / s_q)` with `s_q = max_j |q_j| / 127` (f64), clamped to
 /// `[-127, 127]`; writes `a_j` as two byte rows, `pos_j = max(a_j, 0)` and
-/// `neg_j = max(-a_j, 0)` (zero past `Dt`), and returns `s_q` (0 for a zero query).
-pub fn quantize_query(q: &[f32], pos: &mut [u8], neg: &mut [u8]) -> f64 {
+/// `neg_j = max(-a_j, 0)` (zero past `Dt`), and returns `s_q` (0 for a zero query). On a SIMD
+/// `path` the loop runs compiled for AVX2: the same operations, so the same values.
+pub fn quantize_query(path: Path, q: &[f32], pos: &mut [u8], neg: &mut [u8]) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if avx2_available() {
-        // SAFETY: avx2 detected; the body only uses bounds-checked slices.
+    if path.runs_avx2() {
+        // SAFETY: a SIMD path: avx2 detected; the body only uses bounds-checked slices.
         return unsafe { quantize_avx2(q, pos, neg) };
     }
     quantize_body(q, pos, neg)
@@ -155,6 +154,7 @@ fn portable_score_int<const N: usize>(
     first: bool,
     out: &mut [f32],
 ) {
+    Path::Portable.ran();
     for (b, o) in out.iter_mut().enumerate() {
         let (mx, mn) = (&max[b * dt..(b + 1) * dt], &min[b * dt..(b + 1) * dt]);
         let w: i32 = mx

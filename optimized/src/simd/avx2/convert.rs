@@ -2,11 +2,13 @@
 
 use super::load_ph;
 use crate::simd::common::f16_bits_to_f32;
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    Path::Avx2.ran();
     let n = src.len();
     let n8 = n / 8 * 8;
     let mut i = 0;

@@ -1,6 +1,7 @@
 //! SPEC.md section 6, g = 1: record expansion by a `pshufb` table, eight dims per bitmap byte.
 
 use crate::simd::common::f16_bits_to_f32;
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// pshufb masks: for a bitmap byte, where each of the 8 output f16 lanes takes its value from.
@@ -27,6 +28,7 @@ static EXPAND_LUT: [[u8; 16]; 256] = {
 /// `after` = readable bytes after the record's values (in the same allocation).
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn expand_g1(rec: &[u8], bb: usize, r: usize, dt: usize, after: usize, out: &mut [f32]) {
+    Path::Avx2.ran();
     if after < 16 {
         return expand_g1_tail(rec, bb, r, dt, out);
     }

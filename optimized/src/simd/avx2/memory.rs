@@ -1,5 +1,6 @@
 //! Software prefetch.
 
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// Hints cache lines into the cache (`prefetcht2`: on the AMD Zen 4 machine
@@ -8,6 +9,7 @@ use std::arch::x86_64::*;
 /// Every line from the one holding `ptr` to the one holding `ptr + len - 1`.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn prefetch(ptr: *const u8, len: usize) {
+    Path::Avx2.ran();
     let end = ptr as usize + len;
     let mut line = ptr as usize & !63;
     while line < end {

@@ -2,6 +2,7 @@
 
 use super::{hsum, load_ph};
 use crate::simd::common::f16_bits_to_f32;
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -44,6 +45,7 @@ pub unsafe fn score_pages_f16(
     max: &[f16],
     out: &mut [f32],
 ) {
+    Path::Avx2.ran();
     let d8 = dt / 8 * 8;
     for (b, o) in out.iter_mut().enumerate() {
         let mxp = max.as_ptr().add(b * dt);

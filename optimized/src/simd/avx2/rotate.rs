@@ -1,11 +1,13 @@
 //! SPEC.md section 8.1: the query rotation's f64 sums, four lanes, no FMA.
 
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// `acc[j] += f64(R[i][j]) * f64(q[i])` over ascending i, 4 f64 lanes (mul then add, no
 /// FMA: bit-identical to the portable loop and to the reference).
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn rotate_query_f64(rot: &[f32], d: usize, q: &[f32], acc: &mut [f64]) {
+    Path::Avx2.ran();
     let dt = acc.len();
     let d4 = dt / 4 * 4;
     for i in 0..d {

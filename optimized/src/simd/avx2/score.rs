@@ -2,6 +2,7 @@
 
 use super::hsum4_i32;
 use crate::simd::common::combine_scores;
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// SPEC 8.2 integer scores (see `portable_score_int`): 32 bytes per step with
@@ -22,6 +23,7 @@ pub unsafe fn score_int<const N: usize>(
     first: bool,
     out: &mut [f32],
 ) {
+    Path::Avx2.ran();
     let ones = _mm256_set1_epi16(1);
     let zero = _mm256_setzero_si256();
     let d32 = dt / 32 * 32;

@@ -2,6 +2,7 @@
 
 use super::hsum;
 use crate::simd::common::{fast_exp, EXP_LN2_HI, EXP_LN2_LO, EXP_POLY, TILE};
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
@@ -46,6 +47,7 @@ pub unsafe fn online_softmax(
     n: usize,
     mut corr_out: Option<&mut [f32]>,
 ) {
+    Path::Avx2.ran();
     let nn = _mm256_set1_ps(n as f32);
     let mask0 = _mm256_cmp_ps(
         _mm256_setr_ps(0., 1., 2., 3., 4., 5., 6., 7.),

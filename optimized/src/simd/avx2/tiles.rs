@@ -3,11 +3,13 @@
 
 use super::{hsum, load_ph};
 use crate::simd::common::TILE;
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    Path::Avx2.ran();
     let n = a.len();
     let n8 = n / 8 * 8;
     let mut acc = _mm256_setzero_ps();
@@ -148,6 +150,7 @@ macro_rules! tile_kernels {
             scale: f32,
             out: &mut [f32],
         ) {
+            Path::Avx2.ran();
             let mut h0 = 0;
             while h0 < g {
                 let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE));
@@ -172,6 +175,7 @@ macro_rules! tile_kernels {
             n: usize,
             acc: &mut [f32],
         ) {
+            Path::Avx2.ran();
             let mut h0 = 0;
             while h0 < g {
                 let (pp, ap) = (p.as_ptr().add(h0 * TILE), acc.as_mut_ptr().add(h0 * dp));

@@ -4,6 +4,7 @@
 use super::expand::{expand_word, iota16, load_values};
 use super::{lanes16, ld_f16, ldm_f16};
 use crate::simd::common::TILE;
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -71,6 +72,7 @@ pub unsafe fn tile_accumulate_f16(
     n: usize,
     acc: *mut f32,
 ) {
+    Path::Avx512.ran();
     // One pass of up to N heads with C chunks (N * C <= 24 accumulators); evaluates to N.
     macro_rules! pass {
         ($C:literal, $N:literal, $pp:expr, $ap:expr, $left:expr) => {{
@@ -181,6 +183,7 @@ pub unsafe fn packed_accumulate(
     corr: *const f32,
     acc: *mut f32,
 ) {
+    Path::Avx512.ran();
     // Heads per pass: the accumulators (heads x 2G registers) plus one expanded word must fit
     // the 32 vector registers; wider rows take fewer heads per pass (and expand again).
     macro_rules! heads {

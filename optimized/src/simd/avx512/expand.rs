@@ -2,6 +2,7 @@
 //! f16 rows ([`expand_g1_h`]); [`expand_word`] is shared with the fused value accumulation.
 
 use super::lanes16;
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -37,6 +38,7 @@ pub unsafe fn expand_g1(
     dp: usize,
     out: *mut f32,
 ) {
+    Path::Avx512.ran();
     let groups = dt.div_ceil(32);
     if r <= 32 && dp == 32 * groups {
         // All values fit one register: one load per record, independent of the bitmap; group
@@ -105,6 +107,7 @@ pub unsafe fn expand_g1_h(
     groups: usize,
     out: *mut f16,
 ) {
+    Path::Avx512.ran();
     let iota = iota16();
     for t in 0..n {
         let rec = bytes.add(t * rb);

@@ -2,6 +2,7 @@
 
 use super::{hsum4, lanes16, ld_f16, ldm_f16};
 use crate::simd::common::TILE;
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -115,6 +116,7 @@ pub unsafe fn tile_logits<R: TileRow>(
     scale: f32,
     out: *mut f32,
 ) {
+    Path::Avx512.ran();
     macro_rules! pass {
         ($N:literal, $qp:expr, $rp:expr, $op:expr, $left:expr) => {
             match $left {

@@ -40,7 +40,8 @@
 //!   instead of mul, mul, max, add, 4 pages per pass; the same bound, only the
 //!   rounding differs (FMA, 16-lane sums).
 //!
-//! Callers check [`crate::simd::avx512_available`] before calling anything here.
+//! Callers hold [`crate::simd::Path::Avx512`] (which [`crate::simd::Path::runs_here`] checks)
+//! before calling anything here.
 //!
 //! One file per concern; this module holds the helpers they share. Depends on
 //! `simd::common` and on the AVX2 layer's `hsum4_i32`, never on the dispatch layer.

@@ -1,6 +1,7 @@
 //! SPEC.md section 12: Quest's page scores, `q+ M + q- m` by two FMAs, four pages per pass.
 
 use super::{hsums, lanes16, ld_f16, ldm_f16};
+use crate::simd::path::Path;
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -74,6 +75,7 @@ macro_rules! score_kernel_512 {
             scale: Option<&[f32]>,
             out: &mut [f32],
         ) {
+            Path::Avx512.ran();
             let mut qp = [0f32; 4 * SCORE_MAX_DT];
             let mut qn = [0f32; 4 * SCORE_MAX_DT];
             let blocks = out.len();

@@ -1,5 +1,6 @@
 //! SPEC.md section 8.1: the query rotation's f64 sums by f64 FMAs (exact products).
 
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// [`rotate_queries_f64`] for `dt <= 128`, reading the rotation in address order: each row
@@ -115,6 +116,7 @@ pub unsafe fn rotate_queries_f64<const N: usize>(
     q: *const f32,
     acc: *mut f64,
 ) {
+    Path::Avx512.ran();
     if dt <= 128 {
         rotate_rows_in_order(rot.as_ptr(), d, dt, N, q, acc);
         return;

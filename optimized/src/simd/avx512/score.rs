@@ -2,6 +2,7 @@
 
 use crate::simd::avx2::hsum4_i32;
 use crate::simd::common::combine_scores;
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// SPEC.md section 8.2 integer block scores (see `simd::portable_score_int`), 32 dims per
@@ -29,6 +30,7 @@ pub unsafe fn score_int<const N: usize>(
     first: bool,
     out: &mut [f32],
 ) {
+    Path::Avx512.ran();
     let quads = out.len() / 4;
     for i in 0..quads {
         let b = 4 * i;

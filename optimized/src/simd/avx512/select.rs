@@ -1,6 +1,7 @@
 //! The selection filter of `attend::top_blocks` (SPEC.md section 8.3), sixteen scores per step.
 
 use super::lanes16;
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// The selection filter of `attend::top_blocks`: writes the rank keys (`attend::rank_key`) of
@@ -12,6 +13,7 @@ use std::arch::x86_64::*;
 /// AVX-512 F available; `out` holds `scores.len() + 16` keys; `scores.len() < 2^32`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 pub unsafe fn filter_rank_keys(scores: &[f32], pivot: u64, out: *mut u64) -> usize {
+    Path::Avx512.ran();
     let n = scores.len();
     let ph = _mm512_set1_epi32((pivot >> 32) as u32 as i32);
     let pl = _mm512_set1_epi32(pivot as u32 as i32);

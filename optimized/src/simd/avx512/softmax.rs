@@ -2,6 +2,7 @@
 
 use super::{hmax4, hsum4, lanes16};
 use crate::simd::common::{EXP_LN2_HI, EXP_LN2_LO, EXP_POLY, TILE};
+use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
 /// `exp(x)` on 16 lanes: the AVX2 kernel's polynomial (`simd::x86::exp256`), lane for lane the
@@ -50,6 +51,7 @@ pub unsafe fn tile_softmax(
     n: usize,
     corr: *mut f32,
 ) {
+    Path::Avx512.ran();
     let mut h0 = 0;
     while h0 < g {
         let (mp, lp, gp, cp) = (m.add(h0), l.add(h0), logits.add(h0 * TILE), corr.add(h0));
