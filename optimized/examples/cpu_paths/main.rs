@@ -62,7 +62,7 @@ fn main() {
             .collect();
             println!(
                 "cpu_paths: path {}: CANNOT RUN on this CPU (lacks {}): tests stamped for it are \
-                 skipped (ignored) here, and a machine whose default path it is goes untested by this run",
+                 ignored here, so this run does not test the default path of CPUs that have it",
                 path.name(),
                 missing.join(" ")
             );
