@@ -1,6 +1,6 @@
 //! Inner kernels with three implementations, chosen at run time: AVX-512
-//! (F/BW/VL/VBMI2/VNNI, [`avx512`], for the hottest kernels; the rest as
-//! AVX2), AVX2 + FMA + F16C ([`avx2`], `std::arch`), and a portable scalar path
+//! (F/BW/VL/VBMI2/VNNI, `avx512`, for the hottest kernels; the rest as
+//! AVX2), AVX2 + FMA + F16C (`avx2`, `std::arch`), and a portable scalar path
 //! written in 8-lane arrays.
 //!
 //! [`Path::rotate_query`] and [`Path::score_blocks`] (MosaicKV's selection)

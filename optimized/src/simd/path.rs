@@ -146,3 +146,21 @@ pub fn avx512_available() -> bool {
 pub fn avx2_available() -> bool {
     avx2_features().iter().all(|f| f.1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_cap_the_detected_path() {
+        for avx2 in [false, true] {
+            assert_eq!(Path::detect_with(true, avx2), Path::Portable);
+        }
+        assert_ne!(Path::detect_with(false, true), Path::Avx512);
+        let best = Path::detect_with(false, false);
+        assert!(best.runs_here());
+        // The fastest path that runs here: nothing faster in ALL (slowest first) runs.
+        let i = Path::ALL.iter().position(|&p| p == best).unwrap();
+        assert!(Path::ALL[i + 1..].iter().all(|p| !p.runs_here()));
+    }
+}

@@ -161,7 +161,8 @@ unsafe fn packed_accumulate_n<const G: usize, const N: usize>(
 /// Fused expansion + value accumulation (SPEC.md sections 6 and 9): `acc_h = corr[h] acc_h +
 /// sum_t p[h * TILE + t] v_t` for `g` heads (`acc` `[g][dp]`), the values expanded in
 /// registers. Per lane the same multiply and FMAs in the same order as the online-softmax
-/// rescale, [`expand_g1`] and the AVX2 tile accumulation, so the result is bit-identical.
+/// rescale, [`super::expand::expand_g1`] and the AVX2 tile accumulation, so the result is
+/// bit-identical.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VBMI2 available; `groups = ceil(dt / 32)` with `1 <= groups <=

@@ -93,7 +93,7 @@ pub unsafe fn expand_g1(
 
 /// [`expand_g1`] into f16 rows of `32 * groups` halves (`r <= 32`, `dp = 32 * groups`): each
 /// expanded word is stored as it is, the conversion to f32 left to the loads of
-/// [`tile_logits`].
+/// [`super::logits::tile_logits`].
 ///
 /// # Safety
 /// As [`expand_g1`] with `r <= 32` and `dp = 32 * groups`; `out` holds `n * 32 * groups` halves.

@@ -44,7 +44,7 @@ impl TileRow for f16 {
 }
 
 /// T tokens x N heads of [`tile_logits`]: `4 N` (T = 4) accumulators, each query chunk loaded
-/// once for the T tokens; the T sums of a head come out of one [`hsum4`].
+/// once for the T tokens; the T sums of a head come out of one [`super::hsum4`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn tile_logits_pass<R: TileRow, const N: usize, const T: usize>(

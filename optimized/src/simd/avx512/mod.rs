@@ -14,21 +14,21 @@
 //! - Expansion (SPEC.md section 6, g = 1): one `vpexpandw` per 32 dims places
 //!   the packed f16 values at the set bits of the bitmap, instead of one
 //!   table-driven `pshufb` per 8 dims. Keys are expanded into an f16 tile
-//!   ([`expand_g1_h`]: one 64-byte store per 32 dims, no conversion), which
+//!   ([`expand::expand_g1_h`]: one 64-byte store per 32 dims, no conversion), which
 //!   the logits widen as they load it.
 //! - Key logits on the expanded tile: four tokens x four heads per pass, so each
 //!   query chunk is loaded once per four tokens and a head's four sums come out
-//!   of one transposed reduction ([`tile_logits`], on f32 or f16 rows).
+//!   of one transposed reduction ([`logits::tile_logits`], on f32 or f16 rows).
 //! - Online softmax: the four heads' maxima and sums by transposed reductions,
 //!   the rescale factors by a 4-lane copy of the scalar `fast_exp`.
 //! - Dense / Quest value accumulation on f16 rows: rows read in address order
-//!   with every accumulator in registers ([`tile_accumulate_f16`]).
+//!   with every accumulator in registers ([`accumulate::tile_accumulate_f16`]).
 //! - Value accumulation (SPEC.md section 9): each value record is expanded in
 //!   registers and multiplied straight into accumulators that stay in
 //!   registers for the whole tile, rescaled by the online-softmax factor on
-//!   load ([`packed_accumulate`], with [`tile_softmax`] giving the factors); no expanded tile is
-//!   stored. Lane for lane the same operations as the AVX2 sequence, so the
-//!   same bits.
+//!   load ([`accumulate::packed_accumulate`], with [`softmax::tile_softmax`] giving the
+//!   factors); no expanded tile is stored. Lane for lane the same operations as the AVX2
+//!   sequence, so the same bits.
 //! - Block scores (SPEC.md section 8.2, exact integers): `vpdpbusd` sums four
 //!   u8 x i8 products per i32 lane in one instruction, where AVX2 needs
 //!   `vpmaddubsw` + `vpmaddwd` + `vpaddd`; same integers, same f64 products.
