@@ -114,7 +114,7 @@ pub fn online_softmax(
             };
             // SAFETY: AVX-512 detected; m, l, c hold g floats and logits g * TILE (asserted).
             unsafe {
-                crate::avx512::tile_softmax(
+                crate::simd::avx512::softmax::tile_softmax(
                     m.as_mut_ptr(),
                     l.as_mut_ptr(),
                     g,
@@ -134,9 +134,10 @@ pub fn online_softmax(
         }
         // SAFETY: a SIMD path means avx2/fma/f16c were detected; logits hold g * TILE floats
         // (asserted), other accesses are checked.
-        unsafe { crate::simd::x86_online_softmax(m, l, acc, g, dp, logits, n, corr) };
+        unsafe { crate::simd::avx2::softmax::online_softmax(m, l, acc, g, dp, logits, n, corr) };
         return;
     }
+    Path::Portable.ran();
     online_softmax_body(m, l, acc, g, dp, logits, n, corr)
 }
 
@@ -343,9 +344,10 @@ pub fn top_blocks(
             // are u32).
             #[cfg(target_arch = "x86_64")]
             Path::Avx512 => unsafe {
-                crate::avx512::filter_rank_keys(scores, pivot, cand.as_mut_ptr())
+                crate::simd::avx512::select::filter_rank_keys(scores, pivot, cand.as_mut_ptr())
             },
             _ => {
+                Path::Portable.ran();
                 let mut c = 0;
                 for (i, &score) in scores.iter().enumerate() {
                     let x = rank_key(score, i as u32);

@@ -59,7 +59,7 @@ impl CpuBackend {
 
     /// The AVX2 path, or `BackendUnavailable` when the CPU lacks AVX2, FMA or F16C.
     pub fn avx2() -> Result<Self> {
-        if crate::simd::avx2_available() {
+        if Path::Avx2.runs_here() {
             Ok(Self::with_path(Path::Avx2))
         } else {
             Err(MosaicError::BackendUnavailable(
@@ -71,7 +71,7 @@ impl CpuBackend {
     /// The AVX-512 path, or `BackendUnavailable` when the CPU lacks AVX-512 F/BW/VL/VBMI2
     /// (or AVX2/FMA/F16C).
     pub fn avx512() -> Result<Self> {
-        if crate::simd::avx512_available() {
+        if Path::Avx512.runs_here() {
             Ok(Self::with_path(Path::Avx512))
         } else {
             Err(MosaicError::BackendUnavailable(

@@ -49,7 +49,7 @@ pub fn f16_from_f64(x: f64) -> f16 {
 pub fn covariance(rows: &[f32], d: usize) -> Vec<f64> {
     let mut c = vec![0f64; d * d];
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_available() {
+    if crate::simd::Path::detect().runs_avx2() {
         // SAFETY: avx2 detected; the function only indexes within `rows` and `c`.
         unsafe { covariance_avx2(rows, d, &mut c) };
         mirror(&mut c, d);
@@ -154,7 +154,7 @@ unsafe fn rotate_f64_avx2(rot: &[f32], d: usize, rows: &[f32], dims: usize, out:
 /// Rotates every row of `rows` (`[n][d]`) to its first `dims` rotated coordinates in f64.
 pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_available() {
+    if crate::simd::Path::detect().runs_avx2() {
         // SAFETY: avx2 detected; all indexing is bounds-checked slice access.
         unsafe { rotate_f64_avx2(rot, d, rows, dims, out) };
         return;

@@ -11,7 +11,12 @@
 //! Kernels: AVX-512 (F/BW/VL/VBMI2) for the hottest kernels, AVX2 + FMA + F16C via
 //! `std::arch`, detected at run time, or a portable scalar path;
 //! `MOSAICKV_FORCE_PORTABLE=1` (or the `portable()` constructors) forces the latter and
-//! `MOSAICKV_FORCE_AVX2=1` stops at AVX2.
+//! `MOSAICKV_FORCE_AVX2=1` stops at AVX2. [`Path::detect`] is the one place that reads them:
+//! every kernel choice goes through a [`Path`], so a switch forces the encoder's kernels too
+//! (the `portable()` constructors force the kernels their cache or backend owns; the encoder's
+//! f64 helpers, which none owns, follow the switches and compute the same bits on every path),
+//! and [`simd::kernels_ran`] reports which kernel layers ran (`examples/cpu_paths` prints it).
+//! The kernels live in [`simd`], one file per SPEC step (see its module docs).
 
 // Index loops mirror the SPEC's formulas; kernels take many scalar geometry arguments.
 #![allow(
@@ -22,8 +27,6 @@
 )]
 
 pub mod attend;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 pub mod backend;
 pub mod baselines;
 #[cfg(feature = "cuda")]

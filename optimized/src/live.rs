@@ -299,7 +299,7 @@ unsafe fn cov_add_avx2(c: &mut [f64], rows: &[f32], d: usize, xd: &mut [f64]) {
 pub fn covariance_update(c: &mut [f64], rows: &[f32], d: usize) {
     let mut xd = vec![0f64; rows.len()];
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_available() {
+    if crate::simd::Path::detect().runs_avx2() {
         // SAFETY: avx2 detected at run time; the body only uses bounds-checked slice access.
         unsafe { cov_add_avx2(c, rows, d, &mut xd) };
         return;

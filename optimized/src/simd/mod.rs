@@ -1,0 +1,62 @@
+//! Inner kernels with three implementations, chosen at run time: AVX-512
+//! (F/BW/VL/VBMI2/VNNI, `avx512`, for the hottest kernels; the rest as
+//! AVX2), AVX2 + FMA + F16C (`avx2`, `std::arch`), and a portable scalar path
+//! written in 8-lane arrays.
+//!
+//! [`Path::rotate_query`] and [`Path::score_blocks`] (MosaicKV's selection)
+//! are bit-identical on every path: the rotated query is summed in f64 in
+//! the reference's order, and the block score is exact integer arithmetic
+//! on the int8 bounds and the int8-quantized query (SPEC.md section 8),
+//! followed by the same f32 products. Quest's page scores
+//! ([`Path::score_pages_f16`]) are f32: AVX2 and portable agree bit for bit,
+//! the AVX-512 kernel uses FMA and 16 lanes and is held to the conformance
+//! tolerance. Attention kernels may use FMA (their outputs are compared with
+//! a tolerance).
+//!
+//! # Where each step lives
+//!
+//! One file per concern, each holding the [`Path`] methods of that concern (the dispatch)
+//! and the portable kernels; the ISA layers have a file of the same name:
+//!
+//! | concern | dispatch + portable | AVX2 | AVX-512 |
+//! |---|---|---|---|
+//! | path choice and CPU detection | `path.rs` | | |
+//! | tile size, shared scalar arithmetic (f16 widening, `exp`, SPEC 8.2's combination) | `common.rs` | | |
+//! | SPEC 6 bitmap expansion | `expand.rs` | `avx2/expand.rs` | `avx512/expand.rs` |
+//! | SPEC 8.1 query rotation | `rotate.rs` | `avx2/rotate.rs` | `avx512/rotate.rs` |
+//! | SPEC 8.2 block scores | `score.rs` | `avx2/score.rs` | `avx512/score.rs` |
+//! | SPEC 8.3 selection filter (`attend::top_blocks`) | `attend.rs` | | `avx512/select.rs` |
+//! | SPEC 9 key logits | `logits.rs` | `avx2/tiles.rs` | `avx512/logits.rs` |
+//! | SPEC 9 online softmax (`attend::online_softmax`) | `attend.rs` | `avx2/softmax.rs` | `avx512/softmax.rs` |
+//! | SPEC 9 value accumulation | `accumulate.rs` | `avx2/tiles.rs` | `avx512/accumulate.rs` |
+//! | SPEC 12 Quest page scores | `pages.rs` | `avx2/pages.rs` | `avx512/pages.rs` |
+//! | f16 -> f32 rows | `convert.rs` | `avx2/convert.rs` | |
+//! | prefetch, huge pages | `memory.rs` | `avx2/memory.rs` | |
+//!
+//! Imports run one way: the dispatch files use `avx512`, `avx2` and `common`; `avx512` uses
+//! `avx2` (one reduction helper) and `common`; `avx2` uses only `common`; `common` and
+//! `path` use nothing here.
+
+mod accumulate;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+pub(crate) mod common;
+mod convert;
+mod expand;
+mod logits;
+mod memory;
+mod pages;
+mod path;
+mod rotate;
+mod score;
+
+pub use common::{f16_bits_to_f32, fast_exp, TILE};
+pub use expand::HALF_TILE_MAX_DP;
+pub use memory::advise_huge_pages;
+pub use path::{
+    avx2_available, avx2_features, avx512_available, avx512_features, kernels_ran, Path,
+    FORCE_AVX2, FORCE_PORTABLE,
+};
+pub use score::{quantize_query, QMAX_DT};
