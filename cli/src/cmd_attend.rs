@@ -5,11 +5,11 @@ use crate::backend::Backend;
 use crate::cachedir;
 use crate::error::CliError;
 use crate::npy;
-use mosaickv_optimized::{CpuBackend, DenseF16Cache, QuestF16Cache};
+use mosaickv_optimized::{CpuBackend, DenseF16Cache, LiveCache, Mode, QuestF16Cache};
 use mosaickv_reference::{FullCache, MosaicCache, Naive2dCache, QuestCache};
 use mosaickv_spec::persist::{load_cache, load_dense};
-use mosaickv_spec::{validate, Backend as _, CompressedCache, KvCache, KvShape, MosaicError};
-use ndarray::{Array2, Array3, ArrayView2, ArrayViewMut2};
+use mosaickv_spec::{validate, Backend as _, KvCache, KvShape, MosaicError};
+use ndarray::{Array2, Array3};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -76,27 +76,6 @@ fn check_fraction(name: &str, x: f64) -> Result<(), CliError> {
     }
 }
 
-/// What answers the attention call: a cache object, or the optimized backend's stateless
-/// attention over the loaded compressed cache (no rebuild, no copy).
-enum Attention {
-    Cache(Box<dyn KvCache>),
-    Packed(CpuBackend, CompressedCache),
-}
-
-impl Attention {
-    fn attend(
-        &mut self,
-        queries: ArrayView2<f32>,
-        out: ArrayViewMut2<f32>,
-    ) -> Result<(), CliError> {
-        match self {
-            Attention::Cache(c) => c.attend(queries, out)?,
-            Attention::Packed(b, c) => b.attend(c, queries, out)?,
-        }
-        Ok(())
-    }
-}
-
 pub fn run(a: Args) -> Result<(), CliError> {
     if let Some(t) = a.token_rate {
         check_fraction("--token-rate", t)?;
@@ -121,14 +100,16 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let token_rate = a.token_rate.unwrap_or(compressed.config.token_rate);
     let tokens = compressed.len();
 
-    let mut attention = match a.method {
+    let mut cache: Box<dyn KvCache> = match a.method {
         Method::Mosaic => {
             compressed.config.token_rate = token_rate;
             match a.backend {
-                Backend::Optimized => Attention::Packed(CpuBackend::new(), compressed),
-                Backend::Reference => {
-                    Attention::Cache(Box::new(MosaicCache::from_parts(compressed, hk, hv)?))
+                // The production cache rebuilt from the file (its structure checked here, once);
+                // `Mode::Sync`: no worker thread (nothing is appended).
+                Backend::Optimized => {
+                    Box::new(LiveCache::from_parts(compressed, hk, hv, Mode::Sync)?)
                 }
+                Backend::Reference => Box::new(MosaicCache::from_parts(compressed, hk, hv)?),
             }
         }
         baseline => {
@@ -149,14 +130,14 @@ pub fn run(a: Args) -> Result<(), CliError> {
             };
             let (k, v) = load_dense_f32(&a, &shape)?;
             c.prefill(k.view(), v.view())?;
-            Attention::Cache(c)
+            c
         }
     };
     let load_s = load_start.elapsed().as_secs_f64();
 
     let mut out = Array2::<f32>::zeros((shape.q_heads, shape.head_dim));
     let attend_start = Instant::now();
-    attention.attend(queries.view(), out.view_mut())?;
+    cache.attend(queries.view(), out.view_mut())?;
     let attend_s = attend_start.elapsed().as_secs_f64();
     npy::write2(&a.out, &out)?;
     if a.timing {
