@@ -244,7 +244,7 @@ fn numpy_fixtures_happy_path() {
         "mosaic equal to full: compression did nothing?"
     );
     let e_default = rel_err(&attend("mosaic", &[]), &expected);
-    println!("mosaic (token_rate 0.1) vs full: rel error {e_default:.4}");
+    println!("mosaic (default token_rate 0.2) vs full: rel error {e_default:.4}");
     for (m, extra) in [
         ("quest", vec!["--token-rate", "0.5"]),
         ("naive2d", vec!["--retention", "0.5"]),
