@@ -60,7 +60,8 @@ pub struct Args {
     /// Channels kept by naive2d, as a fraction of head_dim (default 0.25).
     #[arg(long)]
     pub retention: Option<f64>,
-    /// Print on stderr how long the attention call took, apart from loading the files.
+    /// Print on stderr how long the attention call took, apart from loading the files and
+    /// building the cache (reported beside it).
     #[arg(long)]
     pub timing: bool,
     /// Output .npy, [q_heads, head_dim] float32.
@@ -149,7 +150,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
             (_, b) => format!("{}, {}", b.name(), CpuBackend::new().name()),
         };
         eprintln!(
-            "mosaickv attend: {} ({backend}) over {tokens} tokens, {} query heads: attention {:.3} ms (loading the files {:.3} s)",
+            "mosaickv attend: {} ({backend}) over {tokens} tokens, {} query heads: attention {:.3} ms (loading the files and building the cache {:.3} s)",
             a.method.name(),
             shape.q_heads,
             1e3 * attend_s,
