@@ -105,10 +105,10 @@ pub fn report_text(cache: &CompressedCache, m: &MemoryReport) -> String {
     let dense = MemoryReport::dense_f16_bytes_per_token(sh);
     let bpt = m.bytes_per_token();
     s += &format!(
-        "shape: kv_heads {}, q_heads {}, head_dim {}; tokens {} (sink {}, segments {}, buffer {})\n",
+        "shape: kv_heads {}, head_dim {} (q_heads recorded {}; attend takes q_heads from its queries); tokens {} (sink {}, segments {}, buffer {})\n",
         sh.kv_heads,
-        sh.q_heads,
         sh.head_dim,
+        sh.q_heads,
         cache.len(),
         cache.sink.tokens,
         cache.segment_tokens(),

@@ -1,13 +1,18 @@
 //! `mosaickv compress`: K/V `.npy` files to a cache directory (SPEC.md sections 10.1, 15).
 
+use crate::backend::Backend;
 use crate::cachedir;
 use crate::error::{io, CliError};
 use crate::npy;
+use mosaickv_optimized::OptimizedMosaicCache;
 use mosaickv_reference::MosaicCache;
 use mosaickv_spec::cache::DenseRows;
 use mosaickv_spec::persist::{save_cache, save_dense};
-use mosaickv_spec::{f16, validate, CompressConfig, KvCache, KvShape, MosaicError};
-use std::path::PathBuf;
+use mosaickv_spec::{
+    f16, validate, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
+};
+use ndarray::Array3;
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -20,9 +25,13 @@ pub struct Args {
     /// JSON configuration (any subset of the keys of SPEC.md section 2).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Query heads that will read this cache (default: kv_heads).
+    /// Deprecated, not needed: `attend` takes q_heads from its queries. Still accepted (a
+    /// positive multiple of kv_heads) and recorded in the cache's shape; default kv_heads.
     #[arg(long)]
     pub q_heads: Option<usize>,
+    /// Which implementation compresses; both write the same bytes (SPEC.md sections 5-7).
+    #[arg(long, value_enum, default_value_t = Backend::Optimized)]
+    pub backend: Backend,
     /// Output directory (created if missing).
     #[arg(long)]
     pub out: PathBuf,
@@ -37,36 +46,73 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let values = npy::read3(&a.values, "values")?;
     let (tokens, kv_heads, head_dim) = keys.dim();
     let shape = KvShape::new(kv_heads, a.q_heads.unwrap_or(kv_heads), head_dim)?;
+    if a.q_heads.is_some() {
+        eprintln!(
+            "mosaickv: warning: --q-heads is deprecated and not needed: attend takes q_heads from its queries"
+        );
+    }
     validate::prompt_kv(&shape, &keys.view(), &values.view())?;
     if tokens == 0 {
         return Err(MosaicError::EmptyCache.into());
     }
-    let mut cache = MosaicCache::new(shape, config)?;
-    cache.prefill(keys.view(), values.view())?;
+    match a.backend {
+        Backend::Optimized => {
+            let mut cache = OptimizedMosaicCache::new(shape, config)?;
+            cache.prefill(keys.view(), values.view())?;
+            // A prefill leaves no open segment and an empty buffer (SPEC.md section 10.1):
+            // no host rows to save (the reference's `host_rows()` are empty here too).
+            write_dir(&a.out, cache.compressed(), (&[], &[]), &keys, &values)
+        }
+        Backend::Reference => {
+            let mut cache = MosaicCache::new(shape, config)?;
+            cache.prefill(keys.view(), values.view())?;
+            write_dir(
+                &a.out,
+                cache.compressed(),
+                cache.host_rows(),
+                &keys,
+                &values,
+            )
+        }
+    }
+}
 
-    std::fs::create_dir_all(&a.out).map_err(|e| io(&a.out, e))?;
-    let compressed = cache.compressed();
-    let (hk, hv) = cache.host_rows();
-    save_cache(&cachedir::cache_path(&a.out), compressed, hk, hv)?;
+/// Writes `cache.mkv`, `dense.mkv` and `manifest.json` into `out` and prints the summary line.
+fn write_dir(
+    out: &Path,
+    compressed: &CompressedCache,
+    (host_keys, host_values): (&[f32], &[f32]),
+    keys: &Array3<f32>,
+    values: &Array3<f32>,
+) -> Result<(), CliError> {
+    let shape = compressed.shape;
+    let tokens = keys.dim().0;
+    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    save_cache(
+        &cachedir::cache_path(out),
+        compressed,
+        host_keys,
+        host_values,
+    )?;
     let dense = DenseRows {
         tokens,
         keys: keys.iter().map(|&x| f16::from_f32(x)).collect(),
         values: values.iter().map(|&x| f16::from_f32(x)).collect(),
     };
-    save_dense(&cachedir::dense_path(&a.out), &shape, &dense)?;
-    let m = cachedir::memory(compressed, hk, hv);
+    save_dense(&cachedir::dense_path(out), &shape, &dense)?;
+    let m = cachedir::memory(compressed, host_keys, host_values);
     let manifest = cachedir::manifest(compressed, &m);
     let text = serde_json::to_string_pretty(&manifest)
         .map_err(|e| CliError::Input(format!("manifest: {e}")))?;
-    let mpath = cachedir::manifest_path(&a.out);
+    let mpath = cachedir::manifest_path(out);
     std::fs::write(&mpath, text + "\n").map_err(|e| io(&mpath, e))?;
+    let dense_bpt = MemoryReport::dense_f16_bytes_per_token(&shape);
     println!(
-        "compressed {tokens} tokens into {} segments: {:.2} bytes/token vs {:.0} dense f16 (ratio {:.4}); wrote {}",
+        "compressed {tokens} tokens into {} segments: {:.2} bytes/token vs {dense_bpt:.0} dense f16 (ratio {:.4}); wrote {}",
         compressed.segments.len(),
         m.bytes_per_token(),
-        mosaickv_spec::MemoryReport::dense_f16_bytes_per_token(&shape),
-        m.bytes_per_token() / mosaickv_spec::MemoryReport::dense_f16_bytes_per_token(&shape),
-        a.out.display()
+        m.bytes_per_token() / dense_bpt,
+        out.display()
     );
     Ok(())
 }

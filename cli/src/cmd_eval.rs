@@ -10,6 +10,7 @@ use mosaickv_engine::{Method, Model};
 use mosaickv_tasks::{string_match_all, Task};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -93,7 +94,7 @@ struct Acc {
 }
 
 /// Runs the suite; records in task, length, method order.
-pub fn run_suite(model: &Model, s: &Suite, pb: &ProgressBar) -> Result<Vec<Record>, CliError> {
+pub fn run_suite(model: &Model, s: &Suite, pb: &mut Progress) -> Result<Vec<Record>, CliError> {
     let mut acc: BTreeMap<(usize, usize, usize), Acc> = BTreeMap::new();
     for (ti, &task) in s.tasks.iter().enumerate() {
         for (li, &length) in s.lengths.iter().enumerate() {
@@ -108,14 +109,11 @@ pub fn run_suite(model: &Model, s: &Suite, pb: &ProgressBar) -> Result<Vec<Recor
                     let text = model.decode(&d.ids)?;
                     let score = string_match_all(&text, &sample.answers);
                     if s.verbose {
-                        say(
-                            pb,
-                            format!(
-                                "{task} {length} seed {seed} {m}: {score:.2} {:?} (answers {:?})",
-                                text.trim(),
-                                sample.answers
-                            ),
-                        );
+                        pb.say(format!(
+                            "{task} {length} seed {seed} {m}: {score:.2} {:?} (answers {:?})",
+                            text.trim(),
+                            sample.answers
+                        ));
                     }
                     let a = acc.entry((ti, li, mi)).or_default();
                     a.score += score;
@@ -124,8 +122,9 @@ pub fn run_suite(model: &Model, s: &Suite, pb: &ProgressBar) -> Result<Vec<Recor
                     a.steps += d.step_s.len();
                     a.n += 1;
                     a.prompt += ids.len() as f64;
-                    pb.inc(1);
+                    pb.inc();
                 }
+                pb.prompt_done(&format!("{task} {length} #{i}"));
             }
         }
     }
@@ -241,23 +240,99 @@ pub fn summary_table(sum: &[Summary]) -> String {
     s
 }
 
-/// A line above the progress bar (plain stderr when the bar is hidden, e.g. not a terminal).
-pub fn say(pb: &ProgressBar, msg: String) {
-    if pb.is_hidden() {
-        eprintln!("{msg}");
-    } else {
-        pb.println(msg);
-    }
+/// Progress of a suite on stderr. On a terminal, indicatif's bar; anywhere else (a log
+/// file, CI) indicatif hides the bar, so one plain line per finished prompt instead, e.g.
+/// `eval: prompt 3/24 done (vt 1024 #0), 2 min 5 s elapsed`.
+pub struct Progress {
+    bar: ProgressBar,
+    /// Where the plain lines go when the bar is hidden.
+    plain: Option<Box<dyn Write>>,
+    /// The command's name, first word of each plain line.
+    label: &'static str,
+    prompts: usize,
+    done: usize,
+    start: Instant,
 }
 
-pub fn progress_bar(len: u64) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} (eta {eta}) {msg}")
+impl Progress {
+    /// A bar over `prompts x methods` runs on stderr, or plain lines there when stderr is not
+    /// a terminal.
+    pub fn stderr(label: &'static str, prompts: usize, methods: usize) -> Self {
+        let bar = ProgressBar::new((prompts * methods) as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:30}] {pos}/{len} (eta {eta}) {msg}",
+            )
             .expect("valid template")
             .progress_chars("=> "),
-    );
-    pb
+        );
+        if bar.is_hidden() {
+            Self::plain(label, prompts, Box::new(std::io::stderr()))
+        } else {
+            Self::with(bar, None, label, prompts)
+        }
+    }
+
+    /// Plain lines into `out` (no bar).
+    pub fn plain(label: &'static str, prompts: usize, out: Box<dyn Write>) -> Self {
+        Self::with(ProgressBar::hidden(), Some(out), label, prompts)
+    }
+
+    fn with(
+        bar: ProgressBar,
+        plain: Option<Box<dyn Write>>,
+        label: &'static str,
+        prompts: usize,
+    ) -> Self {
+        Self {
+            bar,
+            plain,
+            label,
+            prompts,
+            done: 0,
+            start: Instant::now(),
+        }
+    }
+
+    /// What runs now (shown beside the bar).
+    pub fn set_message(&self, msg: String) {
+        self.bar.set_message(msg);
+    }
+
+    /// One method finished on the current prompt.
+    pub fn inc(&self) {
+        self.bar.inc(1);
+    }
+
+    /// Every method finished on prompt `what`: the plain line, when there is no bar.
+    pub fn prompt_done(&mut self, what: &str) {
+        self.done += 1;
+        let line = format!(
+            "{}: prompt {}/{} done ({what}), {} elapsed",
+            self.label,
+            self.done,
+            self.prompts,
+            llm::secs(self.start.elapsed().as_secs_f64())
+        );
+        if let Some(w) = &mut self.plain {
+            // Progress is best effort: a closed stderr does not stop the suite.
+            let _ = writeln!(w, "{line}");
+        }
+    }
+
+    /// A line above the bar, or a plain line.
+    pub fn say(&mut self, msg: String) {
+        match &mut self.plain {
+            Some(w) => {
+                let _ = writeln!(w, "{msg}");
+            }
+            None => self.bar.println(msg),
+        }
+    }
+
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 pub fn parse_tasks(names: &[String]) -> Result<Vec<Task>, CliError> {
@@ -287,11 +362,13 @@ pub fn run(a: Args) -> Result<(), CliError> {
     }
     let t0 = Instant::now();
     let model = llm::load_model(a.model.as_deref())?;
-    let pb = progress_bar(
-        (suite.tasks.len() * suite.lengths.len() * suite.samples * suite.methods.len()) as u64,
+    let mut pb = Progress::stderr(
+        "eval",
+        suite.tasks.len() * suite.lengths.len() * suite.samples,
+        suite.methods.len(),
     );
-    let records = run_suite(&model, &suite, &pb)?;
-    pb.finish_and_clear();
+    let records = run_suite(&model, &suite, &mut pb)?;
+    pb.finish();
     print!("{}", table(&records));
     println!();
     print!("{}", summary_table(&summarize(&records)));
@@ -336,4 +413,57 @@ pub fn run(a: Args) -> Result<(), CliError> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A `Write` whose bytes the test reads back.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn plain_progress_prints_one_line_per_finished_prompt() {
+        let buf = Shared::default();
+        let mut p = Progress::plain("eval", 2, Box::new(buf.clone()));
+        let text = |b: &Shared| String::from_utf8(b.0.lock().unwrap().clone()).unwrap();
+        for (i, what) in ["vt 1024 #0", "vt 1024 #1"].iter().enumerate() {
+            p.set_message(format!("{what}: prefill"));
+            for _ in 0..3 {
+                p.inc();
+            }
+            assert_eq!(
+                text(&buf).lines().count(),
+                i,
+                "a line before the prompt finished"
+            );
+            p.prompt_done(what);
+        }
+        p.say("a verbose prediction".into());
+        p.finish();
+        let out = text(&buf);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 3, "{out}");
+        assert!(
+            lines[0].starts_with("eval: prompt 1/2 done (vt 1024 #0), "),
+            "{out}"
+        );
+        assert!(
+            lines[1].starts_with("eval: prompt 2/2 done (vt 1024 #1), "),
+            "{out}"
+        );
+        assert!(lines[0].ends_with(" s elapsed"), "{out}");
+        assert_eq!(lines[2], "a verbose prediction");
+    }
 }

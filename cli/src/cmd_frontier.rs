@@ -92,11 +92,13 @@ pub fn run(a: Args) -> Result<(), CliError> {
         seed: a.seed,
         verbose: false,
     };
-    let pb = cmd_eval::progress_bar(
-        (suite.tasks.len() * suite.lengths.len() * suite.samples * suite.methods.len()) as u64,
+    let mut pb = cmd_eval::Progress::stderr(
+        "frontier",
+        suite.tasks.len() * suite.lengths.len() * suite.samples,
+        suite.methods.len(),
     );
-    let records = cmd_eval::run_suite(&model, &suite, &pb)?;
-    pb.finish_and_clear();
+    let records = cmd_eval::run_suite(&model, &suite, &mut pb)?;
+    pb.finish();
     let summary = cmd_eval::summarize(&records);
     let (text, source) = cmd_fidelity::natural_text(None)?;
     let tokens = cmd_fidelity::text_tokens(&model, &text, a.kl_length)?;

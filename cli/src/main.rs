@@ -4,6 +4,7 @@
 //! struct and a `run(args) -> Result<(), CliError>`; add a subcommand by
 //! adding a module and a variant of [`Command`].
 
+mod backend;
 mod cachedir;
 mod cmd_attend;
 mod cmd_compress;

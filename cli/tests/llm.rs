@@ -43,6 +43,14 @@ fn eval_writes_json_records() {
         svg.to_str().unwrap(),
     ]);
     assert_eq!(o.code, 0, "stderr: {}", o.stderr);
+    // stderr is a pipe here, not a terminal: a plain line per finished prompt.
+    assert!(
+        o.stderr
+            .lines()
+            .any(|l| l.starts_with("eval: prompt 1/1 done (niah_single_1 512 #0), ")),
+        "{}",
+        o.stderr
+    );
     assert!(
         o.stdout.contains("| niah_single_1 | 512 | mosaic |"),
         "{}",
