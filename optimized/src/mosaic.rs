@@ -265,7 +265,7 @@ impl OptimizedMosaicCache {
             {
                 let (num, den) = self.open_loss[h][s];
                 let l = if den == 0.0 { 0.0 } else { num / den };
-                if l > side.fit_loss + margin {
+                if seg.len >= config.min_segment_len && l > side.fit_loss + margin {
                     close = true;
                 }
             }
