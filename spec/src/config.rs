@@ -92,8 +92,8 @@ pub struct CompressConfig {
     pub min_segment_len: usize,
     /// Update buffer capacity in tokens; flushed (compressed) when full.
     pub buffer_capacity: usize,
-    /// A generated segment closes when its loss under the previous strategy
-    /// exceeds that strategy's fit loss by more than this.
+    /// A generated segment at least `min_segment_len` long closes when its loss
+    /// under the previous strategy exceeds that strategy's fit loss by more than this.
     pub segment_loss_margin: f64,
 }
 
