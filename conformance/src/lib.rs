@@ -691,10 +691,12 @@ macro_rules! conformance_suite {
                 small.input_segment_len = 96;
                 small.buffer_capacity = 64;
                 small.max_segment_len = 256;
+                small.min_segment_len = 128;
                 let mut fixed = CompressConfig::paper_fixed();
                 fixed.input_segment_len = 80;
                 fixed.buffer_capacity = 32;
                 fixed.max_segment_len = 128;
+                fixed.min_segment_len = 64;
                 vec![CompressConfig::default(), small, fixed]
             }
 

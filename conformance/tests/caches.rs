@@ -65,6 +65,7 @@ fn small_config() -> CompressConfig {
     cfg.input_segment_len = 96;
     cfg.buffer_capacity = 64;
     cfg.max_segment_len = 256;
+    cfg.min_segment_len = 128;
     cfg
 }
 
@@ -106,6 +107,7 @@ fn mosaic_lifecycle_matches_reference() {
         c.input_segment_len = 64;
         c.buffer_capacity = 32;
         c.max_segment_len = 96;
+        c.min_segment_len = 64;
         c
     }]
     .into_iter()

@@ -22,6 +22,7 @@ fn config(margin: f64, channels: ChannelPolicy) -> CompressConfig {
         input_segment_len: 64,
         buffer_capacity: BUFFER,
         max_segment_len: 1024,
+        min_segment_len: BUFFER,
         block_sizes: vec![16],
         segment_loss_margin: margin,
         ..CompressConfig::default()

@@ -21,6 +21,7 @@ fn config() -> CompressConfig {
         buffer_capacity: 16,
         block_sizes: vec![8, 16],
         max_segment_len: 64,
+        min_segment_len: 32,
         ..CompressConfig::default()
     }
 }

@@ -13,7 +13,13 @@ use rand_chacha::ChaCha8Rng;
 fn same(x: f64) {
     let (a, b) = (reference(x), optimized(x));
     let ok = a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
-    assert!(ok, "{x:e} ({:#x}): reference {a} ({:#06x}), optimized {b} ({:#06x})", x.to_bits(), a.to_bits(), b.to_bits());
+    assert!(
+        ok,
+        "{x:e} ({:#x}): reference {a} ({:#06x}), optimized {b} ({:#06x})",
+        x.to_bits(),
+        a.to_bits(),
+        b.to_bits()
+    );
 }
 
 #[test]
@@ -21,13 +27,34 @@ fn both_roundings_agree_everywhere_that_matters() {
     for bits in 0u16..0x7c00 {
         let a = f16::from_bits(bits).to_f64();
         let next = f16::from_bits(bits + 1).to_f64(); // 0x7c00 is +Inf: the overflow edge
-        let mid = if next.is_finite() { 0.5 * (a + next) } else { 65520.0 };
-        for x in [a, mid, f64::from_bits(mid.to_bits() - 1), f64::from_bits(mid.to_bits() + 1)] {
+        let mid = if next.is_finite() {
+            0.5 * (a + next)
+        } else {
+            65520.0
+        };
+        for x in [
+            a,
+            mid,
+            f64::from_bits(mid.to_bits() - 1),
+            f64::from_bits(mid.to_bits() + 1),
+        ] {
             same(x);
             same(-x);
         }
     }
-    for x in [0.0, -0.0, 65504.0, 65519.999, 65520.0, 1e300, f64::INFINITY, f64::NAN, 5e-324, 2.9e-8, 3.0e-8] {
+    for x in [
+        0.0,
+        -0.0,
+        65504.0,
+        65519.999,
+        65520.0,
+        1e300,
+        f64::INFINITY,
+        f64::NAN,
+        5e-324,
+        2.9e-8,
+        3.0e-8,
+    ] {
         same(x);
         same(-x);
     }

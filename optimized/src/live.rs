@@ -537,10 +537,11 @@ impl WorkerState {
         let open = self.open.as_ref().expect("open");
         let cfg = &self.config;
         let margin = cfg.segment_loss_margin;
-        let drifted = open.temp.iter().zip(&open.sides).any(|(st, s)| {
-            s[0].loss.loss() > st.key.fit_loss + margin
-                || s[1].loss.loss() > st.value.fit_loss + margin
-        });
+        let drifted = open.len >= cfg.min_segment_len
+            && open.temp.iter().zip(&open.sides).any(|(st, s)| {
+                s[0].loss.loss() > st.key.fit_loss + margin
+                    || s[1].loss.loss() > st.value.fit_loss + margin
+            });
         if open.len >= cfg.max_segment_len || drifted {
             let t_close = std::time::Instant::now();
             let open = self.open.take().expect("open");

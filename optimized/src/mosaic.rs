@@ -224,10 +224,11 @@ impl OptimizedMosaicCache {
         // 3. The close rule (SPEC 10.3); closing fits and encodes the segment's own strategy.
         let new_len = old_len + n;
         let margin = config.segment_loss_margin;
-        let drifted = strategies.iter().zip(&open_loss).any(|(st, sums)| {
-            encode::loss_of(sums[0]) > st.key.fit_loss + margin
-                || encode::loss_of(sums[1]) > st.value.fit_loss + margin
-        });
+        let drifted = new_len >= config.min_segment_len
+            && strategies.iter().zip(&open_loss).any(|(st, sums)| {
+                encode::loss_of(sums[0]) > st.key.fit_loss + margin
+                    || encode::loss_of(sums[1]) > st.value.fit_loss + margin
+            });
         let closed: Option<Vec<HeadSegment>> = if new_len >= config.max_segment_len || drifted {
             let (ok, ov) = (&self.open_k, &self.open_v);
             Some(first_error_in_order(

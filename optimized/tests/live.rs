@@ -27,6 +27,9 @@ fn config() -> CompressConfig {
         buffer_capacity: 16,
         block_sizes: vec![8, 16],
         max_segment_len: 128,
+        // four flushes: these keys drift out of fit sooner, so the boundaries
+        // compared with the reference below also pin the minimum (SPEC 10.3)
+        min_segment_len: 64,
         // the pre-calibration defaults (SPEC.md section 2 before 2026-11-29), under which
         // these drifting keys close and re-encode segments
         truncate_fraction: 0.25,
@@ -237,6 +240,12 @@ fn sync_equals_optimized_and_reference_boundaries() {
             .filter(|s| s.start < p.max(4))
             .count();
         let gen = &c.segments[prompt_segs..];
+        assert!(
+            gen.iter()
+                .all(|s| s.state == SegmentState::Open || s.len >= config().min_segment_len),
+            "a generated segment closed below min_segment_len: {:?}",
+            boundaries(c)
+        );
         closes += gen
             .iter()
             .filter(|s| s.state == SegmentState::Closed)

@@ -247,10 +247,11 @@ impl MosaicCache {
 
         // Step 3: the close rule of section 10.3.
         let new_len = open_len + cap;
-        let drifted = strategies.iter().zip(&sums).any(|(st, s)| {
-            s[0].loss() > st.key.fit_loss + cfg.segment_loss_margin
-                || s[1].loss() > st.value.fit_loss + cfg.segment_loss_margin
-        });
+        let drifted = new_len >= cfg.min_segment_len
+            && strategies.iter().zip(&sums).any(|(st, s)| {
+                s[0].loss() > st.key.fit_loss + cfg.segment_loss_margin
+                    || s[1].loss() > st.value.fit_loss + cfg.segment_loss_margin
+            });
         let close = new_len >= cfg.max_segment_len || drifted;
         let closed_heads = if close {
             let mut heads = Vec::with_capacity(shape.kv_heads);

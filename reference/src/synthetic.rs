@@ -18,6 +18,12 @@
 //!
 //! Cost is O(tokens * kv_heads * head_dim * rank): about a second for
 //! 131072 x 8 x 128 in release builds.
+//!
+//! [`drifting_kv`] is the same with a **drifting** low-rank basis: each key and
+//! value direction turns, at one radian per `drift_tokens` tokens, from its
+//! start direction towards a second random one, so what the rows look like
+//! changes slowly over a long generation (a strategy fitted early fits later
+//! rows worse), while the outlier channels stay put.
 
 use ndarray::{Array2, Array3};
 use rand::{Rng, SeedableRng};
@@ -55,6 +61,20 @@ struct HeadGen {
     outliers: [usize; 2],
     value_outlier: usize,
     sink_dir: Vec<f32>,
+    drift: Option<Drift>,
+}
+
+/// The second direction of every key and value direction, and the drift rate.
+struct Drift {
+    key_to: Vec<Vec<f32>>,
+    value_to: Vec<Vec<f32>>,
+    tokens_per_radian: f64,
+}
+
+/// `cos(theta) a + sin(theta) b`.
+fn turned(a: &[f32], b: &[f32], theta: f64) -> Vec<f32> {
+    let (c, s) = (theta.cos() as f32, theta.sin() as f32);
+    a.iter().zip(b).map(|(x, y)| c * x + s * y).collect()
 }
 
 impl HeadGen {
@@ -88,7 +108,28 @@ impl HeadGen {
             outliers: [o1, o2],
             value_outlier,
             sink_dir,
+            drift: None,
         }
+    }
+
+    /// Makes the basis drift (see [`drifting_kv`]); the second directions come
+    /// from their own stream, so the rest of the head's data is unchanged.
+    fn with_drift(mut self, seed: u64, head: usize, tokens_per_radian: f64) -> Self {
+        let d = self.sink_dir.len();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xd21f_7a3c_5b9e_0461);
+        rng.set_stream(head as u64);
+        let key_to = (0..KEY_AMPS.len())
+            .map(|_| unit_vector(&mut rng, d))
+            .collect();
+        let value_to = (0..VALUE_AMPS.len())
+            .map(|_| unit_vector(&mut rng, d))
+            .collect();
+        self.drift = Some(Drift {
+            key_to,
+            value_to,
+            tokens_per_radian,
+        });
+        self
     }
 
     /// Advances the AR(1) coefficients: `a <- rho a + sqrt(1 - rho^2) e`.
@@ -108,13 +149,31 @@ impl HeadGen {
             k[i] = noise(&mut self.rng, NOISE_STD);
             v[i] = noise(&mut self.rng, NOISE_STD);
         }
-        for (r, dir) in self.key_dirs.iter().enumerate() {
+        let turned_dirs;
+        let (key_dirs, value_dirs): (&[Vec<f32>], &[Vec<f32>]) = match &self.drift {
+            None => (&self.key_dirs, &self.value_dirs),
+            Some(drift) => {
+                let theta = t as f64 / drift.tokens_per_radian;
+                let turn = |from: &[Vec<f32>], to: &[Vec<f32>]| -> Vec<Vec<f32>> {
+                    from.iter()
+                        .zip(to)
+                        .map(|(a, b)| turned(a, b, theta))
+                        .collect()
+                };
+                turned_dirs = (
+                    turn(&self.key_dirs, &drift.key_to),
+                    turn(&self.value_dirs, &drift.value_to),
+                );
+                (&turned_dirs.0, &turned_dirs.1)
+            }
+        };
+        for (r, dir) in key_dirs.iter().enumerate() {
             let a = KEY_AMPS[r] * self.key_coef[r];
             for i in 0..d {
                 k[i] += a * dir[i];
             }
         }
-        for (r, dir) in self.value_dirs.iter().enumerate() {
+        for (r, dir) in value_dirs.iter().enumerate() {
             let a = VALUE_AMPS[r] * self.value_coef[r];
             for i in 0..d {
                 v[i] += a * dir[i];
@@ -153,11 +212,35 @@ pub fn structured_kv(
     head_dim: usize,
     seed: u64,
 ) -> (Array3<f32>, Array3<f32>) {
+    let heads = (0..kv_heads)
+        .map(|h| HeadGen::new(seed, h, head_dim))
+        .collect();
+    generate(tokens, head_dim, heads)
+}
+
+/// [`structured_kv`] with a basis that drifts by one radian per
+/// `tokens_per_radian` tokens (see the module doc): the rows of a long
+/// generation. Token `t` of one call is token `t` of any longer call.
+pub fn drifting_kv(
+    tokens: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seed: u64,
+    tokens_per_radian: f64,
+) -> (Array3<f32>, Array3<f32>) {
+    let heads = (0..kv_heads)
+        .map(|h| HeadGen::new(seed, h, head_dim).with_drift(seed, h, tokens_per_radian))
+        .collect();
+    generate(tokens, head_dim, heads)
+}
+
+/// Runs the per-head generators over `tokens` positions, RoPE on the keys.
+fn generate(tokens: usize, head_dim: usize, mut heads: Vec<HeadGen>) -> (Array3<f32>, Array3<f32>) {
     let d = head_dim;
     let half = d / 2;
+    let kv_heads = heads.len();
     let mut keys = Array3::<f32>::zeros((tokens, kv_heads, d));
     let mut values = Array3::<f32>::zeros((tokens, kv_heads, d));
-    let mut heads: Vec<HeadGen> = (0..kv_heads).map(|h| HeadGen::new(seed, h, d)).collect();
     let inv_freq: Vec<f64> = (0..half)
         .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
         .collect();

@@ -127,6 +127,29 @@ fn subspace_rows(n: usize, basis: &Array2<f32>, seed: u64) -> Array2<f32> {
 
 #[test]
 fn generated_segment_closes_at_first_drifted_flush() {
+    let (first_drifted, close) = check_drift_close(16);
+    assert_eq!(close, first_drifted);
+}
+
+/// SPEC.md 10.3: a drifted segment shorter than `min_segment_len` stays open;
+/// it closes at the first flush at which it is long enough (here 8 flushes,
+/// past the first drifted one).
+#[test]
+fn generated_segment_close_waits_for_min_segment_len() {
+    let (first_drifted, close) = check_drift_close(128);
+    assert!(
+        first_drifted < 8,
+        "the data must drift before the minimum length: flush {first_drifted}"
+    );
+    assert_eq!(close, 8);
+}
+
+/// Generates rows that drift to a new subspace mid-flush after a prompt,
+/// with `min_segment_len` as given, and checks flush by flush that the open
+/// segment closes exactly at the flush the rule of SPEC.md 10.3, computed
+/// independently here, names. Returns (first flush whose loss exceeds the
+/// margin, the flush that closed).
+fn check_drift_close(min_segment_len: usize) -> (usize, usize) {
     let d = 32;
     let shape = KvShape::new(1, 2, d).unwrap();
     let cfg = CompressConfig {
@@ -138,6 +161,7 @@ fn generated_segment_closes_at_first_drifted_flush() {
         buffer_capacity: 16,
         block_sizes: vec![16],
         max_segment_len: 4096,
+        min_segment_len,
         sink_tokens: 4,
         ..CompressConfig::default()
     };
@@ -167,6 +191,7 @@ fn generated_segment_closes_at_first_drifted_flush() {
             &cfg,
         )
         .unwrap();
+    let mut first_drifted = None;
     let mut expected = None;
     for f in 1..=(total - prompt_n) / 16 {
         let end = prompt_n + 16 * f;
@@ -175,14 +200,18 @@ fn generated_segment_closes_at_first_drifted_flush() {
         if lk > strategy.key.fit_loss + cfg.segment_loss_margin
             || lv > strategy.value.fit_loss + cfg.segment_loss_margin
         {
-            expected = Some(f);
-            break;
+            first_drifted.get_or_insert(f);
+            if 16 * f >= min_segment_len {
+                expected = Some(f);
+                break;
+            }
         }
     }
+    let first_drifted = first_drifted.expect("the data must drift");
     let expected = expected.expect("the drift must trigger a close");
     assert!(
-        prompt_n + 16 * expected > drift_at,
-        "the close must come after the drift"
+        prompt_n + 16 * first_drifted > drift_at,
+        "the loss must exceed the margin only after the drift"
     );
 
     let mut cache = MosaicCache::new(shape, cfg.clone()).unwrap();
@@ -239,6 +268,7 @@ fn generated_segment_closes_at_first_drifted_flush() {
         }
         assert_accounting(&cache);
     }
+    (first_drifted, expected)
 }
 
 #[test]

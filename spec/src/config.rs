@@ -98,10 +98,13 @@ pub struct CompressConfig {
     pub input_segment_len: usize,
     /// Hard cap on the length of a generated-token segment.
     pub max_segment_len: usize,
+    /// Length a generated-token segment must reach before the loss rule may
+    /// close it (SPEC.md section 10.3); bounds the rotations per token.
+    pub min_segment_len: usize,
     /// Update buffer capacity in tokens; flushed (compressed) when full.
     pub buffer_capacity: usize,
-    /// A generated segment closes when its loss under the previous strategy
-    /// exceeds that strategy's fit loss by more than this.
+    /// A generated segment at least `min_segment_len` long closes when its loss
+    /// under the previous strategy exceeds that strategy's fit loss by more than this.
     pub segment_loss_margin: f64,
 }
 
@@ -116,6 +119,7 @@ impl Default for CompressConfig {
             sink_tokens: 4,
             input_segment_len: 16_384,
             max_segment_len: 65_536,
+            min_segment_len: 4_096,
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
         }
@@ -193,6 +197,14 @@ impl CompressConfig {
                 self.max_segment_len, self.buffer_capacity
             ));
         }
+        if self.min_segment_len < self.buffer_capacity
+            || self.min_segment_len % self.buffer_capacity != 0
+        {
+            return bad(format!(
+                "min_segment_len {} must be a positive multiple of buffer_capacity {}",
+                self.min_segment_len, self.buffer_capacity
+            ));
+        }
         if !(self.segment_loss_margin >= 0.0 && self.segment_loss_margin.is_finite()) {
             return bad(format!(
                 "segment_loss_margin {} must be >= 0",
@@ -260,4 +272,33 @@ impl CompressConfig {
 /// Rounds `x` up to a multiple of `g`.
 pub fn ceil_to(x: usize, g: usize) -> usize {
     x.div_ceil(g) * g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn min_segment_len_is_a_positive_multiple_of_the_buffer() {
+        let with = |min_segment_len| CompressConfig {
+            min_segment_len,
+            ..CompressConfig::default()
+        };
+        for bad in [0, 32, 4_000] {
+            assert!(
+                matches!(with(bad).validate(64), Err(MosaicError::InvalidConfig(_))),
+                "min_segment_len {bad} accepted"
+            );
+        }
+        // Above max_segment_len is allowed: then only the cap closes a segment.
+        for good in [64, 4_096, 131_072] {
+            with(good).validate(64).unwrap();
+        }
+        let cfg = CompressConfig::from_json(r#"{"min_segment_len": 128}"#).unwrap();
+        assert_eq!(cfg.min_segment_len, 128);
+        assert_eq!(
+            CompressConfig::from_json("{}").unwrap().min_segment_len,
+            4_096
+        );
+    }
 }
