@@ -1,7 +1,10 @@
 //! Quick cross-check of the optimized backend against the reference on identical inputs
 //! (the full suite is the conformance crate's job): strategies, packed bytes, metadata and
-//! selections exactly equal; attention within a small relative error.
+//! selections exactly equal; attention within `ATTEND_REL_L2_PEAKED` (the needle queries
+//! of `synthetic::queries` make the softmax peaked; the bound is derived for this data in
+//! `mosaickv_conformance::tolerances`).
 
+use mosaickv_conformance::tolerances::ATTEND_REL_L2_PEAKED;
 use mosaickv_optimized::{CpuBackend, OptimizedMosaicCache};
 use mosaickv_reference::{synthetic, MosaicCache, ReferenceBackend};
 use mosaickv_spec::{Backend, CompressConfig, KvCache, KvShape, Side};
@@ -101,12 +104,25 @@ fn encode_meta_select_and_attend_agree() {
             rb.attend_selected(theirs.compressed(), q.view(), &sel, o2.view_mut())
                 .unwrap();
             let e = mosaickv_benches::rel_l2(o1.view(), o2.view());
-            assert!(e < 1e-4, "attention rel error {e}");
-            let ours_sel = CpuBackend::new()
-                .select(theirs.compressed(), q.view())
-                .unwrap();
-            if ours_sel != sel {
-                eprintln!("seed {seed}: selection differs (f32 vs f64 query rotation near a tie)");
+            assert!(
+                e <= ATTEND_REL_L2_PEAKED,
+                "attention rel error {e:e} > {ATTEND_REL_L2_PEAKED:e}"
+            );
+            // Rotated queries, block scores and the top-k rule are bit-exact (SPEC 8.1-8.3),
+            // so the selections must be equal, on every CPU path.
+            for be in [CpuBackend::new(), CpuBackend::portable()] {
+                let ours_sel = be.select(theirs.compressed(), q.view()).unwrap();
+                assert_eq!(
+                    ours_sel.per_head.len(),
+                    sel.per_head.len(),
+                    "seed {seed}: heads"
+                );
+                for (h, (a, b)) in ours_sel.per_head.iter().zip(&sel.per_head).enumerate() {
+                    assert_eq!(
+                        a, b,
+                        "seed {seed} head {h}: selection differs from the reference"
+                    );
+                }
             }
         }
     }

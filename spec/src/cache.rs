@@ -144,7 +144,7 @@ pub struct MemoryReport {
     /// Retained K/V elements (or the dense f16 rows of an uncompressed cache).
     pub values: usize,
     pub bitmaps: usize,
-    /// Record padding to 8-byte alignment.
+    /// Record padding: zero bytes up to a multiple of 4 bytes per record (SPEC.md section 6).
     pub padding: usize,
     /// Block min/max metadata.
     pub block_meta: usize,
