@@ -82,7 +82,7 @@ impl Path {
         // faster on L1-resident rows (11.4 vs 12.6 ns per token in `kernel_cost`) but not on
         // streamed rows: dense decode at 131K tokens 24 % slower with the column-ordered value
         // accumulation, 2.5 % slower with the row-ordered one; one- and two-token versions were
-        // slower still (in-process A/B, docs/PERFORMANCE.md).
+        // slower still (in-process A/B, docs/PERFORMANCE-HISTORY.md).
         #[cfg(target_arch = "x86_64")]
         // SAFETY: avx2/fma/f16c detected (fused_f16); every row read lies inside `rows` (asserted).
         unsafe {

@@ -4,7 +4,7 @@
 //! logits of an expanded key tile, the online-softmax step, MosaicKV's block
 //! scores, Quest's page scores, the baselines' f16 value accumulation and the
 //! query rotation. Every other kernel of [`crate::simd::Path::Avx512`] is the
-//! AVX2 one. Measured and not kept (docs/PERFORMANCE.md): 16-lane tile
+//! AVX2 one. Measured and not kept (docs/PERFORMANCE-HISTORY.md): 16-lane tile
 //! accumulation on stored f32 tiles (no faster); 16-lane logits on streamed
 //! f16 rows (faster on L1-resident rows, slower for dense decode); fused
 //! expansion + logits kernels (21-23 ns per token against 17.7 for expansion
