@@ -89,29 +89,47 @@ pub fn rotated_overflow(row: usize, dim: usize, kept_dims: usize) -> MosaicError
     }
 }
 
+/// SPEC.md section 10.1's cut, one segment at a time: with `pending` prompt tokens
+/// after the sink not yet in a segment, the length of the next closed segment to cut
+/// from their front, if any. While more of the prompt may follow (`complete` false),
+/// a segment of `L_in` is cut only when at least `2 L_in` tokens are pending, so the
+/// remainder can still become a last segment of length in `[L_in, 2 L_in)`; once the
+/// prompt is complete, the pending rest (if any) is the last segment. Cutting until
+/// `None` gives exactly [`prompt_segments`], in pieces (a chunked prefill uses it as
+/// the chunks arrive).
+pub fn next_prompt_segment(
+    pending: usize,
+    input_segment_len: usize,
+    complete: bool,
+) -> Option<usize> {
+    let l_in = input_segment_len.max(1);
+    if pending >= 2 * l_in {
+        Some(l_in)
+    } else if complete && pending > 0 {
+        Some(pending)
+    } else {
+        None
+    }
+}
+
 /// SPEC.md section 10.1: the prompt's split for `n` tokens: the sink size
 /// `S = min(sink_tokens, n)` and the closed segments `(start, len)`.
 /// With `m = n - S`: no segment when `m = 0`; else `c = max(1, floor(m / L_in))`
 /// segments, segment i covering `S + i*L_in .. S + (i+1)*L_in` for `i < c-1`,
 /// the last one the rest (so its length is in `[L_in, 2 L_in)` unless `m < L_in`).
+/// Computed by cutting with [`next_prompt_segment`] on the complete prompt.
 pub fn prompt_segments(
     n: usize,
     sink_tokens: usize,
     input_segment_len: usize,
 ) -> (usize, Vec<(usize, usize)>) {
     let sink = sink_tokens.min(n);
-    let m = n - sink;
-    if m == 0 {
-        return (sink, Vec::new());
+    let mut start = sink;
+    let mut segments = Vec::new();
+    while let Some(len) = next_prompt_segment(n - start, input_segment_len, true) {
+        segments.push((start, len));
+        start += len;
     }
-    let l_in = input_segment_len.max(1);
-    let c = (m / l_in).max(1);
-    let mut segments = Vec::with_capacity(c);
-    for i in 0..c - 1 {
-        segments.push((sink + i * l_in, l_in));
-    }
-    let last_start = sink + (c - 1) * l_in;
-    segments.push((last_start, n - last_start));
     (sink, segments)
 }
 
@@ -262,6 +280,36 @@ mod tests {
         );
         assert!(rows_storable("v", &[23158.0f32; 8], 8).is_ok()); // norm 65500.6
         assert!(rows_storable("v", &[f32::NAN; 4], 4).is_err());
+    }
+
+    #[test]
+    fn prompt_split_matches_its_closed_form() {
+        // c = max(1, floor(m / L)), c - 1 segments of L, the rest last (SPEC 10.1).
+        for l in [1usize, 2, 5, 16] {
+            for s in [0usize, 1, 4] {
+                for n in 0..80 {
+                    let sink = s.min(n);
+                    let m = n - sink;
+                    let mut want = Vec::new();
+                    if m > 0 {
+                        let c = (m / l).max(1);
+                        for i in 0..c - 1 {
+                            want.push((sink + i * l, l));
+                        }
+                        want.push((sink + (c - 1) * l, n - sink - (c - 1) * l));
+                    }
+                    assert_eq!(
+                        prompt_segments(n, s, l),
+                        (sink, want),
+                        "n {n} sink {s} L {l}"
+                    );
+                }
+            }
+        }
+        assert_eq!(next_prompt_segment(31, 16, false), None);
+        assert_eq!(next_prompt_segment(32, 16, false), Some(16));
+        assert_eq!(next_prompt_segment(31, 16, true), Some(31));
+        assert_eq!(next_prompt_segment(0, 16, true), None);
     }
 
     #[test]
