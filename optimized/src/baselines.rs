@@ -39,6 +39,12 @@ impl F16Store {
         })
     }
 
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
     fn prefill(&mut self, keys: &ArrayView3<f32>, values: &ArrayView3<f32>) -> Result<()> {
         validate::prompt_kv(&self.shape, keys, values)?;
         if self.tokens != 0 {
@@ -266,6 +272,12 @@ impl DenseF16Cache {
     pub fn bytes_per_step(&self) -> usize {
         self.store.memory().values
     }
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        self.store.set_q_heads(q_heads)
+    }
 }
 
 impl KvCache for DenseF16Cache {
@@ -345,6 +357,13 @@ impl QuestF16Cache {
             sc: PageScratch::default(),
             tmp: Vec::new(),
         })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        self.store.set_q_heads(q_heads)
     }
 
     /// Pages attended for a cache of `n` tokens.

@@ -799,6 +799,15 @@ impl LiveCache {
         }
     }
 
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.view.shape;
+        self.view.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
     pub fn mode(&self) -> Mode {
         self.mode
     }

@@ -68,6 +68,12 @@ impl PagedStore {
         }
     }
 
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
     /// Stores every token of a (validated) prompt `[tokens, kv_heads, D]`, in order.
     fn push_prompt(&mut self, keys: &ArrayView3<f32>, values: &ArrayView3<f32>) {
         for t in 0..keys.shape()[0] {
@@ -276,6 +282,12 @@ impl FullCache {
             store: PagedStore::new(shape, 1.0, all_dims(&shape), all_dims(&shape)),
         }
     }
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        self.store.set_q_heads(q_heads)
+    }
 }
 
 impl KvCache for FullCache {
@@ -323,6 +335,13 @@ impl QuestCache {
         Ok(Self {
             store: PagedStore::new(shape, token_rate, all_dims(&shape), all_dims(&shape)),
         })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        self.store.set_q_heads(q_heads)
     }
 
     /// Token indices attended per query head (SPEC.md section 12's page choice).
@@ -415,6 +434,18 @@ impl Naive2dCache {
             retention,
             store: None,
         })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        if let Some(store) = &mut self.store {
+            store.set_q_heads(q_heads)?;
+        }
+        Ok(())
     }
 
     /// Channels kept per vector: `c = ceil(retention * D)`.

@@ -69,6 +69,15 @@ impl MosaicCache {
         &self.compressed
     }
 
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
+    /// belongs to the queries, not to the stored cache); `KvShape::new` checks it.
+    /// Nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.compressed.shape;
+        self.compressed.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
     /// Host f32 keys and values `[tokens][kv_heads][head_dim]`: the open
     /// segment's tokens, then the buffer's.
     pub fn host_rows(&self) -> (&[f32], &[f32]) {

@@ -1,0 +1,312 @@
+"""MosaicKV from numpy: 2-D KV-cache compression (rotation + per-vector top-r
+channels, then Quest-style block selection), the Python face of the Rust
+reference implementation.
+
+Section numbers refer to the normative text, ``spec/SPEC.md`` of the repository.
+
+    >>> import numpy as np, mosaickv
+    >>> cache = mosaickv.Cache(kv_heads=2, head_dim=64)          # SPEC 2 defaults
+    >>> cache.prefill(K, V)                                      # [tokens, 2, 64]
+    >>> out = cache.attend(Q)                                    # [q_heads, 64] float32
+
+Inputs are float32 or float16 numpy arrays. A C-contiguous float32 array is
+read in place (no copy); a float16 array is widened to float32 (a copy), and
+a non-contiguous one is copied by the library where it needs contiguous rows.
+Every compression and attention call releases the GIL, so threads can attend
+different caches at once. Errors are the classes of :mod:`mosaickv._errors`,
+all under :class:`MosaicError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+import numpy as np
+
+from . import _errors
+from ._errors import *  # noqa: F401,F403  (the exception classes)
+from ._errors import MosaicError
+from ._mosaickv import FORMAT_VERSION, _Cache, config_check, config_paper, has_cuda
+
+__all__ = [
+    "Config",
+    "Cache",
+    "FullCache",
+    "QuestCache",
+    "Naive2dCache",
+    "SideStrategy",
+    "HeadStrategy",
+    "SegmentInfo",
+    "has_cuda",
+    "FORMAT_VERSION",
+] + list(_errors.__all__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class Config:
+    """Every parameter of the method (SPEC.md section 2), validated.
+
+    ``Config(**keys)`` takes any subset of the keys of SPEC section 2; the others
+    take their defaults. Unknown keys raise :class:`UnknownConfigKeyError`,
+    values out of range :class:`InvalidConfigError` (the same rules and messages
+    as a ``--config`` JSON file of the CLI). Keys::
+
+        token_rate, channels, truncate_fraction, block_sizes, variance_threshold,
+        sink_tokens, input_segment_len, max_segment_len, min_segment_len,
+        buffer_capacity, segment_loss_margin
+
+    ``channels`` is a dict: ``{"mode": "fixed", "retention": 0.25, "group_size": 1}``
+    or ``{"mode": "loss_threshold", "key_loss": ..., "value_loss": ...,
+    "retentions": [...], "group_sizes": [...]}`` (SPEC section 11).
+    Group sizes are checked against ``head_dim`` when a :class:`Cache` is built.
+
+    Read a key as an attribute (``cfg.token_rate``); :meth:`to_dict` gives them all.
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self, **keys: Any) -> None:
+        object.__setattr__(self, "_d", json.loads(config_check(json.dumps(keys))))
+
+    @classmethod
+    def paper(cls) -> "Config":
+        """The paper's fixed setting (SPEC section 2): 25 % channels with g = 1,
+        10 % tokens, 25 % truncation, blocks of 16."""
+        return cls(**json.loads(config_paper()))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        """A configuration from JSON text (the CLI's ``--config`` file format)."""
+        return cls(**json.loads(text))
+
+    def to_json(self) -> str:
+        """Every key as JSON, readable by the CLI's ``--config``."""
+        return json.dumps(self._d)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every key and its value (a copy)."""
+        return json.loads(json.dumps(self._d))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return json.loads(json.dumps(self._d[name]))
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Config is immutable: build a new one, e.g. Config(**{**cfg.to_dict(), key: value})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self._d == other._d
+
+    def __repr__(self) -> str:
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self._d.items()) + ")"
+
+
+@dataclass(frozen=True)
+class SideStrategy:
+    """How one side (K or V) of one KV head's segment is stored (SPEC sections 3-6, 11).
+
+    ``r`` retained rotated values per vector, in groups of ``g``; ``dtype`` of the
+    retained values; ``kept_dims`` rotated dims eligible for top-r (section 4);
+    ``record_bytes`` per token (section 6); ``fit_loss`` the relative dropped
+    energy the strategy was fitted with (section 11.1).
+    """
+
+    r: int
+    g: int
+    dtype: str
+    kept_dims: int
+    record_bytes: int
+    fit_loss: float
+
+
+@dataclass(frozen=True)
+class HeadStrategy:
+    """One KV head's strategy in a segment: ``block_size`` for token selection
+    (SPEC section 11.3) and the ``key`` and ``value`` :class:`SideStrategy`."""
+
+    block_size: int
+    key: SideStrategy
+    value: SideStrategy
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """A segment: tokens ``start .. start + len``, ``state`` "closed" or "open"
+    (SPEC section 10), and one :class:`HeadStrategy` per KV head."""
+
+    start: int
+    len: int
+    state: str
+    heads: List[HeadStrategy]
+
+
+def _segment(d: Dict[str, Any]) -> SegmentInfo:
+    heads = [
+        HeadStrategy(h["block_size"], SideStrategy(**h["key"]), SideStrategy(**h["value"]))
+        for h in d["heads"]
+    ]
+    return SegmentInfo(d["start"], d["len"], d["state"], heads)
+
+
+class _Base:
+    """The methods every cache has (the Rust ``KvCache`` trait)."""
+
+    _inner: _Cache
+
+    def prefill(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """The prompt's K/V, arrays ``[tokens, kv_heads, head_dim]`` of float32 or
+        float16 (keys after RoPE; SPEC section 10.1 for MosaicKV). Only on an
+        empty cache (:class:`AlreadyPrefilledError`). Releases the GIL."""
+        self._inner.prefill(keys, values)
+
+    def append(self, key: np.ndarray, value: np.ndarray) -> None:
+        """One generated token's K/V, ``[kv_heads, head_dim]`` (SPEC section 10.2-10.3
+        for MosaicKV). Releases the GIL."""
+        self._inner.append(key, value)
+
+    def attend(self, queries: np.ndarray) -> np.ndarray:
+        """One decode step's attention, ``softmax(q.k / sqrt(head_dim)) v`` over the
+        tokens the method attends (SPEC sections 8-9; section 12 for a baseline).
+
+        ``queries`` is ``[q_heads, head_dim]`` with ``q_heads`` any positive multiple
+        of ``kv_heads`` (GQA, SPEC section 1: query head h reads KV head
+        ``h // (q_heads // kv_heads)``). Returns a new float32 array of the same
+        shape. An empty cache raises :class:`EmptyCacheError`. Releases the GIL."""
+        return self._inner.attend(queries)
+
+    def __len__(self) -> int:
+        """Tokens held."""
+        return len(self._inner)
+
+    def memory(self) -> Dict[str, Union[int, float]]:
+        """Every byte held, by kind, as SPEC section 13 counts them: ``values``,
+        ``bitmaps``, ``padding``, ``block_meta``, ``rotations``, ``dense`` (sink and
+        buffer rows), ``segment_headers``, their sum ``device_bytes``, and apart
+        ``host_rows`` (host f32 rows of the open segment and buffer); plus
+        ``tokens``, ``bytes_per_token`` and ``dense_f16_bytes_per_token``."""
+        return self._inner.memory()
+
+    @property
+    def kv_heads(self) -> int:
+        return self._inner.shape()[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self._inner.shape()[2]
+
+    @property
+    def backend(self) -> str:
+        """``"cpu"``, ``"reference"`` or ``"cuda"``."""
+        return self._inner.backend()
+
+    def __repr__(self) -> str:
+        kv, _, d = self._inner.shape()
+        return f"{type(self).__name__}(kv_heads={kv}, head_dim={d}, backend={self.backend!r}, tokens={len(self)})"
+
+
+class Cache(_Base):
+    """The MosaicKV cache of one attention layer (SPEC sections 1-11).
+
+    ``Cache(kv_heads, head_dim, config=None, backend="cpu")``:
+
+    - ``config``: a :class:`Config` (default: ``Config()``, SPEC section 2).
+    - ``backend``: ``"cpu"``, the optimized production cache (the one
+      ``mosaickv attend`` runs; AVX2/AVX-512 where the CPU has them);
+      ``"reference"``, the readable oracle of SPEC.md; ``"cuda"``, attention on
+      the GPU, only in a build with the ``cuda`` feature and a driver
+      (:class:`BackendUnavailableError` otherwise). Backends write the same
+      packed bytes (SPEC sections 5-7) and agree on attention within the
+      conformance tolerances.
+
+    Methods: :meth:`prefill` (SPEC 10.1), :meth:`append` (10.2-10.3),
+    :meth:`attend` (8-9), ``len()``, :meth:`memory` (13), :attr:`segments`
+    (10-11), :meth:`save` / :meth:`load` (15).
+    """
+
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        config: Optional[Config] = None,
+        backend: str = "cpu",
+    ) -> None:
+        if config is None:
+            config = Config()
+        if not isinstance(config, Config):
+            raise TypeError("config must be a mosaickv.Config (build one with Config(**keys))")
+        self._inner = _Cache.mosaic(kv_heads, head_dim, config.to_json(), backend)
+
+    @property
+    def config(self) -> Config:
+        """The configuration this cache runs with (SPEC section 2)."""
+        return Config.from_json(self._inner.config())
+
+    @property
+    def segments(self) -> List[SegmentInfo]:
+        """Per segment, and in it per KV head, the strategy chosen for it
+        (SPEC sections 10-11): r, g, dtype, kept dims, block size, fit loss."""
+        return [_segment(s) for s in self._inner.segments()]
+
+    def save(self, path: PathLike) -> None:
+        """Writes the cache to ``path`` in the format of SPEC section 15.3, the
+        ``cache.mkv`` of ``mosaickv compress`` (``mosaickv attend --cache DIR``
+        reads it as ``DIR/cache.mkv``)."""
+        self._inner.save(os.fspath(path))
+
+    @classmethod
+    def load(cls, path: PathLike, backend: str = "cpu") -> "Cache":
+        """Reads a cache file written by :meth:`save` or by ``mosaickv compress``
+        (its ``cache.mkv``). Every length, checksum and structural rule of
+        SPEC section 15.4 is checked: a damaged file raises
+        :class:`BadFormatError` (or :class:`CorruptPackedError`), a missing one
+        :class:`IoError`."""
+        self = cls.__new__(cls)
+        self._inner = _Cache.load(os.fspath(path), backend)
+        return self
+
+
+class FullCache(_Base):
+    """Baseline: dense f16 K/V, exact attention over every token (SPEC section 12, Full).
+
+    ``backend="cpu"`` is the optimized ``DenseF16Cache``; ``"reference"`` the f64 oracle.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, backend: str = "cpu") -> None:
+        self._inner = _Cache.full(kv_heads, head_dim, backend)
+
+
+class QuestCache(_Base):
+    """Baseline: Quest (SPEC section 12): dense f16 K/V, pages of 16 tokens with
+    per-dim key min/max; ``ceil(ceil(token_rate * n) / 16)`` pages attended.
+
+    ``backend="cpu"`` is the optimized ``QuestF16Cache``; ``"reference"`` the oracle.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, token_rate: float = 0.2, backend: str = "cpu") -> None:
+        self._inner = _Cache.quest(kv_heads, head_dim, float(token_rate), backend)
+
+
+class Naive2dCache(_Base):
+    """Baseline: the paper's naive 2-D strawman (SPEC section 12): per head one
+    channel mask of the ``ceil(retention * head_dim)`` highest-energy dims of
+    the prompt, then Quest on the masked K/V.
+
+    Only the reference implementation exists (there is no optimized naive 2-D),
+    so ``backend`` can only be ``"reference"``.
+    """
+
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        token_rate: float = 0.2,
+        retention: float = 0.25,
+        backend: str = "reference",
+    ) -> None:
+        self._inner = _Cache.naive2d(kv_heads, head_dim, float(token_rate), float(retention), backend)

@@ -1,0 +1,589 @@
+//! `mosaickv._mosaickv`: the native half of the Python package.
+//!
+//! A thin layer over the library crates: one `_Cache` class holding any of the
+//! caches (MosaicKV on the CPU or reference backend, or a baseline) behind a
+//! mutex, numpy arrays in and out, and every `MosaicError` raised as the Python
+//! class of its kind (defined in `mosaickv/_errors.py`) with the one-line
+//! message the CLI prints. The user-facing classes and their docstrings live in
+//! `mosaickv/__init__.py`.
+//!
+//! Every compression and attention call runs with the GIL released
+//! (`Python::detach`); the mutex is taken inside, so a second thread waiting
+//! for the same cache never holds the GIL while it waits.
+
+use mosaickv_optimized::{DenseF16Cache, LiveCache, Mode, QuestF16Cache};
+use mosaickv_reference::{FullCache, MosaicCache, Naive2dCache, QuestCache};
+use mosaickv_spec::persist::{load_cache, save_cache};
+use mosaickv_spec::{
+    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
+    SideStrategy, ValueDtype,
+};
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayView3, ArrayViewD, Ix2, Ix3};
+use numpy::{IntoPyArray, PyArray2, PyReadonlyArrayDyn};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+// ------------------------------------------------------------------ errors
+
+/// The Python class name of each `MosaicError` kind (in `mosaickv._errors`).
+fn class_name(e: &MosaicError) -> &'static str {
+    match e {
+        MosaicError::NonFinite { .. } => "NonFiniteError",
+        MosaicError::ShapeMismatch { .. } => "ShapeMismatchError",
+        MosaicError::GroupSizeNotDivisor { .. } => "GroupSizeNotDivisorError",
+        MosaicError::RetentionOutOfRange { .. } => "RetentionOutOfRangeError",
+        MosaicError::EmptyCache => "EmptyCacheError",
+        MosaicError::GqaMismatch { .. } => "GqaMismatchError",
+        MosaicError::UnknownConfigKey(_) => "UnknownConfigKeyError",
+        MosaicError::InvalidConfig(_) => "InvalidConfigError",
+        MosaicError::AlreadyPrefilled(_) => "AlreadyPrefilledError",
+        MosaicError::CorruptPacked(_) => "CorruptPackedError",
+        MosaicError::BadFormat(_) => "BadFormatError",
+        MosaicError::Io(_) => "IoError",
+        MosaicError::BackendUnavailable(_) => "BackendUnavailableError",
+    }
+}
+
+/// The message on one line, as `mosaickv` prints it (`CliError::one_line`).
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// A Python exception of class `name` from `mosaickv._errors`.
+fn raise(py: Python<'_>, name: &str, msg: String) -> PyErr {
+    let made = py
+        .import("mosaickv._errors")
+        .and_then(|m| m.getattr(name))
+        .and_then(|cls| cls.call1((msg.clone(),)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        // Only if the package's Python half is missing: still an exception, never a crash.
+        Err(_) => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn to_py(py: Python<'_>, e: MosaicError) -> PyErr {
+    raise(py, class_name(&e), one_line(&e.to_string()))
+}
+
+/// Maps a library result to Python (`?` after this raises the right class).
+trait OrRaise<T> {
+    fn or_raise(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> OrRaise<T> for mosaickv_spec::Result<T> {
+    fn or_raise(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}
+
+// ------------------------------------------------------------------ arrays in
+
+/// An input array as f32: a float32 array is read in place (no copy); a float16
+/// array is widened exactly into a new f32 array. Anything else is a `DtypeError`.
+enum Input<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    Widened(ArrayD<f32>),
+}
+
+impl<'py> Input<'py> {
+    fn from(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'py, f32>>() {
+            return Ok(Input::F32(a));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'py, half::f16>>() {
+            return Ok(Input::Widened(a.as_array().mapv(f32::from)));
+        }
+        let got = match obj.getattr("dtype") {
+            Ok(d) => format!("dtype {}", d.str()?),
+            Err(_) => format!("a {}", obj.get_type().name()?),
+        };
+        Err(raise(
+            py,
+            "DtypeError",
+            format!("{what}: unsupported {got} (need a numpy array of float32 or float16)"),
+        ))
+    }
+
+    fn view(&self) -> ArrayViewD<'_, f32> {
+        match self {
+            Input::F32(a) => a.as_array(),
+            Input::Widened(a) => a.view(),
+        }
+    }
+}
+
+/// `a` as a view of rank 2 or 3, or `ShapeMismatch` naming what was expected.
+fn ranked<'a, D: ndarray::Dimension>(
+    a: ArrayViewD<'a, f32>,
+    what: &'static str,
+    expected: String,
+) -> mosaickv_spec::Result<ndarray::ArrayView<'a, f32, D>> {
+    let got = format!("{:?}", a.shape());
+    a.into_dimensionality::<D>()
+        .map_err(|_| MosaicError::ShapeMismatch {
+            what,
+            expected,
+            got,
+        })
+}
+
+// ------------------------------------------------------------------ the caches
+
+/// Every cache the package offers.
+enum Kind {
+    /// `Cache(backend="cpu")`: the production cache (the one `mosaickv attend` rebuilds),
+    /// synchronous: compression happens inside `prefill`/`append`.
+    Live(Box<LiveCache>),
+    /// `Cache(backend="reference")`: the SPEC.md oracle.
+    Reference(Box<MosaicCache>),
+    /// `Cache(backend="cuda")`: the CPU lifecycle, attention by the CUDA backend.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<LiveCache>, Box<mosaickv_optimized::cuda::CudaBackend>),
+    Full(DenseF16Cache),
+    FullReference(FullCache),
+    Quest(QuestF16Cache),
+    QuestReference(QuestCache),
+    Naive2d(Naive2dCache),
+}
+
+impl Kind {
+    fn kv(&mut self) -> &mut dyn KvCache {
+        match self {
+            Kind::Live(c) => c.as_mut(),
+            Kind::Reference(c) => c.as_mut(),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(c, _) => c.as_mut(),
+            Kind::Full(c) => c,
+            Kind::FullReference(c) => c,
+            Kind::Quest(c) => c,
+            Kind::QuestReference(c) => c,
+            Kind::Naive2d(c) => c,
+        }
+    }
+
+    fn kv_ref(&self) -> &dyn KvCache {
+        match self {
+            Kind::Live(c) => c.as_ref(),
+            Kind::Reference(c) => c.as_ref(),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(c, _) => c.as_ref(),
+            Kind::Full(c) => c,
+            Kind::FullReference(c) => c,
+            Kind::Quest(c) => c,
+            Kind::QuestReference(c) => c,
+            Kind::Naive2d(c) => c,
+        }
+    }
+
+    fn set_q_heads(&mut self, q: usize) -> mosaickv_spec::Result<()> {
+        match self {
+            Kind::Live(c) => c.set_q_heads(q),
+            Kind::Reference(c) => c.set_q_heads(q),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(c, _) => c.set_q_heads(q),
+            Kind::Full(c) => c.set_q_heads(q),
+            Kind::FullReference(c) => c.set_q_heads(q),
+            Kind::Quest(c) => c.set_q_heads(q),
+            Kind::QuestReference(c) => c.set_q_heads(q),
+            Kind::Naive2d(c) => c.set_q_heads(q),
+        }
+    }
+
+    fn compressed(&self) -> Option<&CompressedCache> {
+        match self {
+            Kind::Live(c) => Some(c.compressed()),
+            Kind::Reference(c) => Some(c.compressed()),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(c, _) => Some(c.compressed()),
+            _ => None,
+        }
+    }
+
+    fn backend(&self) -> &'static str {
+        match self {
+            Kind::Live(_) | Kind::Full(_) | Kind::Quest(_) => "cpu",
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(..) => "cuda",
+            _ => "reference",
+        }
+    }
+
+    /// SPEC 8-9 (or 12) for queries `[q_heads, D]`, after matching the cache's q_heads to them.
+    fn attend(&mut self, q: ArrayView2<f32>) -> mosaickv_spec::Result<Array2<f32>> {
+        let s = self.kv_ref().shape();
+        if q.ncols() == s.head_dim && q.nrows() != s.q_heads {
+            // Validated by `KvShape::new`; on error nothing changed.
+            self.set_q_heads(q.nrows())?;
+        }
+        let s = self.kv_ref().shape();
+        let mut out = Array2::<f32>::zeros((s.q_heads, s.head_dim));
+        match self {
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(c, gpu) => {
+                use mosaickv_spec::Backend as _;
+                mosaickv_spec::validate::queries(&s, &q, out.shape())?;
+                if c.is_empty() {
+                    return Err(MosaicError::EmptyCache);
+                }
+                let (parts, _, _) = c.to_parts()?;
+                gpu.attend(&parts, q, out.view_mut())?;
+            }
+            _ => self.kv().attend(q, out.view_mut())?,
+        }
+        Ok(out)
+    }
+}
+
+fn shape_of(kv_heads: usize, head_dim: usize) -> mosaickv_spec::Result<KvShape> {
+    KvShape::new(kv_heads, kv_heads, head_dim)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend() -> mosaickv_spec::Result<Box<mosaickv_optimized::cuda::CudaBackend>> {
+    Ok(Box::new(mosaickv_optimized::cuda::CudaBackend::new()?))
+}
+
+fn no_cuda() -> MosaicError {
+    MosaicError::BackendUnavailable(
+        "this build of mosaickv has no CUDA support (rebuild the package with the `cuda` feature)"
+            .into(),
+    )
+}
+
+fn unknown_backend(name: &str, allowed: &str) -> MosaicError {
+    MosaicError::InvalidConfig(format!("unknown backend `{name}` (expected {allowed})"))
+}
+
+/// Parses a configuration and checks every range that does not depend on
+/// `head_dim` (group sizes against head_dim are checked when a cache is built).
+fn parse_config(json: &str) -> mosaickv_spec::Result<CompressConfig> {
+    let cfg = CompressConfig::from_json(json)?;
+    // Any head_dim every candidate g divides: only the g-vs-head_dim rule is left out.
+    let gs: Vec<usize> = match &cfg.channels {
+        ChannelPolicy::Fixed { group_size, .. } => vec![*group_size],
+        ChannelPolicy::LossThreshold { group_sizes, .. } => group_sizes.clone(),
+    };
+    let d = gs
+        .iter()
+        .try_fold(1usize, |acc, &g| {
+            if g == 0 {
+                None
+            } else {
+                acc.checked_mul(g / gcd(acc, g))
+            }
+        })
+        .unwrap_or(1);
+    cfg.validate(d)?;
+    Ok(cfg)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn config_json(cfg: &CompressConfig) -> String {
+    serde_json::to_string(cfg).expect("a CompressConfig always serializes")
+}
+
+/// One cache of any kind, shared between Python threads.
+#[pyclass(module = "mosaickv._mosaickv", frozen)]
+struct _Cache {
+    inner: Mutex<Kind>,
+}
+
+impl _Cache {
+    fn new(kind: Kind) -> Self {
+        Self {
+            inner: Mutex::new(kind),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kind> {
+        // A panic inside a library call would poison the lock; the data is still
+        // the library's (which validates before mutating), so keep using it.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn side_dict<'py>(py: Python<'py>, s: &SideStrategy) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let l = &s.layout;
+    d.set_item("r", l.r)?;
+    d.set_item("g", l.group_size)?;
+    d.set_item(
+        "dtype",
+        match l.dtype {
+            ValueDtype::F16 => "float16",
+        },
+    )?;
+    d.set_item("kept_dims", l.kept_dims)?;
+    d.set_item("record_bytes", l.record_bytes())?;
+    d.set_item("fit_loss", s.fit_loss)?;
+    Ok(d)
+}
+
+fn memory_dict<'py>(py: Python<'py>, m: &MemoryReport, shape: &KvShape) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("tokens", m.tokens),
+        ("values", m.values),
+        ("bitmaps", m.bitmaps),
+        ("padding", m.padding),
+        ("block_meta", m.block_meta),
+        ("rotations", m.rotations),
+        ("dense", m.dense),
+        ("segment_headers", m.segment_headers),
+        ("host_rows", m.host_rows),
+        ("device_bytes", m.device_bytes()),
+    ] {
+        d.set_item(k, v)?;
+    }
+    d.set_item("bytes_per_token", m.bytes_per_token())?;
+    d.set_item(
+        "dense_f16_bytes_per_token",
+        MemoryReport::dense_f16_bytes_per_token(shape),
+    )?;
+    Ok(d)
+}
+
+#[pymethods]
+impl _Cache {
+    #[staticmethod]
+    fn mosaic(py: Python<'_>, kv_heads: usize, head_dim: usize, config: &str, backend: &str) -> PyResult<Self> {
+        let cfg = parse_config(config).or_raise(py)?;
+        let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
+        let kind = match backend {
+            "cpu" => Kind::Live(Box::new(LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?)),
+            "reference" => Kind::Reference(Box::new(MosaicCache::new(shape, cfg).or_raise(py)?)),
+            #[cfg(feature = "cuda")]
+            "cuda" => {
+                let gpu = cuda_backend().or_raise(py)?;
+                Kind::Cuda(
+                    Box::new(LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?),
+                    gpu,
+                )
+            }
+            #[cfg(not(feature = "cuda"))]
+            "cuda" => return Err(to_py(py, no_cuda())),
+            other => {
+                return Err(to_py(
+                    py,
+                    unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\""),
+                ))
+            }
+        };
+        Ok(Self::new(kind))
+    }
+
+    #[staticmethod]
+    fn full(py: Python<'_>, kv_heads: usize, head_dim: usize, backend: &str) -> PyResult<Self> {
+        let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
+        let kind = match backend {
+            "cpu" => Kind::Full(DenseF16Cache::new(shape).or_raise(py)?),
+            "reference" => Kind::FullReference(FullCache::new(shape)),
+            "cuda" => return Err(to_py(py, cuda_baseline())),
+            other => return Err(to_py(py, unknown_backend(other, "\"cpu\" or \"reference\""))),
+        };
+        Ok(Self::new(kind))
+    }
+
+    #[staticmethod]
+    fn quest(py: Python<'_>, kv_heads: usize, head_dim: usize, token_rate: f64, backend: &str) -> PyResult<Self> {
+        let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
+        let kind = match backend {
+            "cpu" => Kind::Quest(QuestF16Cache::new(shape, token_rate).or_raise(py)?),
+            "reference" => Kind::QuestReference(QuestCache::new(shape, token_rate).or_raise(py)?),
+            "cuda" => return Err(to_py(py, cuda_baseline())),
+            other => return Err(to_py(py, unknown_backend(other, "\"cpu\" or \"reference\""))),
+        };
+        Ok(Self::new(kind))
+    }
+
+    #[staticmethod]
+    fn naive2d(py: Python<'_>, kv_heads: usize, head_dim: usize, token_rate: f64, retention: f64, backend: &str) -> PyResult<Self> {
+        let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
+        match backend {
+            "reference" => {}
+            other => {
+                return Err(to_py(
+                    py,
+                    MosaicError::BackendUnavailable(format!(
+                        "naive2d exists only on the reference backend, not `{other}`"
+                    )),
+                ))
+            }
+        }
+        Ok(Self::new(Kind::Naive2d(
+            Naive2dCache::new(shape, token_rate, retention).or_raise(py)?,
+        )))
+    }
+
+    /// SPEC 15: a cache file as written by `save` or `mosaickv compress` (its `cache.mkv`).
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf, backend: &str) -> PyResult<Self> {
+        let kind = py
+            .detach(|| -> mosaickv_spec::Result<Kind> {
+                Ok(match backend {
+                    "cpu" => Kind::Live(Box::new(LiveCache::load(&path, Mode::Sync)?)),
+                    "reference" => {
+                        let (c, k, v) = load_cache(&path)?;
+                        Kind::Reference(Box::new(MosaicCache::from_parts(c, k, v)?))
+                    }
+                    #[cfg(feature = "cuda")]
+                    "cuda" => {
+                        let gpu = cuda_backend()?;
+                        Kind::Cuda(Box::new(LiveCache::load(&path, Mode::Sync)?), gpu)
+                    }
+                    #[cfg(not(feature = "cuda"))]
+                    "cuda" => return Err(no_cuda()),
+                    other => return Err(unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\"")),
+                })
+            })
+            .or_raise(py)?;
+        Ok(Self::new(kind))
+    }
+
+    fn prefill(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = Input::from(py, keys, "keys")?;
+        let v = Input::from(py, values, "values")?;
+        let (kv, vv) = (k.view(), v.view());
+        let want = "[tokens, kv_heads, head_dim]".to_string();
+        let k3: ArrayView3<f32> = ranked::<Ix3>(kv, "keys", want.clone()).or_raise(py)?;
+        let v3: ArrayView3<f32> = ranked::<Ix3>(vv, "values", want).or_raise(py)?;
+        py.detach(|| self.lock().kv().prefill(k3, v3)).or_raise(py)
+    }
+
+    fn append(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = Input::from(py, key, "key")?;
+        let v = Input::from(py, value, "value")?;
+        let (kv, vv) = (k.view(), v.view());
+        let want = "[kv_heads, head_dim]".to_string();
+        let k2: ArrayView2<f32> = ranked::<Ix2>(kv, "key", want.clone()).or_raise(py)?;
+        let v2: ArrayView2<f32> = ranked::<Ix2>(vv, "value", want).or_raise(py)?;
+        py.detach(|| self.lock().kv().append(k2, v2)).or_raise(py)
+    }
+
+    fn attend<'py>(&self, py: Python<'py>, queries: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let q = Input::from(py, queries, "queries")?;
+        let qv = q.view();
+        let q2 = ranked::<Ix2>(qv, "queries", "[q_heads, head_dim]".into()).or_raise(py)?;
+        let out = py.detach(|| self.lock().attend(q2)).or_raise(py)?;
+        Ok(out.into_pyarray(py))
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.lock().kv_ref().len())
+    }
+
+    /// (kv_heads, q_heads, head_dim): q_heads is the last one attention was given.
+    fn shape(&self) -> (usize, usize, usize) {
+        let s = self.lock().kv_ref().shape();
+        (s.kv_heads, s.q_heads, s.head_dim)
+    }
+
+    fn backend(&self) -> &'static str {
+        self.lock().backend()
+    }
+
+    /// The configuration as JSON (MosaicKV caches only).
+    fn config(&self) -> Option<String> {
+        self.lock().compressed().map(|c| config_json(&c.config))
+    }
+
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (m, s) = py.detach(|| {
+            let g = self.lock();
+            (g.kv_ref().memory(), g.kv_ref().shape())
+        });
+        memory_dict(py, &m, &s)
+    }
+
+    /// Per segment: start, len, state and per KV head the strategy (MosaicKV caches only).
+    fn segments<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+        let g = self.lock();
+        let Some(c) = g.compressed() else {
+            return Ok(None);
+        };
+        let list = PyList::empty(py);
+        for seg in &c.segments {
+            let d = PyDict::new(py);
+            d.set_item("start", seg.start)?;
+            d.set_item("len", seg.len)?;
+            d.set_item("state", format!("{:?}", seg.state).to_lowercase())?;
+            let heads = PyList::empty(py);
+            for hs in &seg.heads {
+                let h = PyDict::new(py);
+                h.set_item("block_size", hs.strategy.block_size)?;
+                h.set_item("key", side_dict(py, &hs.strategy.key)?)?;
+                h.set_item("value", side_dict(py, &hs.strategy.value)?)?;
+                heads.append(h)?;
+            }
+            d.set_item("heads", heads)?;
+            list.append(d)?;
+        }
+        Ok(Some(list))
+    }
+
+    /// SPEC 15: writes the cache file (MosaicKV caches only).
+    fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        py.detach(|| -> mosaickv_spec::Result<()> {
+            let mut g = self.lock();
+            match &mut *g {
+                Kind::Live(c) => c.save(&path),
+                #[cfg(feature = "cuda")]
+                Kind::Cuda(c, _) => c.save(&path),
+                Kind::Reference(c) => {
+                    let (k, v) = c.host_rows();
+                    save_cache(&path, c.compressed(), k, v)
+                }
+                _ => Err(MosaicError::InvalidConfig(
+                    "only a MosaicKV cache can be saved (a baseline has no file format)".into(),
+                )),
+            }
+        })
+        .or_raise(py)
+    }
+}
+
+fn cuda_baseline() -> MosaicError {
+    MosaicError::BackendUnavailable(
+        "the package offers the baselines on \"cpu\" and \"reference\" only".into(),
+    )
+}
+
+/// Parses and checks a configuration (JSON, any subset of SPEC.md section 2's
+/// keys); returns it whole, defaults filled in.
+#[pyfunction]
+fn config_check(py: Python<'_>, json: &str) -> PyResult<String> {
+    Ok(config_json(&parse_config(json).or_raise(py)?))
+}
+
+/// `CompressConfig::paper_fixed()` as JSON.
+#[pyfunction]
+fn config_paper() -> String {
+    config_json(&CompressConfig::paper_fixed())
+}
+
+/// Whether this build has the CUDA backend.
+#[pyfunction]
+fn has_cuda() -> bool {
+    cfg!(feature = "cuda")
+}
+
+#[pymodule]
+fn _mosaickv(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<_Cache>()?;
+    m.add_function(wrap_pyfunction!(config_check, m)?)?;
+    m.add_function(wrap_pyfunction!(config_paper, m)?)?;
+    m.add_function(wrap_pyfunction!(has_cuda, m)?)?;
+    m.add("FORMAT_VERSION", mosaickv_spec::persist::FORMAT_VERSION)?;
+    Ok(())
+}
