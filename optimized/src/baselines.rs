@@ -8,7 +8,7 @@ use crate::attend::{
 use crate::backend::contig;
 use crate::simd::{fast_exp, Path};
 use half::f16;
-use mosaickv_spec::{validate, KvCache, KvShape, MemoryReport, MosaicError, Result};
+use mosaickv_spec::{rules, validate, KvCache, KvShape, MemoryReport, MosaicError, Result};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use rayon::prelude::*;
 
@@ -50,6 +50,9 @@ impl F16Store {
         if self.tokens != 0 {
             return Err(MosaicError::AlreadyPrefilled(self.tokens));
         }
+        // SPEC 14, dense baselines: every element must round to a finite f16.
+        rules::f16_storable("keys (beyond f16 range)", keys.iter())?;
+        rules::f16_storable("values (beyond f16 range)", values.iter())?;
         let n = keys.shape()[0];
         let d = self.shape.head_dim;
         let conv = |a: &ArrayView3<f32>, h: usize, out: &mut Vec<f16>| {
@@ -78,6 +81,8 @@ impl F16Store {
 
     fn append(&mut self, key: &ArrayView2<f32>, value: &ArrayView2<f32>) -> Result<()> {
         validate::token_kv(&self.shape, key, value)?;
+        rules::f16_storable("key (beyond f16 range)", key.iter())?;
+        rules::f16_storable("value (beyond f16 range)", value.iter())?;
         for h in 0..self.shape.kv_heads {
             self.keys[h].extend(key.row(h).iter().map(|&x| f16::from_f32(x)));
             self.values[h].extend(value.row(h).iter().map(|&x| f16::from_f32(x)));

@@ -578,3 +578,71 @@ fn sink_and_buffer_only_cache_is_exact_dense_attention() {
         assert!(sel.per_head.iter().all(|s| s.is_empty()));
     }
 }
+
+/// SPEC 14, dense baselines: an element that rounds to an infinite f16 is refused as
+/// `NonFinite` with its flat index, on prefill and on append, and the cache keeps
+/// what it had (the reference's `FullCache`/`QuestCache` refuse the same inputs).
+#[test]
+fn dense_baselines_refuse_values_beyond_f16() {
+    let shape = KvShape::new(2, 2, 16).unwrap();
+    let (k, v) = kv(40, 2, 16, 90);
+    let mut caches: Vec<Box<dyn KvCache>> = vec![
+        Box::new(DenseF16Cache::new(shape).unwrap()),
+        Box::new(QuestF16Cache::new(shape, 0.2).unwrap()),
+    ];
+    for c in caches.iter_mut() {
+        let mut big = k.clone();
+        big[[3, 1, 5]] = 7e4; // finite in f32, +Inf in f16
+        assert_eq!(
+            c.prefill(big.view(), v.view()),
+            Err(MosaicError::NonFinite {
+                what: "keys (beyond f16 range)",
+                index: (3 * 2 + 1) * 16 + 5
+            })
+        );
+        assert_eq!(c.len(), 0);
+        c.prefill(k.view(), v.view()).unwrap();
+        let q = queries(2, 16, 91);
+        let mut before = Array2::zeros((2, 16));
+        c.attend(q.view(), before.view_mut()).unwrap();
+        let mut row = v.index_axis(ndarray::Axis(0), 0).to_owned();
+        row[[0, 2]] = -65520.0;
+        assert_eq!(
+            c.append(k.index_axis(ndarray::Axis(0), 0), row.view()),
+            Err(MosaicError::NonFinite {
+                what: "value (beyond f16 range)",
+                index: 2
+            })
+        );
+        assert_eq!(c.len(), 40);
+        let mut after = Array2::zeros((2, 16));
+        c.attend(q.view(), after.view_mut()).unwrap();
+        assert_eq!(before, after);
+    }
+}
+
+/// `set_q_heads`: the GQA group comes with the queries (SPEC 1); a bad count is
+/// refused (`GqaMismatch`) and changes nothing.
+#[test]
+fn set_q_heads_changes_only_the_group() {
+    let (k, v) = kv(300, 2, 16, 92);
+    let wide = KvShape::new(2, 8, 16).unwrap();
+    let mut fixed = DenseF16Cache::new(wide).unwrap();
+    let mut moved = DenseF16Cache::new(KvShape::new(2, 2, 16).unwrap()).unwrap();
+    fixed.prefill(k.view(), v.view()).unwrap();
+    moved.prefill(k.view(), v.view()).unwrap();
+    assert_eq!(
+        moved.set_q_heads(3),
+        Err(MosaicError::GqaMismatch {
+            q_heads: 3,
+            kv_heads: 2
+        })
+    );
+    assert_eq!(moved.shape().q_heads, 2);
+    moved.set_q_heads(8).unwrap();
+    let q = queries(8, 16, 93);
+    let (mut a, mut b) = (Array2::zeros((8, 16)), Array2::zeros((8, 16)));
+    fixed.attend(q.view(), a.view_mut()).unwrap();
+    moved.attend(q.view(), b.view_mut()).unwrap();
+    assert_eq!(a, b);
+}

@@ -330,7 +330,11 @@ fn side_dict<'py>(py: Python<'py>, s: &SideStrategy) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
-fn memory_dict<'py>(py: Python<'py>, m: &MemoryReport, shape: &KvShape) -> PyResult<Bound<'py, PyDict>> {
+fn memory_dict<'py>(
+    py: Python<'py>,
+    m: &MemoryReport,
+    shape: &KvShape,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for (k, v) in [
         ("tokens", m.tokens),
@@ -357,11 +361,19 @@ fn memory_dict<'py>(py: Python<'py>, m: &MemoryReport, shape: &KvShape) -> PyRes
 #[pymethods]
 impl _Cache {
     #[staticmethod]
-    fn mosaic(py: Python<'_>, kv_heads: usize, head_dim: usize, config: &str, backend: &str) -> PyResult<Self> {
+    fn mosaic(
+        py: Python<'_>,
+        kv_heads: usize,
+        head_dim: usize,
+        config: &str,
+        backend: &str,
+    ) -> PyResult<Self> {
         let cfg = parse_config(config).or_raise(py)?;
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
         let kind = match backend {
-            "cpu" => Kind::Live(Box::new(LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?)),
+            "cpu" => Kind::Live(Box::new(
+                LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?,
+            )),
             "reference" => Kind::Reference(Box::new(MosaicCache::new(shape, cfg).or_raise(py)?)),
             #[cfg(feature = "cuda")]
             "cuda" => {
@@ -390,25 +402,48 @@ impl _Cache {
             "cpu" => Kind::Full(DenseF16Cache::new(shape).or_raise(py)?),
             "reference" => Kind::FullReference(FullCache::new(shape)),
             "cuda" => return Err(to_py(py, cuda_baseline())),
-            other => return Err(to_py(py, unknown_backend(other, "\"cpu\" or \"reference\""))),
+            other => {
+                return Err(to_py(
+                    py,
+                    unknown_backend(other, "\"cpu\" or \"reference\""),
+                ))
+            }
         };
         Ok(Self::new(kind))
     }
 
     #[staticmethod]
-    fn quest(py: Python<'_>, kv_heads: usize, head_dim: usize, token_rate: f64, backend: &str) -> PyResult<Self> {
+    fn quest(
+        py: Python<'_>,
+        kv_heads: usize,
+        head_dim: usize,
+        token_rate: f64,
+        backend: &str,
+    ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
         let kind = match backend {
             "cpu" => Kind::Quest(QuestF16Cache::new(shape, token_rate).or_raise(py)?),
             "reference" => Kind::QuestReference(QuestCache::new(shape, token_rate).or_raise(py)?),
             "cuda" => return Err(to_py(py, cuda_baseline())),
-            other => return Err(to_py(py, unknown_backend(other, "\"cpu\" or \"reference\""))),
+            other => {
+                return Err(to_py(
+                    py,
+                    unknown_backend(other, "\"cpu\" or \"reference\""),
+                ))
+            }
         };
         Ok(Self::new(kind))
     }
 
     #[staticmethod]
-    fn naive2d(py: Python<'_>, kv_heads: usize, head_dim: usize, token_rate: f64, retention: f64, backend: &str) -> PyResult<Self> {
+    fn naive2d(
+        py: Python<'_>,
+        kv_heads: usize,
+        head_dim: usize,
+        token_rate: f64,
+        retention: f64,
+        backend: &str,
+    ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
         match backend {
             "reference" => {}
@@ -444,14 +479,21 @@ impl _Cache {
                     }
                     #[cfg(not(feature = "cuda"))]
                     "cuda" => return Err(no_cuda()),
-                    other => return Err(unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\"")),
+                    other => {
+                        return Err(unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\""))
+                    }
                 })
             })
             .or_raise(py)?;
         Ok(Self::new(kind))
     }
 
-    fn prefill(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn prefill(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let k = Input::from(py, keys, "keys")?;
         let v = Input::from(py, values, "values")?;
         let (kv, vv) = (k.view(), v.view());
@@ -461,7 +503,12 @@ impl _Cache {
         py.detach(|| self.lock().kv().prefill(k3, v3)).or_raise(py)
     }
 
-    fn append(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn append(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let k = Input::from(py, key, "key")?;
         let v = Input::from(py, value, "value")?;
         let (kv, vv) = (k.view(), v.view());
@@ -471,7 +518,11 @@ impl _Cache {
         py.detach(|| self.lock().kv().append(k2, v2)).or_raise(py)
     }
 
-    fn attend<'py>(&self, py: Python<'py>, queries: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    fn attend<'py>(
+        &self,
+        py: Python<'py>,
+        queries: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let q = Input::from(py, queries, "queries")?;
         let qv = q.view();
         let q2 = ranked::<Ix2>(qv, "queries", "[q_heads, head_dim]".into()).or_raise(py)?;
