@@ -229,8 +229,8 @@ impl Kind {
                 if c.is_empty() {
                     return Err(MosaicError::EmptyCache);
                 }
-                let (parts, _, _) = c.to_parts()?;
-                gpu.attend(&parts, q, out.view_mut())?;
+                // The current version, uploaded for this step (correct, not fast).
+                gpu.attend(c.compressed(), q, out.view_mut())?;
             }
             _ => self.kv().attend(q, out.view_mut())?,
         }
@@ -247,6 +247,7 @@ fn cuda_backend() -> mosaickv_spec::Result<Box<mosaickv_optimized::cuda::CudaBac
     Ok(Box::new(mosaickv_optimized::cuda::CudaBackend::new()?))
 }
 
+#[cfg(not(feature = "cuda"))]
 fn no_cuda() -> MosaicError {
     MosaicError::BackendUnavailable(
         "this build of mosaickv has no CUDA support (rebuild the package with the `cuda` feature)"

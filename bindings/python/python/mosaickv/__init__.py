@@ -220,7 +220,9 @@ class Cache(_Base):
       ``mosaickv attend`` runs; AVX2/AVX-512 where the CPU has them);
       ``"reference"``, the readable oracle of SPEC.md; ``"cuda"``, attention on
       the GPU, only in a build with the ``cuda`` feature and a driver
-      (:class:`BackendUnavailableError` otherwise). Backends write the same
+      (:class:`BackendUnavailableError` otherwise); compression runs on the
+      CPU and each ``attend`` uploads the cache (for trying the backend, not
+      for speed). Backends write the same
       packed bytes (SPEC sections 5-7) and agree on attention within the
       conformance tolerances.
 
