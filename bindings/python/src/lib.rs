@@ -314,6 +314,15 @@ impl _Cache {
     }
 }
 
+/// A side strategy without its rotation matrix (all `segments` reports of it).
+fn side_info(s: &SideStrategy) -> SideStrategy {
+    SideStrategy {
+        layout: s.layout.clone(),
+        rotation: Vec::new(),
+        fit_loss: s.fit_loss,
+    }
+}
+
 fn side_dict<'py>(py: Python<'py>, s: &SideStrategy) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let l = &s.layout;
@@ -536,18 +545,18 @@ impl _Cache {
     }
 
     /// (kv_heads, q_heads, head_dim): q_heads is the last one attention was given.
-    fn shape(&self) -> (usize, usize, usize) {
-        let s = self.lock().kv_ref().shape();
+    fn shape(&self, py: Python<'_>) -> (usize, usize, usize) {
+        let s = py.detach(|| self.lock().kv_ref().shape());
         (s.kv_heads, s.q_heads, s.head_dim)
     }
 
-    fn backend(&self) -> &'static str {
-        self.lock().backend()
+    fn backend(&self, py: Python<'_>) -> &'static str {
+        py.detach(|| self.lock().backend())
     }
 
     /// The configuration as JSON (MosaicKV caches only).
-    fn config(&self) -> Option<String> {
-        self.lock().compressed().map(|c| config_json(&c.config))
+    fn config(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| self.lock().compressed().map(|c| config_json(&c.config)))
     }
 
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -560,25 +569,47 @@ impl _Cache {
 
     /// Per segment: start, len, state and per KV head the strategy (MosaicKV caches only).
     fn segments<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
-        let g = self.lock();
-        let Some(c) = g.compressed() else {
+        // Copied out under the lock without the GIL (another thread may hold the lock
+        // while it computes), turned into Python objects after.
+        type Head = (usize, SideStrategy, SideStrategy);
+        let segs: Option<Vec<(usize, usize, String, Vec<Head>)>> = py.detach(|| {
+            let g = self.lock();
+            g.compressed().map(|c| {
+                c.segments
+                    .iter()
+                    .map(|seg| {
+                        let heads = seg
+                            .heads
+                            .iter()
+                            .map(|hs| {
+                                let st = &hs.strategy;
+                                (st.block_size, side_info(&st.key), side_info(&st.value))
+                            })
+                            .collect();
+                        let state = format!("{:?}", seg.state).to_lowercase();
+                        (seg.start, seg.len, state, heads)
+                    })
+                    .collect()
+            })
+        });
+        let Some(segs) = segs else {
             return Ok(None);
         };
         let list = PyList::empty(py);
-        for seg in &c.segments {
+        for (start, len, state, heads) in segs {
             let d = PyDict::new(py);
-            d.set_item("start", seg.start)?;
-            d.set_item("len", seg.len)?;
-            d.set_item("state", format!("{:?}", seg.state).to_lowercase())?;
-            let heads = PyList::empty(py);
-            for hs in &seg.heads {
+            d.set_item("start", start)?;
+            d.set_item("len", len)?;
+            d.set_item("state", state)?;
+            let hl = PyList::empty(py);
+            for (block_size, key, value) in heads {
                 let h = PyDict::new(py);
-                h.set_item("block_size", hs.strategy.block_size)?;
-                h.set_item("key", side_dict(py, &hs.strategy.key)?)?;
-                h.set_item("value", side_dict(py, &hs.strategy.value)?)?;
-                heads.append(h)?;
+                h.set_item("block_size", block_size)?;
+                h.set_item("key", side_dict(py, &key)?)?;
+                h.set_item("value", side_dict(py, &value)?)?;
+                hl.append(h)?;
             }
-            d.set_item("heads", heads)?;
+            d.set_item("heads", hl)?;
             list.append(d)?;
         }
         Ok(Some(list))

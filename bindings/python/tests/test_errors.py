@@ -162,6 +162,9 @@ def test_config_round_trip_and_paper():
     assert p.channels == {"mode": "fixed", "retention": 0.25, "group_size": 1}
     assert (p.token_rate, p.truncate_fraction, p.block_sizes) == (0.1, 0.25, [16])
     assert p != mosaickv.Config()
+    assert mosaickv.Config(token_rate=np.float32(0.25), block_sizes=np.array([16, 32])).block_sizes == [16, 32]
+    with pytest.raises(TypeError):
+        mosaickv.Config(token_rate=object())
     with pytest.raises(AttributeError):
         cfg.token_rate = 0.5
 

@@ -4,14 +4,16 @@ reference implementation.
 
 Section numbers refer to the normative text, ``spec/SPEC.md`` of the repository.
 
-    >>> import numpy as np, mosaickv
-    >>> cache = mosaickv.Cache(kv_heads=2, head_dim=64)          # SPEC 2 defaults
-    >>> cache.prefill(K, V)                                      # [tokens, 2, 64]
-    >>> out = cache.attend(Q)                                    # [q_heads, 64] float32
+    import numpy as np, mosaickv
+    cache = mosaickv.Cache(kv_heads=2, head_dim=64)   # SPEC 2 defaults
+    cache.prefill(K, V)                               # K, V: [tokens, 2, 64]
+    out = cache.attend(Q)                             # Q: [q_heads, 64]; out float32
 
-Inputs are float32 or float16 numpy arrays. A C-contiguous float32 array is
-read in place (no copy); a float16 array is widened to float32 (a copy), and
-a non-contiguous one is copied by the library where it needs contiguous rows.
+Inputs are float32 or float16 numpy arrays (anything else raises
+:class:`DtypeError`). A float32 array is handed to the library as a view, not
+copied, whatever its strides; the library then copies what it stores, and a
+non-contiguous array is copied where contiguous rows are needed. A float16
+array is first widened (exactly) into a new float32 array.
 Every compression and attention call releases the GIL, so threads can attend
 different caches at once. Errors are the classes of :mod:`mosaickv._errors`,
 all under :class:`MosaicError`.
@@ -47,6 +49,13 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _plain(x: Any) -> Any:
+    """numpy scalars and arrays as the Python numbers and lists JSON knows."""
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    raise TypeError(f"configuration value {x!r} of type {type(x).__name__} is not a number, list or dict")
+
+
 class Config:
     """Every parameter of the method (SPEC.md section 2), validated.
 
@@ -70,7 +79,7 @@ class Config:
     __slots__ = ("_d",)
 
     def __init__(self, **keys: Any) -> None:
-        object.__setattr__(self, "_d", json.loads(config_check(json.dumps(keys))))
+        object.__setattr__(self, "_d", json.loads(config_check(json.dumps(keys, default=_plain))))
 
     @classmethod
     def paper(cls) -> "Config":
