@@ -88,23 +88,30 @@ impl LiveCache {
         p.keys.extend_from_slice(&kdata[to_sink * row..]);
         p.values.extend_from_slice(&vdata[to_sink * row..]);
         let l_in = self.view.config.input_segment_len;
-        let keep = match rule {
-            PrefillRule::Exact => 2 * l_in,
-            PrefillRule::Eager => l_in,
-        };
-        while self.prefill.as_ref().map_or(0, |p| p.keys.len() / row) >= keep {
-            self.close_prompt_segment(l_in)?;
+        loop {
+            let pending = self.prefill.as_ref().map_or(0, |p| p.keys.len() / row);
+            let cut = match rule {
+                // SPEC 10.1's own cut (spec::rules), with more of the prompt possibly to come.
+                PrefillRule::Exact => rules::next_prompt_segment(pending, l_in, false),
+                // Not SPEC 10.1 (see `PrefillRule::Eager`): cut as soon as L_in are pending.
+                PrefillRule::Eager => (pending >= l_in).then_some(l_in),
+            };
+            match cut {
+                Some(len) => self.close_prompt_segment(len)?,
+                None => return Ok(()),
+            }
         }
-        Ok(())
     }
 
     /// Ends a chunked prompt: the pending rows become the last prompt segment
     /// (SPEC 10.1). A no-op when nothing is pending.
     pub fn finish_prefill(&mut self) -> Result<()> {
         let row = self.row_len();
-        let pending = self.prefill.as_ref().map_or(0, |p| p.keys.len() / row);
-        if pending > 0 {
-            self.close_prompt_segment(pending)?;
+        let l_in = self.view.config.input_segment_len;
+        let mut pending = self.prefill.as_ref().map_or(0, |p| p.keys.len() / row);
+        while let Some(len) = rules::next_prompt_segment(pending, l_in, true) {
+            self.close_prompt_segment(len)?;
+            pending -= len;
         }
         self.prefill = None;
         self.prompt_done = true;
