@@ -14,6 +14,7 @@
 //! Set `MOSAICKV_PROFILE=1` to print prefill timings (total and attention) to stderr.
 
 mod fetch;
+pub mod gguf;
 mod kv;
 pub mod methods;
 mod model;
