@@ -148,7 +148,9 @@ pub enum Method {
 pub const NAIVE2D_DEFAULT_RETENTION: f64 = 0.5;
 
 impl Method {
-    /// Parses a method name with optional `:key=value` overrides (see [`Method`]).
+    /// Parses a method name with optional `:key=value` overrides (see [`Method`]) and checks
+    /// what does not depend on the model; group sizes are checked against the loaded model's
+    /// head_dim when its caches are built ([`Method::validate_for`]).
     pub fn parse(spec: &str) -> Result<Method> {
         let mut parts = spec.trim().split(':');
         let name = parts.next().unwrap_or("");
