@@ -7,7 +7,8 @@
 //!
 //! * checks every length against the bytes left in the file before allocating for it;
 //! * bounds array nesting ([`MAX_ARRAY_DEPTH`]) and the number of metadata values
-//!   ([`MAX_METADATA_VALUES`]), so memory stays a small multiple of the file size;
+//!   ([`MAX_METADATA_VALUES`]), so the parsed metadata takes at most 128 MiB of candle `Value`s
+//!   beyond the file's own string bytes;
 //! * checks every tensor info: a known type, at most [`MAX_DIMS`] dimensions, element count and
 //!   byte size without overflow, whole blocks, data inside the file, no two tensors overlapping;
 //! * rejects duplicate metadata keys and tensor names (candle would keep the last silently) and an
@@ -37,7 +38,8 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 /// `path` only names the file in errors.
 ///
 /// Errors: [`EngineError::BadMagic`], [`EngineError::Truncated`] when a length, count or tensor
-/// reaches past the end of the file, [`EngineError::Format`] for anything else malformed.
+/// reaches past the end of the file, [`EngineError::Format`] for anything else malformed,
+/// [`EngineError::Io`] when reading fails.
 pub fn read_content<R: Read>(r: R, len: u64, path: &Path) -> Result<Content> {
     let mut h = Header {
         r,
