@@ -9,8 +9,9 @@
 //! * bounds array nesting ([`MAX_ARRAY_DEPTH`]) and the number of metadata values
 //!   ([`MAX_METADATA_VALUES`]), so the parsed metadata takes at most 128 MiB of candle `Value`s
 //!   beyond the file's own string bytes;
-//! * checks every tensor info: a known type, at most [`MAX_DIMS`] dimensions, element count and
-//!   byte size without overflow, whole blocks, data inside the file, no two tensors overlapping;
+//! * checks every tensor info: a known type, at most [`MAX_DIMS`] dimensions, at least one
+//!   element, element count and byte size without overflow, whole blocks, data inside the file,
+//!   no two tensors overlapping;
 //! * rejects duplicate metadata keys and tensor names (candle would keep the last silently) and an
 //!   alignment that is not a power of two.
 //!
@@ -155,7 +156,7 @@ fn check_extents(
     }
     extents.sort_unstable();
     let mut prev: Option<(u64, &str)> = None;
-    for (offset, bytes, name) in extents.iter().filter(|e| e.1 > 0) {
+    for (offset, bytes, name) in extents.iter() {
         if let Some((end, other)) = prev {
             if *offset < end {
                 return Err(EngineError::Format(format!(
@@ -368,6 +369,11 @@ impl<R: Read> Header<'_, R> {
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or_else(|| self.format(format!("{what}: element count of {dims:?} overflows")))?;
+        if elems == 0 {
+            // candle reads an empty tensor through a misaligned empty slice (undefined
+            // behaviour), and no model has one
+            return Err(self.format(format!("{what}: no elements (shape {dims:?})")));
+        }
         let block = dtype.block_size();
         if elems % block != 0 {
             return Err(self.format(format!(

@@ -88,13 +88,25 @@ fn zero_query_heads_is_an_error() {
 
 #[test]
 fn zero_kv_heads_is_an_error() {
-    // K and V weights with zero rows match the metadata, so only the head count can catch it
-    // (the old code loaded this and divided by zero in prefill)
+    // K and V weights with zero rows match a KV head count of 0 (the old code loaded this and
+    // divided by zero in prefill); the header reader refuses empty tensors
     let t = Tiny {
         kv_heads: 0,
         ..Tiny::default()
     };
+    assert_format(load_err(&t.gguf().bytes()), "no elements");
+    // the metadata says 0 with real K/V weights
+    let t = Tiny {
+        meta_kv_heads: Some(0),
+        ..Tiny::default()
+    };
     assert_format(load_err(&t.gguf().bytes()), "head_count_kv");
+}
+
+#[test]
+fn an_empty_tensor_is_an_error() {
+    // candle built a misaligned empty slice for it (undefined behaviour; found by fuzzing)
+    assert_format(check_err(&with_tensor(&[0, 32], F32, 0)), "no elements");
 }
 
 #[test]
