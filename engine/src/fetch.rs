@@ -2,7 +2,7 @@
 
 use crate::{EngineError, Result};
 use sha2::{Digest, Sha256};
-use std::io::{Read, Seek, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -176,80 +176,16 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(hex(&hasher.finalize()))
 }
 
-/// Opens a GGUF file, checks magic, header and that every tensor's data lies inside the file,
-/// and returns the parsed content plus the open file.
+/// Opens a GGUF file and reads its header with [`crate::gguf::read_content`], which checks
+/// magic, version, every length and count against the file's size, and that every tensor's
+/// data lies inside the file; returns the parsed content plus the open file.
 pub fn check_gguf_file(
     path: &Path,
 ) -> Result<(candle_core::quantized::gguf_file::Content, std::fs::File)> {
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let f = std::fs::File::open(path).map_err(io_err(path))?;
     let len = f.metadata().map_err(io_err(path))?.len();
-    let mut magic = [0u8; 4];
-    let got = read_up_to(&mut f, &mut magic).map_err(io_err(path))?;
-    if got < 4 {
-        return Err(EngineError::Truncated {
-            path: path.into(),
-            expected: 4,
-            actual: len,
-            what: "magic".into(),
-        });
-    }
-    if &magic != b"GGUF" {
-        return Err(EngineError::BadMagic {
-            path: path.into(),
-            found: magic.to_vec(),
-        });
-    }
-    f.rewind().map_err(io_err(path))?;
-    let mut reader = std::io::BufReader::new(&mut f);
-    let content = match candle_core::quantized::gguf_file::Content::read(&mut reader) {
-        Ok(c) => c,
-        Err(e) => {
-            let eof = matches!(&e, candle_core::Error::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof)
-                || e.to_string().contains("failed to fill whole buffer");
-            if eof {
-                return Err(EngineError::Truncated {
-                    path: path.into(),
-                    expected: len + 1,
-                    actual: len,
-                    what: "GGUF header/metadata ends early".into(),
-                });
-            }
-            return Err(EngineError::Format(format!("{}: {e}", path.display())));
-        }
-    };
-    let mut needed = content.tensor_data_offset;
-    let mut what = String::from("tensor data");
-    for (name, info) in &content.tensor_infos {
-        let bs = info.ggml_dtype.block_size();
-        let size = (info.shape.elem_count() / bs * info.ggml_dtype.type_size()) as u64;
-        let end = content.tensor_data_offset + info.offset + size;
-        if end > needed {
-            needed = end;
-            what = format!("data of tensor {name}");
-        }
-    }
-    if needed > len {
-        return Err(EngineError::Truncated {
-            path: path.into(),
-            expected: needed,
-            actual: len,
-            what,
-        });
-    }
-    drop(reader);
+    let content = crate::gguf::read_content(std::io::BufReader::new(&f), len, path)?;
     Ok((content, f))
-}
-
-fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        let k = f.read(&mut buf[n..])?;
-        if k == 0 {
-            break;
-        }
-        n += k;
-    }
-    Ok(n)
 }
 
 #[cfg(test)]

