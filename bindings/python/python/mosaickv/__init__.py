@@ -231,9 +231,8 @@ class Cache(_Base):
       the GPU, only in a build with the ``cuda`` feature and a driver
       (:class:`BackendUnavailableError` otherwise); compression runs on the
       CPU and each ``attend`` uploads the cache (for trying the backend, not
-      for speed). Backends write the same
-      packed bytes (SPEC sections 5-7) and agree on attention within the
-      conformance tolerances.
+      for speed). Backends write the same packed bytes (SPEC sections 5-7)
+      and agree on attention within the conformance tolerances.
 
     Methods: :meth:`prefill` (SPEC 10.1), :meth:`append` (10.2-10.3),
     :meth:`attend` (8-9), ``len()``, :meth:`memory` (13), :attr:`segments`
