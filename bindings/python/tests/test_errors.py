@@ -216,3 +216,24 @@ def test_baselines_have_no_file_format(tmp_path):
     with pytest.raises(mosaickv.InvalidConfigError):
         mosaickv.FullCache(2, 16)._inner.save(str(tmp_path / "x.mkv"))
     assert not hasattr(mosaickv.FullCache, "save")
+
+
+@pytest.mark.parametrize("make", [
+    lambda kv, d: mosaickv.Cache(kv, d),
+    lambda kv, d: mosaickv.FullCache(kv, d),
+    lambda kv, d: mosaickv.QuestCache(kv, d),
+    lambda kv, d: mosaickv.Naive2dCache(kv, d),
+])
+def test_bad_dimensions_are_typed_errors(make):
+    # Negative or oversized counts: InvalidConfigError, never PyO3's OverflowError.
+    for kv, d in [(-1, 64), (2, -64), (2**64, 64), (2, 2**70)]:
+        with pytest.raises(mosaickv.InvalidConfigError):
+            make(kv, d)
+    # Zero: the library's own rule (SPEC section 1), still a MosaicError.
+    for kv, d in [(0, 64), (2, 0)]:
+        with pytest.raises(mosaickv.MosaicError):
+            make(kv, d)
+    # numpy integers are integers.
+    assert len(make(np.int64(2), np.int32(32))) == 0
+    with pytest.raises(TypeError):
+        make(2.0, 64)

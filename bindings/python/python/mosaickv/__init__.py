@@ -49,6 +49,24 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _dims(kv_heads: Any, head_dim: Any) -> "tuple[int, int]":
+    """``kv_heads`` and ``head_dim`` as Python ints the library can take (numpy integers
+    accepted). Negative or oversized values raise :class:`InvalidConfigError`; zero is
+    left to the library, which names the rule it breaks (SPEC section 1)."""
+    import operator
+
+    out = []
+    for name, x in (("kv_heads", kv_heads), ("head_dim", head_dim)):
+        try:
+            v = operator.index(x)
+        except TypeError:
+            raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
+        if v < 0 or v >= 2**63:
+            raise _errors.InvalidConfigError(f"invalid configuration: {name} {v} is not a positive integer")
+        out.append(v)
+    return out[0], out[1]
+
+
 def _plain(x: Any) -> Any:
     """numpy scalars and arrays as the Python numbers and lists JSON knows."""
     if isinstance(x, (np.generic, np.ndarray)):
@@ -246,6 +264,7 @@ class Cache(_Base):
         config: Optional[Config] = None,
         backend: str = "cpu",
     ) -> None:
+        kv_heads, head_dim = _dims(kv_heads, head_dim)
         if config is None:
             config = Config()
         if not isinstance(config, Config):
@@ -288,6 +307,7 @@ class FullCache(_Base):
     """
 
     def __init__(self, kv_heads: int, head_dim: int, backend: str = "cpu") -> None:
+        kv_heads, head_dim = _dims(kv_heads, head_dim)
         self._inner = _Cache.full(kv_heads, head_dim, backend)
 
 
@@ -299,6 +319,7 @@ class QuestCache(_Base):
     """
 
     def __init__(self, kv_heads: int, head_dim: int, token_rate: float = 0.2, backend: str = "cpu") -> None:
+        kv_heads, head_dim = _dims(kv_heads, head_dim)
         self._inner = _Cache.quest(kv_heads, head_dim, float(token_rate), backend)
 
 
@@ -319,4 +340,5 @@ class Naive2dCache(_Base):
         retention: float = 0.25,
         backend: str = "reference",
     ) -> None:
+        kv_heads, head_dim = _dims(kv_heads, head_dim)
         self._inner = _Cache.naive2d(kv_heads, head_dim, float(token_rate), float(retention), backend)
