@@ -59,6 +59,38 @@ pub(crate) fn encode_segment(
     })
 }
 
+/// SPEC 10.2 step 1 when the cache has no segment at all: each head's temporary
+/// strategy fitted on the buffer rows (`[n][kv][d]`), heads in order (the first
+/// head's error wins, as in the reference).
+pub(crate) fn first_strategies(
+    keys: &[f32],
+    values: &[f32],
+    kv: usize,
+    d: usize,
+    config: &CompressConfig,
+) -> Result<Vec<Strategy>> {
+    let n = keys.len() / (kv * d).max(1);
+    first_error_in_order(
+        (0..kv)
+            .into_par_iter()
+            .map(|h| {
+                let k = gather(keys, kv, d, h, 0, n);
+                let v = gather(values, kv, d, h, 0, n);
+                let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, config)?;
+                let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, config)?;
+                let packed = encode::encode_rows(&k, &ks)?;
+                let dense = encode::decode_trusted(&packed, &ks.layout);
+                let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
+                Ok(Strategy {
+                    key: ks,
+                    value: vs,
+                    block_size,
+                })
+            })
+            .collect(),
+    )
+}
+
 /// Gathers head `h`'s rows `[t0, t1)` from `[tokens][kv][d]` data into `[n][d]`.
 fn gather(data: &[f32], kv: usize, d: usize, h: usize, t0: usize, t1: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity((t1 - t0) * d);
@@ -151,34 +183,22 @@ impl OptimizedMosaicCache {
         let (bk, bv) = (&self.buf_k, &self.buf_v);
         let open = self.open_segment();
         // 1. The temporary strategy per head: the open segment's, else the last
-        //    segment's, else fitted on the buffer rows.
-        let strategies: Vec<Strategy> = match (open, self.cache.segments.last()) {
-            (Some(i), _) => self.cache.segments[i]
+        //    segment's (cloned: it becomes the new open segment's), else fitted on the
+        //    buffer rows. The open segment's is only borrowed, so a flush into an open
+        //    segment copies no rotation.
+        let new_open: Option<Vec<Strategy>> = match (open, self.cache.segments.last()) {
+            (Some(_), _) => None,
+            (None, Some(last)) => Some(last.heads.iter().map(|h| h.strategy.clone()).collect()),
+            (None, None) => Some(first_strategies(bk, bv, kv, d, &config)?),
+        };
+        let strategies: Vec<&Strategy> = match (&new_open, open) {
+            (Some(st), _) => st.iter().collect(),
+            (None, Some(i)) => self.cache.segments[i]
                 .heads
                 .iter()
-                .map(|h| h.strategy.clone())
+                .map(|h| &h.strategy)
                 .collect(),
-            (None, Some(last)) => last.heads.iter().map(|h| h.strategy.clone()).collect(),
-            (None, None) => first_error_in_order(
-                (0..kv)
-                    .into_par_iter()
-                    .map(|h| {
-                        let k = gather(bk, kv, d, h, 0, n);
-                        let v = gather(bv, kv, d, h, 0, n);
-                        let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, &config)?;
-                        let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, &config)?;
-                        let packed = encode::encode_rows(&k, &ks)?;
-                        let dense = encode::decode_trusted(&packed, &ks.layout);
-                        let block_size =
-                            encode::block_size_dense(&dense, ks.layout.kept_dims, &config);
-                        Ok(Strategy {
-                            key: ks,
-                            value: vs,
-                            block_size,
-                        })
-                    })
-                    .collect(),
-            )?,
+            (None, None) => unreachable!("a strategy was fitted above"),
         };
         // 2. The buffer encoded with it, the new rows' loss sums (SPEC 11.1).
         type Part = (
@@ -247,8 +267,10 @@ impl OptimizedMosaicCache {
             None
         };
 
+        drop(strategies);
+
         // Commit (infallible from here on).
-        if open.is_none() {
+        if let Some(strategies) = new_open {
             let heads = strategies
                 .into_iter()
                 .map(|strategy| HeadSegment {
@@ -312,7 +334,7 @@ impl OptimizedMosaicCache {
 /// The results of per-head work in head order, or the first head's error: rayon's
 /// `collect::<Result<_>>` may return any failing item's error, and SPEC.md section 14
 /// wants the same error (and index) on every backend.
-fn first_error_in_order<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
+pub(crate) fn first_error_in_order<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
     results.into_iter().collect()
 }
 
@@ -400,10 +422,7 @@ impl KvCache for OptimizedMosaicCache {
             if let Err(e) = self.flush() {
                 // The flush mutated nothing (SPEC 14): take the token back out.
                 let row = shape.kv_heads * shape.head_dim;
-                let b = &mut self.cache.buffer;
-                b.tokens -= 1;
-                b.keys.truncate(b.keys.len() - row);
-                b.values.truncate(b.values.len() - row);
+                self.cache.buffer.pop(row);
                 self.buf_k.truncate(self.buf_k.len() - row);
                 self.buf_v.truncate(self.buf_v.len() - row);
                 return Err(e);

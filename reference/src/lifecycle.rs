@@ -408,10 +408,7 @@ impl KvCache for MosaicCache {
             if let Err(e) = self.flush() {
                 // The flush mutated nothing; take the token back out.
                 let row = self.row_len();
-                let b = &mut self.compressed.buffer;
-                b.tokens -= 1;
-                b.keys.truncate(b.keys.len() - row);
-                b.values.truncate(b.values.len() - row);
+                self.compressed.buffer.pop(row);
                 self.host_keys.truncate(self.host_keys.len() - row);
                 self.host_values.truncate(self.host_values.len() - row);
                 return Err(e);

@@ -62,6 +62,15 @@ impl DenseRows {
         self.values.extend(value.into_iter().map(f16::from_f32));
         self.tokens += 1;
     }
+    /// Takes the last token back out (`row` = `kv_heads * head_dim` elements per side):
+    /// how a cache undoes an `append` whose flush failed (SPEC.md section 14).
+    pub fn pop(&mut self, row: usize) {
+        if self.tokens > 0 {
+            self.tokens -= 1;
+            self.keys.truncate(self.keys.len().saturating_sub(row));
+            self.values.truncate(self.values.len().saturating_sub(row));
+        }
+    }
     pub fn clear(&mut self) {
         self.tokens = 0;
         self.keys.clear();

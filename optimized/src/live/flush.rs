@@ -5,9 +5,8 @@
 use super::protocol::{Done, FlushJob, Job, Part, Tag};
 use super::{gather, Engine, LiveCache};
 use crate::encode;
-use mosaickv_spec::{
-    BlockMeta, HeadSegment, MosaicError, Result, Segment, SegmentState, Side, Strategy,
-};
+use crate::mosaic::first_strategies;
+use mosaickv_spec::{BlockMeta, HeadSegment, MosaicError, Result, Segment, SegmentState, Strategy};
 use rayon::prelude::*;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -61,28 +60,8 @@ impl LiveCache {
                     Some(last.heads.iter().map(|h| h.strategy.clone()).collect()),
                 ),
                 None => {
-                    let config = &self.view.config;
-                    let (bk, bv) = (&self.buf_k, &self.buf_v);
-                    let fitted = (0..kv)
-                        .into_par_iter()
-                        .map(|h| {
-                            let k = gather(bk, kv, d, h);
-                            let v = gather(bv, kv, d, h);
-                            let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, config)?;
-                            let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, config)?;
-                            let packed = encode::encode_rows(&k, &ks)?;
-                            let dense = encode::decode_trusted(&packed, &ks.layout);
-                            let block_size =
-                                encode::block_size_dense(&dense, ks.layout.kept_dims, config);
-                            Ok(Strategy {
-                                key: ks,
-                                value: vs,
-                                block_size,
-                            })
-                        })
-                        .collect::<Vec<Result<_>>>()
-                        .into_iter()
-                        .collect::<Result<Vec<_>>>()?;
+                    let fitted =
+                        first_strategies(&self.buf_k, &self.buf_v, kv, d, &self.view.config)?;
                     (Tag::First, Some(fitted))
                 }
             }

@@ -509,10 +509,7 @@ impl KvCache for LiveCache {
                 if self.failed.is_none() {
                     // The flush mutated nothing (SPEC 14): take the token back out.
                     let row = self.row_len();
-                    let b = &mut self.view.buffer;
-                    b.tokens -= 1;
-                    b.keys.truncate(b.keys.len() - row);
-                    b.values.truncate(b.values.len() - row);
+                    self.view.buffer.pop(row);
                     self.buf_k.truncate(self.buf_k.len() - row);
                     self.buf_v.truncate(self.buf_v.len() - row);
                 }
