@@ -110,11 +110,12 @@ impl MosaicCache {
     }
 
     /// Rebuilds a cache from its parts, validating that they agree: the
-    /// compressed cache's structure (see `attention::check_cache`), the sink
-    /// rule, the buffer below capacity, at most the last segment open with a
-    /// length that is a multiple of `buffer_capacity` below `max_segment_len`,
-    /// host rows of exactly the open segment's and buffer's tokens, finite,
-    /// and the buffer's f16 rows equal to the rounded host rows.
+    /// compressed cache's whole structure ([`CompressedCache::validate`]: the
+    /// sink rule, the buffer below capacity, at most the last segment open),
+    /// the open segment's length a multiple of `buffer_capacity` below
+    /// `max_segment_len`, host rows of exactly the open segment's and buffer's
+    /// tokens, finite and within the row-norm rule (SPEC 14), and the buffer's
+    /// f16 rows equal to the rounded host rows.
     pub fn from_parts(
         compressed: CompressedCache,
         host_keys: Vec<f32>,
@@ -124,21 +125,7 @@ impl MosaicCache {
         let shape = compressed.shape;
         let cfg = &compressed.config;
         let bad = |m: String| Err(MosaicError::InvalidConfig(m));
-        if compressed.sink.tokens > cfg.sink_tokens
-            || (compressed.sink.tokens < cfg.sink_tokens
-                && compressed.len() > compressed.sink.tokens)
-        {
-            return bad(format!(
-                "sink holds {} tokens, sink_tokens is {}",
-                compressed.sink.tokens, cfg.sink_tokens
-            ));
-        }
-        if compressed.buffer.tokens >= cfg.buffer_capacity {
-            return bad(format!(
-                "buffer holds {} tokens, capacity {}",
-                compressed.buffer.tokens, cfg.buffer_capacity
-            ));
-        }
+        // (`validate` checked the sink rule and the buffer below capacity.)
         let open_len = match compressed.segments.last() {
             Some(seg) if seg.state == SegmentState::Open => seg.len,
             _ => 0,
@@ -157,6 +144,10 @@ impl MosaicCache {
         }
         finite("host keys", host_keys.iter())?;
         finite("host values", host_values.iter())?;
+        // They are re-encoded when the open segment closes: the append rule (SPEC 14).
+        let d = shape.head_dim;
+        rows_storable("host keys (row norm beyond f16 range)", &host_keys, d)?;
+        rows_storable("host values (row norm beyond f16 range)", &host_values, d)?;
         let buffer_from = open_len * shape.kv_heads * shape.head_dim;
         let rounded = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         if rounded(&host_keys[buffer_from..]) != compressed.buffer.keys
