@@ -17,7 +17,7 @@
 extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const SegHead* __restrict__ sh,
                                               const int* __restrict__ seg_batch, const float* __restrict__ rot,
                                               int kv_heads, int q_heads, int D, float* __restrict__ qrot) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    MKV_EXTERN_SMEM(smem);
     float* qs = reinterpret_cast<float*>(smem);  // [D]
     const int gseg = blockIdx.x;
     const int h = blockIdx.y;
