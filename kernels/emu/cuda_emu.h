@@ -52,7 +52,7 @@ struct Thread {
     int arg, width;
     uint64_t value;
     uint64_t result;
-    void* ctx;  // ucontext_t*, owned by the scheduler
+    void* ctx;  // the fiber's saved stack pointer (emu.cpp, mkv_emu_switch)
 };
 
 struct Block {

@@ -10,9 +10,37 @@
 #include <cstdio>
 #include <string>
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
 #include <vector>
+
+// A fiber switch that saves only the callee-saved registers (no signal-mask system call,
+// unlike swapcontext): mkv_emu_switch(&save_sp, new_sp).
+#ifndef __x86_64__
+#error "the emulation's fiber switch (mkv_emu_switch) is x86-64 assembly"
+#endif
+extern "C" void mkv_emu_switch(void** save_sp, void* new_sp);
+asm(R"(
+    .text
+    .globl mkv_emu_switch
+    .type mkv_emu_switch, @function
+mkv_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size mkv_emu_switch, .-mkv_emu_switch
+)");
 
 namespace mkv_emu {
 
@@ -21,7 +49,7 @@ thread_local Block* cur_block = nullptr;
 
 namespace {
 
-constexpr size_t kStack = 256 * 1024;  // per fiber (kernels keep small frames; sanitizers need more)
+constexpr size_t kStack = 128 * 1024;  // per fiber (kernels keep small frames; sanitizers need more)
 
 size_t page() { return (size_t)sysconf(_SC_PAGESIZE); }
 
@@ -51,10 +79,9 @@ struct Launch {
     const KernelEntry* k = nullptr;
     Block block{};
     std::vector<Thread> threads;
-    std::vector<ucontext_t> ctxs;
-    std::vector<Guarded> stacks;
+    std::vector<Guarded>* stacks = nullptr;  // this OS thread's pool, at least one per thread
     Guarded smem;
-    ucontext_t sched{};
+    void* sched_sp = nullptr;  // the scheduler's saved stack pointer
     void** args = nullptr;
     std::string error;
     bool failed = false;
@@ -93,7 +120,7 @@ void on_segv(int sig, siginfo_t* si, void* uc) {
             l->failed = true;
             siglongjmp(l->segv_jump, 1);
         }
-        for (auto& s : l->stacks) {
+        for (auto& s : *l->stacks) {
             if (a >= s.guard && a < s.guard + pg) {
                 l->error = "fiber stack overflow in thread " + std::to_string(cur_thread->linear);
                 l->failed = true;
@@ -136,13 +163,34 @@ void ensure_altstack() {
     sigaltstack(&ss, nullptr);
 }
 
-void fiber_main(unsigned lo, unsigned hi) {
-    (void)lo;
-    (void)hi;
+[[noreturn]] void fiber_main() {
     Launch* l = cur_launch;
     l->k->invoke(l->args);
     cur_thread->wait = Wait::Done;
-    swapcontext((ucontext_t*)cur_thread->ctx, &l->sched);
+    mkv_emu_switch(&cur_thread->ctx, l->sched_sp);
+    abort();  // an exited fiber is never resumed
+}
+
+// The fiber stacks of this OS thread, kept between launches.
+std::vector<Guarded>& stack_pool(size_t n) {
+    static thread_local std::vector<Guarded> pool;
+    while (pool.size() < n) {
+        Guarded g;
+        if (!g.map(kStack, false)) break;
+        pool.push_back(g);
+    }
+    return pool;
+}
+
+// A fresh fiber on `stack` whose first switch enters fiber_main (see mkv_emu_switch: six
+// callee-saved registers, then the return address; entry with rsp % 16 == 8).
+void* fresh_fiber(const Guarded& stack) {
+    uintptr_t top = ((uintptr_t)(stack.guard + page() + kStack)) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;                     // fiber_main's (never used) return address
+    *--sp = (void*)&fiber_main;          // popped by mkv_emu_switch's ret
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;  // r15 r14 r13 r12 rbx rbp
+    return sp;
 }
 
 const char* wait_name(const Thread& t) {
@@ -259,12 +307,7 @@ bool run_block(Launch& l) {
     for (int i = 0; i < n; ++i) {
         Thread& t = l.threads[i];
         t.wait = Wait::Run;
-        t.ctx = &l.ctxs[i];
-        getcontext(&l.ctxs[i]);
-        l.ctxs[i].uc_stack.ss_sp = l.stacks[i].guard + page();
-        l.ctxs[i].uc_stack.ss_size = kStack;
-        l.ctxs[i].uc_link = nullptr;
-        makecontext(&l.ctxs[i], (void (*)())fiber_main, 2, 0u, 0u);
+        t.ctx = fresh_fiber((*l.stacks)[i]);
     }
     if (l.block.dyn_smem) memset(l.block.dyn_smem, 0xff, l.block.dyn_bytes);  // uninitialized: NaN floats
     for (;;) {
@@ -275,7 +318,7 @@ bool run_block(Launch& l) {
             if (t.wait != Wait::Run) continue;
             ran = true;
             cur_thread = &t;
-            swapcontext(&l.sched, &l.ctxs[i]);
+            mkv_emu_switch(&l.sched_sp, t.ctx);
             cur_thread = nullptr;
             if (l.failed) return false;
         }
@@ -314,7 +357,7 @@ bool run_block(Launch& l) {
 
 void yield() {
     Thread* t = cur_thread;
-    swapcontext((ucontext_t*)t->ctx, &cur_launch->sched);
+    mkv_emu_switch(&t->ctx, cur_launch->sched_sp);
 }
 
 void fault(const char* fmt, ...) {
@@ -327,7 +370,7 @@ void fault(const char* fmt, ...) {
     l->error = buf;
     l->failed = true;
     cur_thread->wait = Wait::Done;
-    swapcontext((ucontext_t*)cur_thread->ctx, &l->sched);
+    mkv_emu_switch(&cur_thread->ctx, l->sched_sp);
     abort();  // never resumed
 }
 
@@ -448,10 +491,8 @@ int mkv_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsi
     l.k = k;
     l.args = args;
     l.threads.resize(threads);
-    l.ctxs.resize(threads);
-    l.stacks.resize(threads);
-    for (auto& s : l.stacks)
-        if (!s.map(kStack, false)) { put(err, err_len, "emulation: cannot map fiber stacks"); return 4; }
+    l.stacks = &stack_pool(threads);
+    if (l.stacks->size() < threads) { put(err, err_len, "emulation: cannot map fiber stacks"); return 4; }
     if (dyn_smem > 0) {
         if (!l.smem.map(dyn_smem, true)) { put(err, err_len, "emulation: cannot map shared memory"); return 4; }
         // Ends exactly at the guard page (16-byte aligned start; up to 15 bytes of slack).
@@ -487,7 +528,6 @@ int mkv_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsi
     cur_thread = nullptr;
     cur_launch = prev_launch;
     cur_block = prev_block;
-    for (auto& s : l.stacks) s.unmap();
     l.smem.unmap();
     if (rc) put(err, err_len, std::string(name) + ": " + l.error);
     return rc;
