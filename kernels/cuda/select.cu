@@ -93,8 +93,10 @@ extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks,
 }
 
 // Orderable key: a larger score gives a larger key (NaN never occurs: inputs are finite).
+// -0 and +0 get the same key, so they tie (SPEC.md 8.3) even in scores the host passes in
+// (select_blocks); before issue 17 -0 ranked below +0 (found by the emulated stamp).
 __device__ __forceinline__ u32 mkv_score_key(float s) {
-    u32 u = __float_as_uint(s);
+    u32 u = s == 0.0f ? 0u : __float_as_uint(s);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
