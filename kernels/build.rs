@@ -10,7 +10,12 @@ fn main() {
     }
     cc::Build::new()
         .cpp(true)
-        .files(["emu/emu.cpp", "emu/kernels.cpp", "emu/divergent.cpp", "emu/selftest.cpp"])
+        .files([
+            "emu/emu.cpp",
+            "emu/kernels.cpp",
+            "emu/divergent.cpp",
+            "emu/selftest.cpp",
+        ])
         .include("emu")
         .include("cuda")
         .flag("-std=c++20")

@@ -36,10 +36,20 @@ impl Backend for SharedEmu {
     fn availability(&self) -> Availability {
         shared().availability()
     }
-    fn fit_side(&self, rows: ArrayView2<f32>, side: Side, config: &CompressConfig) -> Result<SideStrategy> {
+    fn fit_side(
+        &self,
+        rows: ArrayView2<f32>,
+        side: Side,
+        config: &CompressConfig,
+    ) -> Result<SideStrategy> {
         shared().fit_side(rows, side, config)
     }
-    fn fit_block_size(&self, keys: ArrayView2<f32>, key: &SideStrategy, config: &CompressConfig) -> Result<usize> {
+    fn fit_block_size(
+        &self,
+        keys: ArrayView2<f32>,
+        key: &SideStrategy,
+        config: &CompressConfig,
+    ) -> Result<usize> {
         shared().fit_block_size(keys, key, config)
     }
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
@@ -48,7 +58,12 @@ impl Backend for SharedEmu {
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
         shared().decode(packed, side)
     }
-    fn block_meta(&self, keys: &PackedRows, key: &SideStrategy, block_size: usize) -> Result<BlockMeta> {
+    fn block_meta(
+        &self,
+        keys: &PackedRows,
+        key: &SideStrategy,
+        block_size: usize,
+    ) -> Result<BlockMeta> {
         shared().block_meta(keys, key, block_size)
     }
     fn rotate_queries(&self, queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Array2<f32>> {
@@ -57,7 +72,12 @@ impl Backend for SharedEmu {
     fn score_blocks(&self, meta: &BlockMeta, rotated_queries: ArrayView2<f32>) -> Result<Vec<f32>> {
         shared().score_blocks(meta, rotated_queries)
     }
-    fn select_blocks(&self, scores: &[f32], block_lens: &[usize], budget_tokens: usize) -> Result<Vec<u32>> {
+    fn select_blocks(
+        &self,
+        scores: &[f32],
+        block_lens: &[usize],
+        budget_tokens: usize,
+    ) -> Result<Vec<u32>> {
         shared().select_blocks(scores, block_lens, budget_tokens)
     }
     fn select(&self, cache: &CompressedCache, queries: ArrayView2<f32>) -> Result<Selection> {
@@ -72,7 +92,12 @@ impl Backend for SharedEmu {
     ) -> Result<()> {
         shared().attend_selected(cache, queries, selection, out)
     }
-    fn attend(&self, cache: &CompressedCache, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()> {
+    fn attend(
+        &self,
+        cache: &CompressedCache,
+        queries: ArrayView2<f32>,
+        out: ArrayViewMut2<f32>,
+    ) -> Result<()> {
         shared().attend(cache, queries, out)
     }
 }
@@ -97,7 +122,15 @@ mod device_paths {
     use rand::{Rng, SeedableRng};
 
     /// Full attention in f64 over f16 rows `[n][kv][d]` for queries `[q_heads][d]`.
-    fn full_attention(k: &[u16], v: &[u16], n: usize, kv: usize, qh: usize, d: usize, q: &[f32]) -> Vec<f32> {
+    fn full_attention(
+        k: &[u16],
+        v: &[u16],
+        n: usize,
+        kv: usize,
+        qh: usize,
+        d: usize,
+        q: &[f32],
+    ) -> Vec<f32> {
         let g = qh / kv;
         let h2f = |b: u16| half::f16::from_bits(b).to_f64();
         let mut out = vec![0f32; qh * d];
@@ -105,7 +138,10 @@ mod device_paths {
             let j = h / g;
             let logits: Vec<f64> = (0..n)
                 .map(|t| {
-                    (0..d).map(|e| q[h * d + e] as f64 * h2f(k[(t * kv + j) * d + e])).sum::<f64>() / (d as f64).sqrt()
+                    (0..d)
+                        .map(|e| q[h * d + e] as f64 * h2f(k[(t * kv + j) * d + e]))
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
                 })
                 .collect();
             let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -120,12 +156,23 @@ mod device_paths {
     }
 
     fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-        let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+        let num: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+            .sum();
         let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
         (num / den.max(f64::MIN_POSITIVE)).sqrt()
     }
 
-    fn dense(gpu: &Gpu, n: usize, kv: usize, qh: usize, d: usize, seed: u64) -> (DenseDevice, Vec<u16>, Vec<u16>, Vec<f32>) {
+    fn dense(
+        gpu: &Gpu,
+        n: usize,
+        kv: usize,
+        qh: usize,
+        d: usize,
+        seed: u64,
+    ) -> (DenseDevice, Vec<u16>, Vec<u16>, Vec<f32>) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut row = || half::f16::from_f32(rng.gen_range(-1.0f32..1.0)).to_bits();
         let k: Vec<u16> = (0..n * kv * d).map(|_| row()).collect();
@@ -153,10 +200,16 @@ mod device_paths {
         let gpu = Gpu::emulated();
         let (dd, k, v, q) = dense(&gpu, 33, 1, 4, 128, 3);
         let qb = gpu.up(&q).unwrap();
-        let err = dd.decode_with(&gpu, "mkv_dense_decode_divergent", &qb, None, 1).err().expect("must fault");
+        let err = dd
+            .decode_with(&gpu, "mkv_dense_decode_divergent", &qb, None, 1)
+            .err()
+            .expect("must fault");
         let msg = err.to_string();
         assert!(is_kernel_fault(&err), "{msg}");
-        assert!(msg.contains("divergent warp operation") && msg.contains("__shfl_xor_sync"), "{msg}");
+        assert!(
+            msg.contains("divergent warp operation") && msg.contains("__shfl_xor_sync"),
+            "{msg}"
+        );
         let out = gpu.down(&dd.decode(&gpu, &qb, None, 1).unwrap()).unwrap();
         let want = full_attention(&k, &v, 33, 1, 4, 128, &q);
         assert!(rel_l2(&out, &want) < 1e-5, "{}", rel_l2(&out, &want));
@@ -167,15 +220,25 @@ mod device_paths {
     #[test]
     fn dense_decode_matches_full_attention() {
         let gpu = Gpu::emulated();
-        for &(d, kv, qh) in &[(64usize, 2usize, 4usize), (128, 1, 6), (80, 1, 1), (256, 1, 2)] {
+        for &(d, kv, qh) in &[
+            (64usize, 2usize, 4usize),
+            (128, 1, 6),
+            (80, 1, 1),
+            (256, 1, 2),
+        ] {
             for &n in &[1usize, 31, 33, 100, 497] {
                 for splits in [1usize, 3] {
                     let (dd, k, v, q) = dense(&gpu, n, kv, qh, d, (d * n + splits) as u64);
                     let qb = gpu.up(&q).unwrap();
-                    let out = gpu.down(&dd.decode(&gpu, &qb, None, splits).unwrap()).unwrap();
+                    let out = gpu
+                        .down(&dd.decode(&gpu, &qb, None, splits).unwrap())
+                        .unwrap();
                     let want = full_attention(&k, &v, n, kv, qh, d, &q);
                     let e = rel_l2(&out, &want);
-                    assert!(e < 1e-5, "D={d} kv={kv} q={qh} n={n} splits={splits}: rel L2 {e:e}");
+                    assert!(
+                        e < 1e-5,
+                        "D={d} kv={kv} q={qh} n={n} splits={splits}: rel L2 {e:e}"
+                    );
                 }
             }
         }
@@ -226,11 +289,18 @@ mod device_paths {
         let blocks = per_head[0].len();
         let sel = Selection { per_head };
         let mut want = Array2::<f32>::zeros((4, 64));
-        ReferenceBackend.attend_selected(&cache, q.view(), &sel, want.view_mut()).unwrap();
+        ReferenceBackend
+            .attend_selected(&cache, q.view(), &sel, want.view_mut())
+            .unwrap();
         let mut got = Array2::<f32>::zeros((4, 64));
-        SharedEmu.attend_selected(&cache, q.view(), &sel, got.view_mut()).unwrap();
+        SharedEmu
+            .attend_selected(&cache, q.view(), &sel, got.view_mut())
+            .unwrap();
         let e = rel_l2(got.as_slice().unwrap(), want.as_slice().unwrap());
-        assert!(e < mosaickv_conformance::tolerances::ATTEND_REL_L2, "{blocks} blocks: rel L2 {e:e}");
+        assert!(
+            e < mosaickv_conformance::tolerances::ATTEND_REL_L2,
+            "{blocks} blocks: rel L2 {e:e}"
+        );
     }
 
     /// A batch of caches attended in one launch sequence gives each cache's own answer.
@@ -245,12 +315,105 @@ mod device_paths {
         let dc = backend.upload(&[&a, &b]).unwrap();
         let (qa, qb) = (queries(4, 64, 1), queries(4, 64, 2));
         let flat: Vec<f32> = qa.iter().chain(qb.iter()).copied().collect();
-        let out = gpu.down(&dc.attend(&gpu, &gpu.up(&flat).unwrap()).unwrap()).unwrap();
+        let out = gpu
+            .down(&dc.attend(&gpu, &gpu.up(&flat).unwrap()).unwrap())
+            .unwrap();
         for (i, (c, q)) in [(&a, &qa), (&b, &qb)].into_iter().enumerate() {
             let mut want = Array2::<f32>::zeros((4, 64));
-            ReferenceBackend.attend(c, q.view(), want.view_mut()).unwrap();
+            ReferenceBackend
+                .attend(c, q.view(), want.view_mut())
+                .unwrap();
             let e = rel_l2(&out[i * 256..(i + 1) * 256], want.as_slice().unwrap());
-            assert!(e < mosaickv_conformance::tolerances::ATTEND_REL_L2, "sequence {i}: rel L2 {e:e}");
+            assert!(
+                e < mosaickv_conformance::tolerances::ATTEND_REL_L2,
+                "sequence {i}: rel L2 {e:e}"
+            );
         }
+    }
+}
+
+mod cuda_cache {
+    //! `CudaCache` on the emulation: appends copy one token, the batch attends in one
+    //! launch sequence, a replacement keeps the answers, a full spare area is a typed error.
+    use super::*;
+    use mosaickv_conformance::{queries, reference_cache};
+    use mosaickv_optimized::cuda::CudaCache;
+    use mosaickv_reference::ReferenceBackend;
+    use mosaickv_spec::{KvShape, MosaicError};
+
+    fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+        let num: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+            .sum();
+        let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (num / den.max(f64::MIN_POSITIVE)).sqrt()
+    }
+
+    #[test]
+    fn append_then_attend_matches_the_reference_for_each_sequence() {
+        let shape = KvShape::new(2, 4, 64).unwrap();
+        let cfg = CompressConfig::default();
+        let full = reference_cache(shape, &cfg, 300, 9, 4).unwrap();
+        let other = reference_cache(shape, &cfg, 200, 3, 5).unwrap();
+        let row = shape.kv_heads * shape.head_dim;
+        assert!(full.buffer.tokens >= 2, "the test needs buffered tokens");
+        // `before` is `full` without its last two buffered tokens; they are appended on the device.
+        let mut before = full.clone();
+        before.buffer.tokens -= 2;
+        before.buffer.keys.truncate(before.buffer.tokens * row);
+        before.buffer.values.truncate(before.buffer.tokens * row);
+        let gpu = shared().gpu().unwrap();
+        let mut cc = CudaCache::new(gpu, &[&before, &other], 2).unwrap();
+        let n = full.buffer.tokens;
+        for t in [n - 2, n - 1] {
+            let k = &full.buffer.keys[t * row..(t + 1) * row];
+            let v = &full.buffer.values[t * row..(t + 1) * row];
+            cc.append(0, k, v).unwrap();
+        }
+        let (qa, qb) = (queries(4, 64, 4), queries(4, 64, 5));
+        let flat: Vec<f32> = qa.iter().chain(qb.iter()).copied().collect();
+        let out = cc.attend(&flat).unwrap();
+        for (i, (c, q)) in [(&full, &qa), (&other, &qb)].into_iter().enumerate() {
+            let mut want = Array2::<f32>::zeros((4, 64));
+            ReferenceBackend
+                .attend(c, q.view(), want.view_mut())
+                .unwrap();
+            let e = rel_l2(&out[i * 256..(i + 1) * 256], want.as_slice().unwrap());
+            assert!(
+                e < mosaickv_conformance::tolerances::ATTEND_REL_L2,
+                "sequence {i}: rel L2 {e:e}"
+            );
+        }
+        // The spare rows are used up: a typed error, and the cache still gives the same answers.
+        let k = &full.buffer.keys[..row];
+        let err = cc.append(0, k, k).unwrap_err();
+        assert!(matches!(err, MosaicError::InvalidConfig(_)), "{err:?}");
+        assert_eq!(cc.attend(&flat).unwrap(), out);
+        // Bad input is a typed error too.
+        assert!(matches!(
+            cc.append(2, k, k),
+            Err(MosaicError::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            cc.attend(&flat[1..]),
+            Err(MosaicError::ShapeMismatch { .. })
+        ));
+        // Replacing with the caches as the host now has them gives the same answers.
+        cc.replace(&[&full, &other]).unwrap();
+        let again = cc.attend(&flat).unwrap();
+        assert!(rel_l2(&again, &out) < 1e-6);
+        // Memory: device and host bytes counted apart; the device holds at least the records.
+        let m = cc.memory();
+        let records: usize = [&full, &other]
+            .iter()
+            .flat_map(|c| c.segments.iter().flat_map(|s| s.heads.iter()))
+            .map(|h| h.keys.bytes.len() + h.values.bytes.len())
+            .sum();
+        assert!(
+            m.device_bytes >= records && m.host_bytes >= records,
+            "{m:?}"
+        );
     }
 }

@@ -407,7 +407,11 @@ mod tests {
         assert!(NVRTC_WHEEL_PATHS.contains(&"cu13/lib/libnvrtc.so.13"));
         // Every search path either exists or is a bare soname for the loader.
         for p in nvrtc_search_paths() {
-            assert!(p.is_file() || p.components().count() == 1, "{}", p.display());
+            assert!(
+                p.is_file() || p.components().count() == 1,
+                "{}",
+                p.display()
+            );
         }
     }
 }

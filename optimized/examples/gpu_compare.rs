@@ -518,9 +518,8 @@ fn run_batch(
     });
     let (mosaic_us, mosaic_wall) = time_steps(gpu, w, s, |i| dc.attend(gpu, &qs[i % QUERY_SETS]));
 
-    let down = |r: mosaickv_spec::Result<mosaickv_optimized::cuda::device::Buf<f32>>, what: &str| {
-        gpu.down(&r.or_fail(what)).or_fail(what)
-    };
+    let down = |r: mosaickv_spec::Result<mosaickv_optimized::cuda::device::Buf<f32>>,
+                what: &str| { gpu.down(&r.or_fail(what)).or_fail(what) };
     let full_out = down(dense.attend_full(gpu, &qs[0]), "full attention");
     let quest_out = down(quest.attend(gpu, &dense, &qs[0]), "Quest attention");
     let mosaic_out = down(dc.attend(gpu, &qs[0]), "MosaicKV attention");

@@ -33,11 +33,23 @@ pub const EMULATED_SMEM_OPTIN: usize = 227 * 1024;
 
 /// Element types of device buffers.
 pub trait Elem:
-    cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static
+    cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
+    + Copy
+    + Default
+    + Send
+    + Sync
+    + 'static
 {
 }
 impl<T> Elem for T where
-    T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static
+    T: cudarc::driver::DeviceRepr
+        + cudarc::driver::ValidAsZeroBits
+        + Copy
+        + Default
+        + Send
+        + Sync
+        + 'static
 {
 }
 
@@ -368,8 +380,9 @@ impl Gpu {
                     },
                 };
                 // SAFETY: as above; the emulation also checks the count and sizes.
-                unsafe { k::emu::launch(name, dims, &mut ptrs, &sizes) }
-                    .map_err(|e| MosaicError::BackendUnavailable(format!("{KERNEL_FAULT} (emulated): {e}")))
+                unsafe { k::emu::launch(name, dims, &mut ptrs, &sizes) }.map_err(|e| {
+                    MosaicError::BackendUnavailable(format!("{KERNEL_FAULT} (emulated): {e}"))
+                })
             }
         }
     }
@@ -379,7 +392,10 @@ impl Gpu {
             Exec::Cuda { stream, .. } => {
                 if v.is_empty() {
                     // Zero-length allocations are not portable: one zero element stands in.
-                    return stream.alloc_zeros::<T>(1).map(Buf::Cuda).map_err(drv("alloc"));
+                    return stream
+                        .alloc_zeros::<T>(1)
+                        .map(Buf::Cuda)
+                        .map_err(drv("alloc"));
                 }
                 stream.clone_htod(v).map(Buf::Cuda).map_err(drv("upload"))
             }
@@ -417,9 +433,9 @@ impl Gpu {
     /// asynchronous fault of an earlier launch surfaces here, as a kernel fault.
     pub fn down<T: Elem>(&self, s: &Buf<T>) -> Result<Vec<T>> {
         match (s, &self.exec) {
-            (Buf::Cuda(s), Exec::Cuda { stream, .. }) => {
-                stream.clone_dtoh(s).map_err(|e| device_error("download", e))
-            }
+            (Buf::Cuda(s), Exec::Cuda { stream, .. }) => stream
+                .clone_dtoh(s)
+                .map_err(|e| device_error("download", e)),
             #[cfg(feature = "cuda-emulated")]
             (Buf::Emu(e), _) => Ok(e.to_vec()),
             #[cfg(feature = "cuda-emulated")]
@@ -429,9 +445,37 @@ impl Gpu {
         }
     }
 
+    /// Writes `v` into `b` at element offset `off`: a copy of only these elements.
+    pub fn write<T: Elem>(&self, b: &mut Buf<T>, off: usize, v: &[T]) -> Result<()> {
+        if off + v.len() > b.len() {
+            return Err(MosaicError::ShapeMismatch {
+                what: "device write",
+                expected: format!("at most {} elements", b.len()),
+                got: format!("{} at offset {off}", v.len()),
+            });
+        }
+        match (b, &self.exec) {
+            (Buf::Cuda(s), Exec::Cuda { stream, .. }) => stream
+                .memcpy_htod(v, &mut s.slice_mut(off..off + v.len()))
+                .map_err(drv("upload")),
+            #[cfg(feature = "cuda-emulated")]
+            (Buf::Emu(e), _) => {
+                // SAFETY: no launch runs while the caller holds `&mut` to the buffer.
+                unsafe { (&mut *e.data.get())[off..off + v.len()].copy_from_slice(v) };
+                Ok(())
+            }
+            #[cfg(feature = "cuda-emulated")]
+            _ => Err(MosaicError::BackendUnavailable(
+                "a buffer of another executor".into(),
+            )),
+        }
+    }
+
     pub fn sync(&self) -> Result<()> {
         match &self.exec {
-            Exec::Cuda { stream, .. } => stream.synchronize().map_err(|e| device_error("synchronize", e)),
+            Exec::Cuda { stream, .. } => stream
+                .synchronize()
+                .map_err(|e| device_error("synchronize", e)),
             #[cfg(feature = "cuda-emulated")]
             Exec::Emu => Ok(()),
         }
@@ -515,6 +559,60 @@ impl DeviceCache {
 
     fn nbj(&self) -> usize {
         self.t.batch * self.t.kv_heads
+    }
+
+    /// Bytes this cache holds on the device (every buffer, padding element included).
+    pub fn device_bytes(&self) -> usize {
+        fn b<T: Elem>(x: &Buf<T>) -> usize {
+            x.len() * std::mem::size_of::<T>()
+        }
+        b(&self.packed_k)
+            + b(&self.packed_v)
+            + b(&self.rot)
+            + b(&self.meta_min)
+            + b(&self.meta_max)
+            + b(&self.meta_scale)
+            + b(&self.seg)
+            + b(&self.seg_batch)
+            + b(&self.seg_base)
+            + b(&self.blocks)
+            + b(&self.block_owner)
+            + b(&self.block_base)
+            + b(&self.block_lens)
+            + b(&self.dense_k)
+            + b(&self.dense_v)
+            + b(&self.dense_base)
+            + b(&self.dense_count)
+            + b(&self.budget)
+    }
+
+    /// Appends one token's rows (`[kv_heads][D]` f16 bits each) to sequence `b`'s dense
+    /// rows on the device, copying only that token and its new row count. `Err` (and
+    /// nothing written) when `b` is out of range, the rows have the wrong length, or the
+    /// spare rows reserved at upload are used up.
+    pub fn append_token(&mut self, gpu: &Gpu, b: usize, key: &[u16], value: &[u16]) -> Result<()> {
+        let t = &self.t;
+        let row = t.kv_heads * t.head_dim;
+        if b >= t.batch || key.len() != row || value.len() != row {
+            return Err(MosaicError::ShapeMismatch {
+                what: "appended token",
+                expected: format!("sequence < {}, rows of {row}", t.batch),
+                got: format!("sequence {b}, rows of {} / {}", key.len(), value.len()),
+            });
+        }
+        let count = t.dense_count[b];
+        if count >= t.dense_capacity[b] {
+            return Err(MosaicError::InvalidConfig(format!(
+                "sequence {b}: the {} dense rows reserved on the device are full",
+                t.dense_capacity[b]
+            )));
+        }
+        let off = (t.dense_base[b] as usize + count as usize) * row;
+        gpu.write(&mut self.dense_k, off, key)?;
+        gpu.write(&mut self.dense_v, off, value)?;
+        gpu.write(&mut self.dense_count, b, &[count + 1])?;
+        self.t.dense_count[b] = count + 1;
+        Ok(())
     }
 
     /// SPEC.md 8.1 on the device: `qrot[gseg][h]` = R_k(gseg, h / G)^T q_h (first Dt dims)

@@ -14,8 +14,11 @@
 //! `fit_block_size`: SPEC.md 3, 4, 11, an eigendecomposition and a loss search), which
 //! has no kernel.
 
+pub mod cache;
 pub mod device;
 pub mod layout;
+
+pub use cache::{CudaCache, CudaCacheMemory};
 
 use device::{cfg, is_kernel_fault, kargs, Buf, DeviceCache, Gpu};
 use layout::HostTables;
