@@ -212,7 +212,11 @@ mod device_paths {
         );
         let out = gpu.down(&dd.decode(&gpu, &qb, None, 1).unwrap()).unwrap();
         let want = full_attention(&k, &v, 33, 1, 4, 128, &q);
-        assert!(rel_l2(&out, &want) < 1e-5, "{}", rel_l2(&out, &want));
+        assert!(
+            rel_l2(&out, &want) < mosaickv_conformance::tolerances::ATTEND_REL_L2,
+            "{}",
+            rel_l2(&out, &want)
+        );
     }
 
     /// The fixed kernel over head dims, GQA groups, lengths and splits whose lane slots end
@@ -236,7 +240,7 @@ mod device_paths {
                     let want = full_attention(&k, &v, n, kv, qh, d, &q);
                     let e = rel_l2(&out, &want);
                     assert!(
-                        e < 1e-5,
+                        e < mosaickv_conformance::tolerances::ATTEND_REL_L2,
                         "D={d} kv={kv} q={qh} n={n} splits={splits}: rel L2 {e:e}"
                     );
                 }
@@ -254,7 +258,10 @@ mod device_paths {
             let quest = QuestDevice::new(&gpu, &dd, 1.0).unwrap();
             let out = gpu.down(&quest.attend(&gpu, &dd, &qb).unwrap()).unwrap();
             let want = full_attention(&k, &v, n, 2, 4, 64, &q);
-            assert!(rel_l2(&out, &want) < 1e-5, "n={n}");
+            assert!(
+                rel_l2(&out, &want) < mosaickv_conformance::tolerances::ATTEND_REL_L2,
+                "n={n}"
+            );
             // A small rate still runs every kernel without a fault.
             let quest = QuestDevice::new(&gpu, &dd, 0.2).unwrap();
             let out = gpu.down(&quest.attend(&gpu, &dd, &qb).unwrap()).unwrap();
@@ -402,8 +409,8 @@ mod cuda_cache {
         ));
         // Replacing with the caches as the host now has them gives the same answers.
         cc.replace(&[&full, &other]).unwrap();
-        let again = cc.attend(&flat).unwrap();
-        assert!(rel_l2(&again, &out) < 1e-6);
+        // (The same rows in the same order: the deterministic emulation gives the same bits.)
+        assert_eq!(cc.attend(&flat).unwrap(), out);
         // Memory: device and host bytes counted apart; the device holds at least the records.
         let m = cc.memory();
         let records: usize = [&full, &other]

@@ -152,10 +152,14 @@ void install_segv() {
     (void)once;
 }
 
-// Gives the fault handler a stack of its own on this OS thread (a fault on a fiber's guard page).
+// Gives the fault handler a stack of its own on this OS thread (a fault on a fiber's guard
+// page cannot run on the fiber's stack). A thread that already has one (Rust's threads do,
+// for their stack-overflow handler) keeps it.
 void ensure_altstack() {
     static thread_local std::vector<unsigned char> alt;
     if (!alt.empty()) return;
+    stack_t cur{};
+    if (sigaltstack(nullptr, &cur) == 0 && !(cur.ss_flags & SS_DISABLE) && cur.ss_size >= 16 * 1024) return;
     alt.resize(64 * 1024);
     stack_t ss{};
     ss.ss_sp = alt.data();
