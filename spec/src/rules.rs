@@ -134,10 +134,12 @@ pub fn prompt_segments(
 }
 
 /// SPEC.md section 11.2: the candidate record layouts of a policy for
-/// `head_dim`, in policy order (group sizes outer, retentions inner) with
-/// duplicates removed: `r = min(Dt_g, ceil_g(f * D))`, `Dt_g` from section 4.
+/// `head_dim`, in policy order (value dtypes outer, then group sizes, then
+/// retentions) with duplicates removed: `r = min(Dt_g, ceil_g(f * D))`, `Dt_g`
+/// from section 4. The fixed policy has one candidate, in the first of
+/// `value_dtypes`.
 pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout> {
-    let layout = |f: f64, g: usize| {
+    let layout = |f: f64, g: usize, dtype: ValueDtype| {
         let kept_dims = config.kept_dims(head_dim, g);
         let r = ceil_to((f * head_dim as f64).ceil() as usize, g).min(kept_dims);
         RecordLayout {
@@ -145,7 +147,7 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
             kept_dims,
             r,
             group_size: g,
-            dtype: ValueDtype::F16,
+            dtype,
         }
     };
     let mut out: Vec<RecordLayout> = Vec::new();
@@ -158,15 +160,21 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
         ChannelPolicy::Fixed {
             retention,
             group_size,
-        } => push(layout(*retention, *group_size)),
+        } => push(layout(
+            *retention,
+            *group_size,
+            config.value_dtypes.first().copied().unwrap_or(ValueDtype::F16),
+        )),
         ChannelPolicy::LossThreshold {
             retentions,
             group_sizes,
             ..
         } => {
-            for &g in group_sizes {
-                for &f in retentions {
-                    push(layout(f, g));
+            for &dtype in &config.value_dtypes {
+                for &g in group_sizes {
+                    for &f in retentions {
+                        push(layout(f, g, dtype));
+                    }
                 }
             }
         }

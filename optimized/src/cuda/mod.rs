@@ -39,6 +39,18 @@ pub struct CudaBackend {
     host: crate::CpuBackend,
 }
 
+/// The CUDA kernels read and write f16 records only (SPEC.md section 6); an int8/int4 layout
+/// is a typed error here, never a misread record (docs/GPU.md).
+pub(crate) fn f16_only(l: &mosaickv_spec::RecordLayout) -> Result<()> {
+    if l.dtype.is_quantized() {
+        return Err(MosaicError::BackendUnavailable(format!(
+            "the CUDA kernels store f16 values only; a {} layout needs a CPU backend",
+            l.dtype.name()
+        )));
+    }
+    Ok(())
+}
+
 impl CudaBackend {
     /// Probes for the driver; `BackendUnavailable` when it is absent. The context is
     /// created and the kernels compiled on first use ([`CudaBackend::gpu`]).
@@ -123,6 +135,7 @@ impl Backend for CudaBackend {
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
         side.validate()?;
         let l = side.layout;
+        f16_only(&l)?;
         if rows.ncols() != l.head_dim {
             return Err(MosaicError::ShapeMismatch {
                 what: "rows",
