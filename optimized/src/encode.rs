@@ -4,7 +4,7 @@
 //! definition, with separate multiply and add (Rust never contracts to FMA).
 
 use half::f16;
-use mosaickv_spec::layout::{quantize_values, read_code, record_scale, write_quantized};
+use mosaickv_spec::layout::{dequantize, quantize_values, read_code, record_quant, write_quantized};
 use mosaickv_spec::{
     rules, BlockMeta, CompressConfig, MosaicError, PackedRows, RecordLayout, Result, Side,
     SideStrategy,
@@ -234,8 +234,8 @@ fn pack_record(x: &[f64], layout: &RecordLayout, out: &mut [u8], b: &mut PackBuf
     if layout.dtype.is_quantized() {
         if overflow.is_none() {
             let codes = &mut b.codes[..layout.r];
-            let scale = quantize_values(&b.kv, layout.dtype, codes);
-            write_quantized(layout.dtype, scale, codes, &mut out[bb..]);
+            let params = quantize_values(&b.kv, layout.dtype, codes);
+            write_quantized(layout.dtype, params, codes, &mut out[bb..]);
         }
     } else {
         for (o, v) in out[bb..bb + 2 * layout.r].chunks_exact_mut(2).zip(&b.kv) {
@@ -246,20 +246,20 @@ fn pack_record(x: &[f64], layout: &RecordLayout, out: &mut [u8], b: &mut PackBuf
 }
 
 /// SPEC 6: the decoded values of a row's kept f16 values `kv` (ascending dims) under an
-/// int8/int4 layout, `code * scale` (exact in f32), into `out`; the codes go to `codes`.
-pub fn dequantize_kept(kv: &[f16], layout: &RecordLayout, codes: &mut [i8], out: &mut Vec<f32>) {
+/// int8/int4 layout, `m + code * s` (one f32 rounding), into `out`; the codes go to `codes`.
+pub fn dequantize_kept(kv: &[f16], layout: &RecordLayout, codes: &mut [u8], out: &mut Vec<f32>) {
     let codes = &mut codes[..kv.len()];
-    let s = quantize_values(kv, layout.dtype, codes).to_f32();
+    let p = quantize_values(kv, layout.dtype, codes);
     out.clear();
-    out.extend(codes.iter().map(|&c| f32::from(c) * s));
+    out.extend(codes.iter().map(|&c| dequantize(p, c)));
 }
 
 /// SPEC 6: the decoded kept values of a (valid) int8/int4 record, ascending dims, into `out`.
 pub fn record_dequantized(rec: &[u8], layout: &RecordLayout, out: &mut Vec<f32>) {
-    let s = record_scale(layout, rec).to_f32();
+    let p = record_quant(layout, rec);
     let v = &rec[layout.values_offset()..];
     out.clear();
-    out.extend((0..layout.r).map(|i| f32::from(read_code(layout.dtype, v, i)) * s));
+    out.extend((0..layout.r).map(|i| dequantize(p, read_code(layout.dtype, v, i))));
 }
 
 /// The first overflow of rows packed in chunks of [`ROWS_PER_TASK`]: `(row in chunk, dim)`
@@ -285,7 +285,7 @@ struct PackBufs {
     /// The kept f16 values of the row, ascending dims.
     kv: Vec<f16>,
     /// Their int8/int4 codes.
-    codes: Vec<i8>,
+    codes: Vec<u8>,
     /// Their decoded values (the loss of a quantized layout).
     deq: Vec<f32>,
 }

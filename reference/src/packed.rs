@@ -3,7 +3,8 @@
 use crate::topr::{rotate_row_f64, select_row};
 use half::f16;
 use mosaickv_spec::layout::{
-    bitmap_bit, quantize_values, read_code, record_scale, record_value, write_quantized,
+    bitmap_bit, dequantize, quantize_values, read_code, record_quant, record_value,
+    write_quantized,
 };
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
@@ -26,7 +27,8 @@ pub fn check_rows(rows: &ArrayView2<f32>, side: &SideStrategy, what: &'static st
 /// SPEC.md sections 5 and 6: one row's record, appended to `out`.
 ///
 /// `| bitmap: W little-endian u32 words | r kept values, f16 LE, ascending dim | zero pad to 4 |`
-/// for f16; int8/int4: `| bitmap | f16 scale | r codes (1 byte / half a byte each) | pad |`
+/// for f16; int8/int4: `| bitmap | f16 minimum, f16 scale | r codes (1 byte / half a byte
+/// each) | pad |`
 /// ([`mosaickv_spec::layout::quantize_values`] from the kept f16 values).
 ///
 /// A kept value that overflows f16 (|x'| >= 65520) is `NonFinite`: it could
@@ -60,12 +62,12 @@ pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result
         return Err(rules::rotated_overflow(0, j, layout.kept_dims));
     }
     if layout.dtype.is_quantized() {
-        let mut codes = vec![0i8; layout.r];
-        let scale = quantize_values(&kept_values, layout.dtype, &mut codes);
+        let mut codes = vec![0u8; layout.r];
+        let params = quantize_values(&kept_values, layout.dtype, &mut codes);
         out.resize(start + layout.record_bytes(), 0);
         write_quantized(
             layout.dtype,
-            scale,
+            params,
             &codes,
             &mut out[start + layout.bitmap_bytes()..],
         );
@@ -92,17 +94,14 @@ pub fn kept_values(y: &[f16], kept: &[bool], g: usize) -> Vec<f16> {
 }
 
 /// SPEC.md section 6: the decoded kept values of a row as attention reads them: the f16
-/// values themselves, or `code * scale` (exact in f32) for int8/int4.
+/// values themselves, or `m + code * s` (one f32 rounding) for int8/int4.
 pub fn dequantized_kept(kept_values: &[f16], layout: &RecordLayout) -> Vec<f32> {
     if !layout.dtype.is_quantized() {
         return kept_values.iter().map(|v| v.to_f32()).collect();
     }
-    let mut codes = vec![0i8; kept_values.len()];
-    let scale = quantize_values(kept_values, layout.dtype, &mut codes);
-    codes
-        .iter()
-        .map(|&c| f32::from(c) * scale.to_f32())
-        .collect()
+    let mut codes = vec![0u8; kept_values.len()];
+    let params = quantize_values(kept_values, layout.dtype, &mut codes);
+    codes.iter().map(|&c| dequantize(params, c)).collect()
 }
 
 /// SPEC.md sections 5 and 6: every row of `[n, D]` packed, record i at `i * record_bytes`.
@@ -126,14 +125,14 @@ pub fn encode_rows(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedR
 
 /// SPEC.md section 6, decode of one (already validated) record: the dense
 /// rotated row `k^` of length Dt, the stored value at kept dims, 0 elsewhere
-/// (for int8/int4 the stored value is `code * scale`, exact in f32).
+/// (for int8/int4 the stored value is `m + code * s`, rounded once to f32).
 pub fn decode_record(layout: &RecordLayout, record: &[u8]) -> Result<Vec<f32>> {
     let g = layout.group_size;
     let mut out = vec![0.0f32; layout.kept_dims];
     let value = |i: usize| -> f32 {
         if layout.dtype.is_quantized() {
             let codes = &record[layout.values_offset()..];
-            f32::from(read_code(layout.dtype, codes, i)) * record_scale(layout, record).to_f32()
+            dequantize(record_quant(layout, record), read_code(layout.dtype, codes, i))
         } else {
             record_value(layout, record, i).to_f32()
         }

@@ -59,11 +59,12 @@ fn packed(rng: &mut Rng, layout: &RecordLayout, count: usize) -> PackedRows {
         rec[..bb].copy_from_slice(&word.to_le_bytes()[..bb]);
         if layout.dtype.is_quantized() {
             let q = layout.dtype.qmax() as usize;
-            let codes: Vec<i8> = (0..layout.r)
-                .map(|_| (rng.below(2 * q + 1) as i32 - q as i32) as i8)
-                .collect();
-            let scale = f16::from_f32(rng.f32().abs() + 0.01);
-            mosaickv_spec::layout::write_quantized(layout.dtype, scale, &codes, &mut rec[bb..]);
+            let codes: Vec<u8> = (0..layout.r).map(|_| rng.below(q + 1) as u8).collect();
+            let p = mosaickv_spec::layout::QuantParams {
+                min: f16::from_f32(rng.f32()),
+                scale: f16::from_f32(rng.f32().abs() + 0.01),
+            };
+            mosaickv_spec::layout::write_quantized(layout.dtype, p, &codes, &mut rec[bb..]);
         } else {
             for i in 0..layout.r {
                 let v = f16::from_f32(rng.f32()).to_le_bytes();
