@@ -7,12 +7,15 @@
 //! g = 1) and quantizes them with each candidate scale layout. Prints, per option, the mean
 //! relative reconstruction error `sum ||x'_kept - dequant||^2 / sum ||x||^2` (quantization
 //! error only; the dropped energy is the same for every option at one r) and the total
-//! relative error with the dropped energy, with the record bytes each option costs.
+//! relative error with the dropped energy, with the record bytes each option costs. The
+//! "sym"/"asym" options round their scale to the nearest f16 and clamp; "SPEC" is the
+//! shipped rule (`spec::layout::quantize_values`: smallest f16 scale, f16 inputs).
 
 use clap::Parser;
 use mosaickv_engine::{model_path, Model};
 use mosaickv_reference::rotation::fit_rotation;
 use mosaickv_reference::topr::{rotate_row_f64, select_row};
+use mosaickv_spec::layout::{dequantize, quantize_values};
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use ndarray::s;
 
@@ -52,6 +55,18 @@ fn asym(v: &[f64], levels: f64, group: usize) -> f64 {
     err
 }
 
+/// SPEC.md section 6 as implemented: the kept values rounded to f16 (section 5), then
+/// `quantize_values` and `dequantize`; the error is against the f64 rotated values.
+fn spec_err(v: &[f64], dtype: ValueDtype) -> f64 {
+    let y: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f64(x)).collect();
+    let mut codes = vec![0u8; y.len()];
+    let p = quantize_values(&y, dtype, &mut codes);
+    v.iter()
+        .zip(&codes)
+        .map(|(&x, &c)| (x - f64::from(dequantize(p, c))).powi(2))
+        .sum()
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let model = Model::load(&model_path(None)?)?;
@@ -77,6 +92,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("int4 sym/16", Box::new(|v| sym(v, 7.0, 16)), Box::new(|r| r.div_ceil(2) + 2 * r.div_ceil(16))),
         ("int4 asym/record", Box::new(|v| asym(v, 16.0, usize::MAX)), Box::new(|r| r.div_ceil(2) + 4)),
         ("int4 asym/32", Box::new(|v| asym(v, 16.0, 32)), Box::new(|r| r.div_ceil(2) + 4 * r.div_ceil(32))),
+        // The shipped rule (SPEC.md section 6), through the one host implementation.
+        ("int8 SPEC", Box::new(|v| spec_err(v, ValueDtype::Int8)), Box::new(|r| r + 4)),
+        ("int4 SPEC", Box::new(|v| spec_err(v, ValueDtype::Int4)), Box::new(|r| r.div_ceil(2) + 4)),
     ];
     for side in ["K", "V"] {
         for frac in [0.25, 0.5, 0.75, 1.0] {
