@@ -402,4 +402,34 @@ mod tests {
         assert_eq!(score_order(0.0, -0.0), std::cmp::Ordering::Equal);
         assert_eq!(score_order(1.0, 0.0), std::cmp::Ordering::Less);
     }
+
+    /// SPEC.md section 11.2: value dtypes are the outer loop of the candidates (config
+    /// order), the fixed policy takes the first dtype, and byte order prefers a quantized
+    /// layout whose loss passes.
+    #[test]
+    fn candidates_per_dtype() {
+        let cfg = CompressConfig {
+            value_dtypes: vec![ValueDtype::Int4, ValueDtype::F16],
+            ..CompressConfig::default()
+        };
+        let c = candidates(&cfg, 64);
+        let plain = candidates(&CompressConfig::default(), 64);
+        assert_eq!(c.len(), 2 * plain.len());
+        for (i, l) in c.iter().enumerate() {
+            let want = if i < plain.len() { ValueDtype::Int4 } else { ValueDtype::F16 };
+            assert_eq!(l.dtype, want);
+            let p = &plain[i % plain.len()];
+            assert_eq!((l.r, l.group_size, l.kept_dims), (p.r, p.group_size, p.kept_dims));
+        }
+        // Equal losses: the int4 layout of the same (r, g) has fewer bytes and wins.
+        let losses = vec![0.001; c.len()];
+        let k = choose_candidate(&c, &losses, Side::Key, &cfg);
+        assert_eq!(c[k].dtype, ValueDtype::Int4);
+        let fixed = CompressConfig {
+            value_dtypes: vec![ValueDtype::Int8, ValueDtype::F16],
+            ..CompressConfig::paper_fixed()
+        };
+        let f = candidates(&fixed, 64);
+        assert_eq!((f.len(), f[0].dtype), (1, ValueDtype::Int8));
+    }
 }

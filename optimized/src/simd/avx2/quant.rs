@@ -51,6 +51,7 @@ pub unsafe fn unpack_codes(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]
                 i += 16;
             }
         }
+        ValueDtype::Int8 => out[..r].copy_from_slice(&v[..r]),
         _ => unpack_codes_scalar(dtype, v, r, out),
     }
     // Codes past r (an odd r's unused nibble, the copy's zeros) are cleared.
