@@ -109,6 +109,11 @@ fn mosaic_lifecycle_matches_reference() {
         c.max_segment_len = 96;
         c.min_segment_len = 64;
         c
+    }, {
+        // int4 and int8 values chosen by the loss rule (SPEC.md sections 6, 11.2).
+        let mut c = small_config();
+        c.value_dtypes = vec![mosaickv_spec::ValueDtype::Int4, mosaickv_spec::ValueDtype::Int8];
+        c
     }]
     .into_iter()
     .enumerate()
