@@ -810,6 +810,9 @@ fn quantized_caches_are_identical_and_inspect_shows_dtype_and_scales() {
     assert!(m["memory"]["scales"].as_u64().unwrap() > 0);
     let inspect = ok(&[&"inspect", &"--cache", &opt]);
     for needle in ["value minimum + scale", "(scales ", "int"] {
-        assert!(inspect.contains(needle), "inspect lacks {needle}: {inspect}");
+        assert!(
+            inspect.contains(needle),
+            "inspect lacks {needle}: {inspect}"
+        );
     }
 }

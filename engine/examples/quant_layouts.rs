@@ -30,9 +30,15 @@ fn sym(v: &[f64], qmax: f64, group: usize) -> f64 {
     let mut err = 0.0;
     for c in v.chunks(group) {
         let a = c.iter().fold(0f64, |a, x| a.max(x.abs()));
-        let s = half::f16::from_f64(a / qmax).to_f64().max(if a > 0.0 { 1e-12 } else { 0.0 });
+        let s = half::f16::from_f64(a / qmax)
+            .to_f64()
+            .max(if a > 0.0 { 1e-12 } else { 0.0 });
         for &x in c {
-            let q = if s == 0.0 { 0.0 } else { (x / s).round_ties_even().clamp(-qmax, qmax) };
+            let q = if s == 0.0 {
+                0.0
+            } else {
+                (x / s).round_ties_even().clamp(-qmax, qmax)
+            };
             err += (x - q * s).powi(2);
         }
     }
@@ -48,7 +54,11 @@ fn asym(v: &[f64], levels: f64, group: usize) -> f64 {
         let lo16 = half::f16::from_f64(lo).to_f64();
         let s = half::f16::from_f64((hi - lo16) / (levels - 1.0)).to_f64();
         for &x in c {
-            let q = if s == 0.0 { 0.0 } else { ((x - lo16) / s).round_ties_even().clamp(0.0, levels - 1.0) };
+            let q = if s == 0.0 {
+                0.0
+            } else {
+                ((x - lo16) / s).round_ties_even().clamp(0.0, levels - 1.0)
+            };
             err += (x - (lo16 + q * s)).powi(2);
         }
     }
@@ -81,29 +91,91 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layers = pre.keys.len();
     let (_, kvh, d) = pre.keys[0].dim();
     // (name, value bits, scale bytes per record as a function of r)
-    type Opt = (&'static str, Box<dyn Fn(&[f64]) -> f64>, Box<dyn Fn(usize) -> usize>);
+    type Opt = (
+        &'static str,
+        Box<dyn Fn(&[f64]) -> f64>,
+        Box<dyn Fn(usize) -> usize>,
+    );
     let opts: Vec<Opt> = vec![
-        ("f16", Box::new(|v: &[f64]| v.iter().map(|&x| (x - half::f16::from_f64(x).to_f64()).powi(2)).sum()), Box::new(|r| 2 * r)),
-        ("int8 sym/record", Box::new(|v| sym(v, 127.0, usize::MAX)), Box::new(|r| r + 2)),
-        ("int8 sym/32", Box::new(|v| sym(v, 127.0, 32)), Box::new(|r| r + 2 * r.div_ceil(32))),
-        ("int8 asym/record", Box::new(|v| asym(v, 256.0, usize::MAX)), Box::new(|r| r + 4)),
-        ("int4 sym/record", Box::new(|v| sym(v, 7.0, usize::MAX)), Box::new(|r| r.div_ceil(2) + 2)),
-        ("int4 sym/32", Box::new(|v| sym(v, 7.0, 32)), Box::new(|r| r.div_ceil(2) + 2 * r.div_ceil(32))),
-        ("int4 sym/16", Box::new(|v| sym(v, 7.0, 16)), Box::new(|r| r.div_ceil(2) + 2 * r.div_ceil(16))),
-        ("int4 asym/record", Box::new(|v| asym(v, 16.0, usize::MAX)), Box::new(|r| r.div_ceil(2) + 4)),
-        ("int4 asym/32", Box::new(|v| asym(v, 16.0, 32)), Box::new(|r| r.div_ceil(2) + 4 * r.div_ceil(32))),
+        (
+            "f16",
+            Box::new(|v: &[f64]| {
+                v.iter()
+                    .map(|&x| (x - half::f16::from_f64(x).to_f64()).powi(2))
+                    .sum()
+            }),
+            Box::new(|r| 2 * r),
+        ),
+        (
+            "int8 sym/record",
+            Box::new(|v| sym(v, 127.0, usize::MAX)),
+            Box::new(|r| r + 2),
+        ),
+        (
+            "int8 sym/32",
+            Box::new(|v| sym(v, 127.0, 32)),
+            Box::new(|r| r + 2 * r.div_ceil(32)),
+        ),
+        (
+            "int8 asym/record",
+            Box::new(|v| asym(v, 256.0, usize::MAX)),
+            Box::new(|r| r + 4),
+        ),
+        (
+            "int4 sym/record",
+            Box::new(|v| sym(v, 7.0, usize::MAX)),
+            Box::new(|r| r.div_ceil(2) + 2),
+        ),
+        (
+            "int4 sym/32",
+            Box::new(|v| sym(v, 7.0, 32)),
+            Box::new(|r| r.div_ceil(2) + 2 * r.div_ceil(32)),
+        ),
+        (
+            "int4 sym/16",
+            Box::new(|v| sym(v, 7.0, 16)),
+            Box::new(|r| r.div_ceil(2) + 2 * r.div_ceil(16)),
+        ),
+        (
+            "int4 asym/record",
+            Box::new(|v| asym(v, 16.0, usize::MAX)),
+            Box::new(|r| r.div_ceil(2) + 4),
+        ),
+        (
+            "int4 asym/32",
+            Box::new(|v| asym(v, 16.0, 32)),
+            Box::new(|r| r.div_ceil(2) + 4 * r.div_ceil(32)),
+        ),
         // The shipped rule (SPEC.md section 6), through the one host implementation.
-        ("int8 SPEC", Box::new(|v| spec_err(v, ValueDtype::Int8)), Box::new(|r| r + 4)),
-        ("int4 SPEC", Box::new(|v| spec_err(v, ValueDtype::Int4)), Box::new(|r| r.div_ceil(2) + 4)),
+        (
+            "int8 SPEC",
+            Box::new(|v| spec_err(v, ValueDtype::Int8)),
+            Box::new(|r| r + 4),
+        ),
+        (
+            "int4 SPEC",
+            Box::new(|v| spec_err(v, ValueDtype::Int4)),
+            Box::new(|r| r.div_ceil(2) + 4),
+        ),
     ];
     for side in ["K", "V"] {
         for frac in [0.25, 0.5, 0.75, 1.0] {
             let r = ((frac * d as f64).ceil() as usize).min(d);
-            let layout = RecordLayout { head_dim: d, kept_dims: d, r, group_size: 1, dtype: ValueDtype::F16 };
+            let layout = RecordLayout {
+                head_dim: d,
+                kept_dims: d,
+                r,
+                group_size: 1,
+                dtype: ValueDtype::F16,
+            };
             let mut qerr = vec![0f64; opts.len()];
             let (mut dropped, mut total) = (0f64, 0f64);
             for l in 0..layers {
-                let x = if side == "K" { &pre.keys[l] } else { &pre.values[l] };
+                let x = if side == "K" {
+                    &pre.keys[l]
+                } else {
+                    &pre.values[l]
+                };
                 for h in 0..kvh {
                     let rows = x.slice(s![.., h, ..]).to_owned();
                     let rot = fit_rotation(rows.view());
@@ -113,7 +185,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         let (_, kept) = select_row(&xr, &layout);
                         let kv: Vec<f64> = (0..d).filter(|&j| kept[j]).map(|j| xr[j]).collect();
                         total += xr.iter().map(|v| v * v).sum::<f64>();
-                        dropped += (0..d).filter(|&j| !kept[j]).map(|j| xr[j] * xr[j]).sum::<f64>();
+                        dropped += (0..d)
+                            .filter(|&j| !kept[j])
+                            .map(|j| xr[j] * xr[j])
+                            .sum::<f64>();
                         for (o, e) in opts.iter().zip(qerr.iter_mut()) {
                             *e += (o.1)(&kv);
                         }
@@ -133,6 +208,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    println!("# {layers} layers x {kvh} KV heads, D = {d}, {} tokens", args.tokens);
+    println!(
+        "# {layers} layers x {kvh} KV heads, D = {d}, {} tokens",
+        args.tokens
+    );
     Ok(())
 }

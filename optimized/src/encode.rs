@@ -4,7 +4,9 @@
 //! definition, with separate multiply and add (Rust never contracts to FMA).
 
 use half::f16;
-use mosaickv_spec::layout::{dequantize, quantize_values, read_code, record_quant, write_quantized};
+use mosaickv_spec::layout::{
+    dequantize, quantize_values, read_code, record_quant, write_quantized,
+};
 use mosaickv_spec::{
     rules, BlockMeta, CompressConfig, MosaicError, PackedRows, RecordLayout, Result, Side,
     SideStrategy,
@@ -209,13 +211,25 @@ fn select_groups(
 /// the record's bytes are then meaningless and the caller reports the error. Int8/int4 records
 /// get their scale and codes from [`mosaickv_spec::layout::quantize_values`] (the one host
 /// implementation of the rounding) over the kept f16 values.
-fn pack_record(x: &[f64], layout: &RecordLayout, out: &mut [u8], b: &mut PackBufs) -> Option<usize> {
+fn pack_record(
+    x: &[f64],
+    layout: &RecordLayout,
+    out: &mut [u8],
+    b: &mut PackBufs,
+) -> Option<usize> {
     let dt = layout.kept_dims;
     let g = layout.group_size;
     for j in 0..dt {
         b.y[j] = f16_from_f64(x[j]);
     }
-    select_groups(&b.y[..dt], g, layout.kept_groups(), &mut b.imp, &mut b.order, &mut b.keep);
+    select_groups(
+        &b.y[..dt],
+        g,
+        layout.kept_groups(),
+        &mut b.imp,
+        &mut b.order,
+        &mut b.keep,
+    );
     out.fill(0);
     let mut overflow = None;
     b.kv.clear();
@@ -544,20 +558,26 @@ pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
     let dp = dt.div_ceil(8) * 8;
     let mut tmp = vec![0f32; packed.count * dp];
     if layout.dtype.is_quantized() {
-        crate::simd::Path::Portable.expand_records_q(&packed.bytes, packed.count, layout, dp, &mut tmp);
+        crate::simd::Path::Portable.expand_records_q(
+            &packed.bytes,
+            packed.count,
+            layout,
+            dp,
+            &mut tmp,
+        );
     } else {
         crate::simd::Path::Portable.expand_records(
-        &packed.bytes,
-        0,
-        packed.count,
-        layout.record_bytes(),
-        layout.bitmap_bytes(),
-        layout.group_size,
-        dt,
-        layout.r,
-        dp,
-        &mut tmp,
-    );
+            &packed.bytes,
+            0,
+            packed.count,
+            layout.record_bytes(),
+            layout.bitmap_bytes(),
+            layout.group_size,
+            dt,
+            layout.r,
+            dp,
+            &mut tmp,
+        );
     }
     let mut out = vec![0f32; packed.count * dt];
     for (o, t) in out

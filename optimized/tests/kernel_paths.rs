@@ -137,7 +137,9 @@ fn quantized_expansion_is_bit_identical_on_every_path() {
     let mut rng = Rng(0x0123_4567_89ab_cdef);
     for path in paths() {
         for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
-            for dt in [8usize, 24, 40, 48, 60, 64, 72, 96, 100, 128, 160, 192, 250, 256] {
+            for dt in [
+                8usize, 24, 40, 48, 60, 64, 72, 96, 100, 128, 160, 192, 250, 256,
+            ] {
                 for r in [1, 2, dt / 4, dt / 2 + 1, dt - 1, dt] {
                     let r = r.max(1);
                     let layout = RecordLayout {

@@ -3,8 +3,7 @@
 use crate::topr::{rotate_row_f64, select_row};
 use half::f16;
 use mosaickv_spec::layout::{
-    bitmap_bit, dequantize, quantize_values, read_code, record_quant, record_value,
-    write_quantized,
+    bitmap_bit, dequantize, quantize_values, read_code, record_quant, record_value, write_quantized,
 };
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
@@ -132,7 +131,10 @@ pub fn decode_record(layout: &RecordLayout, record: &[u8]) -> Result<Vec<f32>> {
     let value = |i: usize| -> f32 {
         if layout.dtype.is_quantized() {
             let codes = &record[layout.values_offset()..];
-            dequantize(record_quant(layout, record), read_code(layout.dtype, codes, i))
+            dequantize(
+                record_quant(layout, record),
+                read_code(layout.dtype, codes, i),
+            )
         } else {
             record_value(layout, record, i).to_f32()
         }

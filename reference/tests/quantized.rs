@@ -4,10 +4,8 @@ use mosaickv_reference::metrics::rel_l2;
 use mosaickv_reference::synthetic::{queries, structured_kv};
 use mosaickv_reference::topr::rotate_row_f64;
 use mosaickv_reference::{FullCache, MosaicCache, ReferenceBackend};
-use mosaickv_spec::{
-    Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, Side, ValueDtype,
-};
 use mosaickv_spec::layout::bitmap_bit;
+use mosaickv_spec::{Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, Side, ValueDtype};
 use ndarray::{s, Array2};
 
 const D: usize = 64;
@@ -114,7 +112,10 @@ fn block_scores_bound_decoded_int4_keys() {
                     let dot: f64 = (0..D)
                         .map(|j| f64::from(rq[[h, j]]) * f64::from(decoded[[t, j]]))
                         .sum();
-                    assert!(dot <= f64::from(score) * (1.0 + 1e-6) + 1e-6, "block {b} token {t}");
+                    assert!(
+                        dot <= f64::from(score) * (1.0 + 1e-6) + 1e-6,
+                        "block {b} token {t}"
+                    );
                 }
             }
         }
@@ -141,7 +142,10 @@ fn attention_with_every_element_kept_tracks_full_attention() {
         cache.prefill(k.view(), v.view()).unwrap();
         let m = cache.compressed().memory();
         let scale = if dtype == ValueDtype::F16 { 0 } else { 4 };
-        assert_eq!(m.scales, scale * 2 * 2 * cache.compressed().segment_tokens());
+        assert_eq!(
+            m.scales,
+            scale * 2 * 2 * cache.compressed().segment_tokens()
+        );
         let mut sum = 0.0;
         for seed in 0..4u64 {
             let q = queries(4, D, &k, seed);
@@ -155,7 +159,10 @@ fn attention_with_every_element_kept_tracks_full_attention() {
         }
         mean.push(sum);
     }
-    eprintln!("mean rel L2 f16 {:.5} int8 {:.5} int4 {:.5}", mean[0], mean[1], mean[2]);
+    eprintln!(
+        "mean rel L2 f16 {:.5} int8 {:.5} int4 {:.5}",
+        mean[0], mean[1], mean[2]
+    );
     assert!(mean[0] < mean[1] && mean[1] < mean[2], "{mean:?}");
     assert!(mean[1] < 0.05 && mean[2] < 0.3, "{mean:?}");
 }

@@ -319,9 +319,16 @@ mod tests {
 
     #[test]
     fn value_dtypes_parse_default_and_validate() {
-        assert_eq!(CompressConfig::default().value_dtypes, vec![ValueDtype::F16]);
-        assert_eq!(CompressConfig::paper_fixed().value_dtypes, vec![ValueDtype::F16]);
-        let cfg = CompressConfig::from_json(r#"{"value_dtypes": ["int4", "int8", "f16"]}"#).unwrap();
+        assert_eq!(
+            CompressConfig::default().value_dtypes,
+            vec![ValueDtype::F16]
+        );
+        assert_eq!(
+            CompressConfig::paper_fixed().value_dtypes,
+            vec![ValueDtype::F16]
+        );
+        let cfg =
+            CompressConfig::from_json(r#"{"value_dtypes": ["int4", "int8", "f16"]}"#).unwrap();
         assert_eq!(
             cfg.value_dtypes,
             vec![ValueDtype::Int4, ValueDtype::Int8, ValueDtype::F16]
@@ -333,7 +340,10 @@ mod tests {
                 value_dtypes: bad,
                 ..CompressConfig::default()
             };
-            assert!(matches!(cfg.validate(64), Err(MosaicError::InvalidConfig(_))));
+            assert!(matches!(
+                cfg.validate(64),
+                Err(MosaicError::InvalidConfig(_))
+            ));
         }
     }
 }

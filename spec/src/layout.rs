@@ -215,7 +215,8 @@ pub const fn record_bytes_for(
     group_size: usize,
     dtype: ValueDtype,
 ) -> usize {
-    let raw = bitmap_bytes_for(kept_dims / group_size) + dtype.scale_bytes() + dtype.values_bytes(r);
+    let raw =
+        bitmap_bytes_for(kept_dims / group_size) + dtype.scale_bytes() + dtype.values_bytes(r);
     raw.div_ceil(4) * 4
 }
 
@@ -711,7 +712,11 @@ mod tests {
                 .map(|_| {
                     let n = next();
                     let x = ((n % 20001) as f32 / 10000.0 - 1.0) * mag + shift;
-                    f16::from_f32(if n % 11 == 0 { 0.0 } else { x.clamp(-65504.0, 65504.0) })
+                    f16::from_f32(if n % 11 == 0 {
+                        0.0
+                    } else {
+                        x.clamp(-65504.0, 65504.0)
+                    })
                 })
                 .collect();
             let mut codes = vec![0u8; r];
@@ -732,7 +737,10 @@ mod tests {
                 assert!(u32::from(c) <= dtype.qmax());
                 let deq = f64::from(dequantize(p, c));
                 let exact = lo + f64::from(c) * sd;
-                assert!((deq - exact).abs() <= exact.abs() * 2f64.powi(-24), "one f32 rounding");
+                assert!(
+                    (deq - exact).abs() <= exact.abs() * 2f64.powi(-24),
+                    "one f32 rounding"
+                );
                 assert!(
                     (deq - v.to_f64()).abs() <= sd / 2.0 + exact.abs() * 2f64.powi(-24),
                     "case {case}"

@@ -163,7 +163,11 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
         } => push(layout(
             *retention,
             *group_size,
-            config.value_dtypes.first().copied().unwrap_or(ValueDtype::F16),
+            config
+                .value_dtypes
+                .first()
+                .copied()
+                .unwrap_or(ValueDtype::F16),
         )),
         ChannelPolicy::LossThreshold {
             retentions,
@@ -416,10 +420,17 @@ mod tests {
         let plain = candidates(&CompressConfig::default(), 64);
         assert_eq!(c.len(), 2 * plain.len());
         for (i, l) in c.iter().enumerate() {
-            let want = if i < plain.len() { ValueDtype::Int4 } else { ValueDtype::F16 };
+            let want = if i < plain.len() {
+                ValueDtype::Int4
+            } else {
+                ValueDtype::F16
+            };
             assert_eq!(l.dtype, want);
             let p = &plain[i % plain.len()];
-            assert_eq!((l.r, l.group_size, l.kept_dims), (p.r, p.group_size, p.kept_dims));
+            assert_eq!(
+                (l.r, l.group_size, l.kept_dims),
+                (p.r, p.group_size, p.kept_dims)
+            );
         }
         // Equal losses: the int4 layout of the same (r, g) has fewer bytes and wins.
         let losses = vec![0.001; c.len()];

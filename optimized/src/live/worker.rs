@@ -84,8 +84,7 @@ fn add_loss_terms(
             // The decoded values this record stores are the ones the loss measures (SPEC 11.1).
             encode::record_dequantized(rec, layout, &mut deq);
         }
-        let (dropped, total) =
-            encode::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k), &deq);
+        let (dropped, total) = encode::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k), &deq);
         sums.dropped += dropped;
         sums.total += total;
     }
