@@ -304,7 +304,8 @@ pub struct SideStrategy {
     /// direction; a row x is stored as `x'_j = (R^T x)_j`, `j < Dt`. The truncated columns
     /// are never used after the fit, so they are not stored.
     pub rotation: Vec<f32>,
-    /// Relative dropped energy of the rows this strategy was fitted on (SPEC.md section 10).
+    /// Relative dropped energy (with the quantization error of an int8/int4 layout) of the
+    /// rows this strategy was fitted on (SPEC.md sections 10, 11.1).
     pub fit_loss: f64,
 }
 
@@ -357,8 +358,10 @@ impl PackedRows {
     }
 
     /// Checks the byte length and, for every record, the bitmap invariants
-    /// (popcount = r/g, no bit past the last group, zero padding). Values are
-    /// not checked here: a non-finite value is caught where it is decoded.
+    /// (popcount = r/g, no bit past the last group, zero padding) and, for int8/int4, the
+    /// minimum and scale (finite, not -0, scale >= 0), zero codes under a zero scale and a
+    /// zero unused nibble. f16 values are not checked here: a non-finite value is caught
+    /// where it is decoded.
     pub fn validate(&self, layout: &RecordLayout) -> Result<()> {
         let rb = layout.record_bytes();
         if self.bytes.len() != self.count * rb {

@@ -1,6 +1,6 @@
 //! SPEC.md section 6, int8/int4 records, g = 1: codes unpacked with 16-byte nibble splits,
-//! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled, offset by
-//! the record's minimum and masked to the kept dims.
+//! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
+//! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
 
 use crate::simd::path::Path;
 use crate::simd::quant::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
@@ -19,6 +19,23 @@ static EXPAND_LUT8: [[u8; 16]; 256] = {
             if (b >> lane) & 1 == 1 {
                 t[b][lane] = k;
                 k += 1;
+            }
+            lane += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+/// Lane masks: for a bitmap byte, all ones in each of the 8 i32 lanes whose bit is set.
+static LANE_MASK: [[i32; 8]; 256] = {
+    let mut t = [[0i32; 8]; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut lane = 0;
+        while lane < 8 {
+            if (b >> lane) & 1 == 1 {
+                t[b][lane] = -1;
             }
             lane += 1;
         }
@@ -74,7 +91,6 @@ pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     let p = record_quant(layout, rec);
     let scale = _mm256_set1_ps(p.scale.to_f32());
     let min = _mm256_set1_ps(p.min.to_f32());
-    let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     let chunks = dt.div_ceil(8);
     let mut off = 0usize;
     for c in 0..chunks {
@@ -82,11 +98,10 @@ pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
         let v = _mm_loadl_epi64(codes.as_ptr().add(off) as *const __m128i);
         let m = _mm_loadl_epi64(EXPAND_LUT8[byte].as_ptr() as *const __m128i);
         let e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, m));
-        let x = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(e), scale), min);
-        let kept = _mm256_cmpgt_epi32(
-            _mm256_and_si256(_mm256_set1_epi32(byte as i32), lane_bits),
-            _mm256_setzero_si256(),
-        );
+        // `code * s` is exact in f32, so the fused multiply-add rounds once, like the
+        // scalar `m + code * s`.
+        let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), scale, min);
+        let kept = _mm256_loadu_si256(LANE_MASK[byte].as_ptr() as *const __m256i);
         _mm256_storeu_ps(
             row.as_mut_ptr().add(8 * c),
             _mm256_and_ps(x, _mm256_castsi256_ps(kept)),

@@ -42,10 +42,8 @@ pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
                 break;
             }
             let b = _mm_loadu_si128(placed.as_ptr().add(16 * q) as *const __m128i);
-            let x = _mm512_add_ps(
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), scale),
-                min,
-            );
+            // `code * s` is exact in f32: the FMA rounds once, like the scalar decode.
+            let x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), scale, min);
             let kept = (mask >> (16 * q)) as u16;
             _mm512_mask_storeu_ps(
                 row.as_mut_ptr().add(base),
