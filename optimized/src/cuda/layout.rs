@@ -121,6 +121,8 @@ impl HostTables {
                 seg_tokens += seg.len;
                 for (j, h) in seg.heads.iter().enumerate() {
                     let (kl, vl) = (&h.strategy.key.layout, &h.strategy.value.layout);
+                    super::f16_only(kl)?;
+                    super::f16_only(vl)?;
                     // What the kernels add to the spec's checks: their head_dim limit.
                     if kl.head_dim != d || vl.head_dim != d || d > mosaickv_kernels::MAX_HEAD_DIM {
                         return Err(MosaicError::ShapeMismatch {

@@ -51,6 +51,18 @@ pub struct CudaBackend {
     host: crate::CpuBackend,
 }
 
+/// The CUDA kernels read and write f16 records only (SPEC.md section 6); an int8/int4 layout
+/// is a typed error here, never a misread record (docs/GPU.md).
+pub(crate) fn f16_only(l: &mosaickv_spec::RecordLayout) -> Result<()> {
+    if l.dtype.is_quantized() {
+        return Err(MosaicError::BackendUnavailable(format!(
+            "the CUDA kernels store f16 values only; a {} layout needs a CPU backend",
+            l.dtype.name()
+        )));
+    }
+    Ok(())
+}
+
 impl CudaBackend {
     /// Probes for the driver; `BackendUnavailable` when it is absent. The context is
     /// created and the kernels compiled on first use ([`CudaBackend::gpu`]).
@@ -218,6 +230,7 @@ impl Backend for CudaBackend {
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
         side.validate()?;
         let l = side.layout;
+        f16_only(&l)?;
         check_rows(&rows, l.head_dim, "rows")?;
         head_dim_supported(l.head_dim)?;
         let n = rows.nrows();
@@ -279,6 +292,7 @@ impl Backend for CudaBackend {
         side.validate()?;
         packed.validate(&side.layout)?;
         let l = side.layout;
+        f16_only(&l)?;
         head_dim_supported(l.head_dim)?;
         let (n, dt) = (packed.count, l.kept_dims);
         if n == 0 {
@@ -320,6 +334,7 @@ impl Backend for CudaBackend {
         block_size: usize,
     ) -> Result<BlockMeta> {
         key.validate()?;
+        f16_only(&key.layout)?;
         if block_size == 0 {
             return Err(MosaicError::InvalidConfig(
                 "block_size must be positive".into(),
