@@ -46,12 +46,24 @@ const SMOLLM2: Bounds = Bounds {
 const LOGIT_TOL: f32 = 0.5;
 /// A greedy step may pick a different token than llama.cpp only when, in our logits, the two
 /// candidates are closer than this (a near-tie that the noise above can flip), and at most once
-/// per prompt. With the current fixture no step differs at all.
+/// per prompt. The top-1 at the last prompt position may differ only when llama.cpp's own two
+/// logits are that close. With the SmolLM2 fixture no step differs at all; with Qwen's,
+/// raw_digits' first token is such a tie (llama.cpp: 13.428 vs 13.395; our quantized decode
+/// step puts the second 0.01 ahead).
 const NEAR_TIE: f32 = 0.25;
 
-/// Qwen2.5-Coder-1.5B (Q4_K_M): MEASURE
+/// Qwen2.5-Coder-1.5B (Q4_K_M), the same argument as for SmolLM2: both sides read the same
+/// Q4_K/Q6_K blocks; our prefill dequantizes them and multiplies in f32, llama.cpp rounds each
+/// activation to Q8_K (8 bits per block of 256) and keeps its KV cache in f16; our decode step
+/// goes through candle's QMatMul, which rounds activations to Q8_K as llama.cpp does, but its
+/// prompt K/V come from our f32 prefill. Measured when the fixture was made (5 prompts, 12-550
+/// tokens, top-5 logits of size 12-21): prefill worst 0.14, quantized decode worst 0.30
+/// (raw_digits, a logit of 12.5), every other difference under 0.17; all greedy steps equal.
+/// 0.5, the SmolLM2 bound, leaves the same room for other llama.cpp builds. A real bug is far
+/// outside it: a wrong RoPE pairing or missing QKV biases changes the logits by whole units
+/// (see the SmolLM2 note above) and breaks greedy decoding at once.
 const QWEN: Bounds = Bounds {
-    logit_tol: 1.0,
+    logit_tol: 0.5,
     near_tie: 0.25,
 };
 
@@ -184,12 +196,27 @@ fn check_case(model: &Model, case: &Value, bounds: &Bounds, failures: &mut Vec<S
             ));
         }
     }
-    if argmax(&pre.logits) != top_ids[0] {
-        failures.push(format!(
-            "{name}: top-1 ours {} vs llama.cpp {}",
-            argmax(&pre.logits),
-            top_ids[0]
-        ));
+    // our top-1 may differ from llama.cpp's only where llama.cpp's own logits are a near tie
+    // between the two (its top-1 and our pick closer than `near_tie`)
+    let near_tie_in_fixture = |ours: u32| {
+        top_ids
+            .iter()
+            .position(|&i| i == ours)
+            .is_some_and(|k| top_vals[0] - top_vals[k] < bounds.near_tie)
+    };
+    let top1 = argmax(&pre.logits);
+    if top1 != top_ids[0] {
+        if near_tie_in_fixture(top1) {
+            eprintln!(
+                "{name}: top-1 ours {top1} vs llama.cpp {}: a near tie in llama.cpp's logits",
+                top_ids[0]
+            );
+        } else {
+            failures.push(format!(
+                "{name}: top-1 ours {top1} vs llama.cpp {}",
+                top_ids[0]
+            ));
+        }
     }
     // 2b. the same logits from a quantized decode step: prefill all but the last prompt token,
     // then decode it
@@ -219,12 +246,19 @@ fn check_case(model: &Model, case: &Value, bounds: &Bounds, failures: &mut Vec<S
             ));
         }
     }
-    if argmax(&dec) != top_ids[0] {
-        failures.push(format!(
-            "{name}: quantized decode top-1 ours {} vs llama.cpp {}",
-            argmax(&dec),
-            top_ids[0]
-        ));
+    let top1 = argmax(&dec);
+    if top1 != top_ids[0] {
+        if near_tie_in_fixture(top1) {
+            eprintln!(
+                "{name}: quantized decode top-1 ours {top1} vs llama.cpp {}: a near tie in llama.cpp's logits",
+                top_ids[0]
+            );
+        } else {
+            failures.push(format!(
+                "{name}: quantized decode top-1 ours {top1} vs llama.cpp {}",
+                top_ids[0]
+            ));
+        }
     }
 
     // 3. greedy continuation, teacher-forced on llama.cpp's tokens so that every step is compared
