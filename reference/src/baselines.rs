@@ -543,3 +543,525 @@ impl KvCache for Naive2dCache {
         }
     }
 }
+
+/// llama.cpp's block length for `q8_0` and `q4_0` (ggml's `QK8_0` / `QK4_0`).
+pub const KVQ_BLOCK: usize = 32;
+
+/// A llama.cpp quantized KV format (SPEC.md section 12, kvq8 / kvq4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvqFormat {
+    /// ggml `q8_0`: f16 scale `d`, then 32 int8 `q`; `x = q * d`. 34 bytes per block.
+    Q8_0,
+    /// ggml `q4_0`: f16 scale `d`, then 16 bytes of nibbles (element `j` in the low nibble of
+    /// byte `j`, element `j + 16` in its high nibble); `x = (q - 8) * d`. 18 bytes per block.
+    Q4_0,
+}
+
+impl KvqFormat {
+    /// Bytes of one block of [`KVQ_BLOCK`] values: the f16 scale plus the quants.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            KvqFormat::Q8_0 => 2 + KVQ_BLOCK,
+            KvqFormat::Q4_0 => 2 + KVQ_BLOCK / 2,
+        }
+    }
+
+    /// The method name (`kvq8`, `kvq4`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvqFormat::Q8_0 => "kvq8",
+            KvqFormat::Q4_0 => "kvq4",
+        }
+    }
+
+    /// SPEC.md section 12: one block of 32 f32 values as ggml's `quantize_row_q8_0_ref` /
+    /// `quantize_row_q4_0_ref` write it, all arithmetic f32 as there:
+    /// - q8_0: `amax = max |x|`, `d = amax / 127`, `id = 1 / d` (0 when d = 0),
+    ///   `q_j = round(x_j * id)` (half away from zero, C's `roundf`);
+    /// - q4_0: `max` = the element of largest |x| (the first one on ties), `d = max / -8`,
+    ///   `id = 1 / d` (0 when d = 0), `q_j = min(15, trunc(x_j * id + 8.5))`.
+    ///
+    /// `d` is stored as f16 (round to nearest even); the quants are computed with the f32 `d`.
+    pub fn quantize_block(self, x: &[f32], out: &mut Vec<u8>) {
+        assert_eq!(x.len(), KVQ_BLOCK, "one block is {KVQ_BLOCK} values");
+        match self {
+            KvqFormat::Q8_0 => {
+                let mut amax = 0.0f32;
+                for &v in x {
+                    amax = amax.max(v.abs());
+                }
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                for &v in x {
+                    out.push(((v * id).round() as i8) as u8);
+                }
+            }
+            KvqFormat::Q4_0 => {
+                let (mut amax, mut max) = (0.0f32, 0.0f32);
+                for &v in x {
+                    if amax < v.abs() {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                let quant = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+                for j in 0..KVQ_BLOCK / 2 {
+                    out.push(quant(x[j]) | (quant(x[j + KVQ_BLOCK / 2]) << 4));
+                }
+            }
+        }
+    }
+
+    /// The f16 scale of a block, as f32.
+    pub fn scale(block: &[u8]) -> f32 {
+        f16::from_le_bytes([block[0], block[1]]).to_f32()
+    }
+
+    /// The 32 signed integer quants of a block (`q` for q8_0, `q - 8` for q4_0).
+    pub fn quants(self, block: &[u8]) -> [i32; KVQ_BLOCK] {
+        let mut q = [0i32; KVQ_BLOCK];
+        match self {
+            KvqFormat::Q8_0 => {
+                for (j, qj) in q.iter_mut().enumerate() {
+                    *qj = i32::from(block[2 + j] as i8);
+                }
+            }
+            KvqFormat::Q4_0 => {
+                for j in 0..KVQ_BLOCK / 2 {
+                    q[j] = i32::from(block[2 + j] & 0x0f) - 8;
+                    q[j + KVQ_BLOCK / 2] = i32::from(block[2 + j] >> 4) - 8;
+                }
+            }
+        }
+        q
+    }
+
+    /// ggml's `dequantize_row_*`: `x_j = q_j * d` in f32.
+    pub fn dequantize_block(self, block: &[u8], out: &mut [f32]) {
+        let d = Self::scale(block);
+        for (o, q) in out.iter_mut().zip(self.quants(block)) {
+            *o = q as f32 * d;
+        }
+    }
+
+    /// The largest finite f32 magnitude whose block scale still rounds to a finite f16:
+    /// `d = amax / 127` (q8_0) or `|max| / 8` (q4_0) must stay below 65520.
+    fn max_block_abs(self) -> f32 {
+        match self {
+            KvqFormat::Q8_0 => 65519.0 * 127.0,
+            KvqFormat::Q4_0 => 65519.0 * 8.0,
+        }
+    }
+}
+
+/// SPEC.md section 12 (kvq8 / kvq4): every block of a row set must have a scale that is a finite
+/// f16, else `NonFinite` at the flat index of the block's first element.
+fn check_kvq_scales<'a>(
+    format: KvqFormat,
+    what: &'static str,
+    values: impl Iterator<Item = &'a f32>,
+) -> Result<()> {
+    let limit = format.max_block_abs();
+    let mut block_start = 0;
+    let mut block_bad = false;
+    for (i, &v) in values.enumerate() {
+        if i % KVQ_BLOCK == 0 {
+            if block_bad {
+                break;
+            }
+            block_start = i;
+        }
+        if v.abs() > limit {
+            block_bad = true;
+        }
+    }
+    if block_bad {
+        Err(MosaicError::NonFinite {
+            what,
+            index: block_start,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// SPEC.md section 12, kvq8 / kvq4: llama.cpp's quantized KV cache (`--cache-type-k/-v q8_0`
+/// or `q4_0`). Every K and V row `[kv_heads * head_dim]` is stored as ggml blocks of 32 values
+/// ([`KvqFormat::quantize_block`]), in llama.cpp's order: token, KV head, block. Attention
+/// emulates ggml's CPU flash-attention decode row (`ggml_compute_forward_flash_attn_ext_f16`,
+/// one query row): the query is quantized to q8_0 (ggml's `vec_dot_type` of both formats),
+/// `s_t = (sum_b d_k d_q sum_j qk_j qq_j) * (1 / sqrt(D))` (integer block sums, f32 across
+/// blocks in order), an online softmax over the tokens in order in f32
+/// (`M`, `S`, `ms = exp(M_old - M)`, `vs = exp(s - M)`), values dequantized to f32 and
+/// accumulated `o = o * ms + v * vs`, then `o / S`. Every token is attended.
+#[derive(Debug, Clone)]
+pub struct KvqCache {
+    shape: KvShape,
+    format: KvqFormat,
+    tokens: usize,
+    /// Blocks of every key row, token-major (llama.cpp's K cache layout for one layer).
+    keys: Vec<u8>,
+    values: Vec<u8>,
+}
+
+impl KvqCache {
+    /// An empty cache; `head_dim` must be a multiple of 32 (blocks never span heads).
+    pub fn new(shape: KvShape, format: KvqFormat) -> Result<Self> {
+        let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        if shape.head_dim % KVQ_BLOCK != 0 {
+            return Err(MosaicError::InvalidConfig(format!(
+                "{}: head_dim {} is not a multiple of the block length {KVQ_BLOCK}",
+                format.name(),
+                shape.head_dim
+            )));
+        }
+        Ok(Self {
+            shape,
+            format,
+            tokens: 0,
+            keys: Vec::new(),
+            values: Vec::new(),
+        })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
+    pub fn format(&self) -> KvqFormat {
+        self.format
+    }
+
+    /// The stored key blocks, token-major, then KV head, then block.
+    pub fn key_bytes(&self) -> &[u8] {
+        &self.keys
+    }
+
+    /// The stored value blocks, in the order of [`KvqCache::key_bytes`].
+    pub fn value_bytes(&self) -> &[u8] {
+        &self.values
+    }
+
+    fn blocks_per_row(&self) -> usize {
+        self.shape.kv_heads * self.shape.head_dim / KVQ_BLOCK
+    }
+
+    fn push_rows<'a>(
+        &mut self,
+        keys: impl Iterator<Item = &'a f32>,
+        values: impl Iterator<Item = &'a f32>,
+    ) {
+        let quantize = |src: Vec<f32>, dst: &mut Vec<u8>| {
+            for block in src.chunks(KVQ_BLOCK) {
+                self.format.quantize_block(block, dst);
+            }
+        };
+        quantize(keys.copied().collect(), &mut self.keys);
+        quantize(values.copied().collect(), &mut self.values);
+    }
+
+    fn validate_rows(&self, keys: &[f32], values: &[f32], plural: bool) -> Result<()> {
+        let (k, v) = if plural {
+            (
+                "keys (block scale beyond f16 range)",
+                "values (block scale beyond f16 range)",
+            )
+        } else {
+            (
+                "key (block scale beyond f16 range)",
+                "value (block scale beyond f16 range)",
+            )
+        };
+        check_kvq_scales(self.format, k, keys.iter())?;
+        check_kvq_scales(self.format, v, values.iter())
+    }
+
+    /// The f32 attention of query row `q` (`[D]`) over KV head `h`, as ggml's one-row loop.
+    fn attend_row(&self, q: &[f32], h: usize) -> Vec<f32> {
+        let d = self.shape.head_dim;
+        let (bpr, bb) = (self.blocks_per_row(), self.format.block_bytes());
+        let blocks = d / KVQ_BLOCK;
+        // the query as q8_0 blocks (ggml converts Q to K's vec_dot_type, q8_0 for both formats)
+        let mut qb = Vec::with_capacity(blocks * KvqFormat::Q8_0.block_bytes());
+        for block in q.chunks(KVQ_BLOCK) {
+            KvqFormat::Q8_0.quantize_block(block, &mut qb);
+        }
+        let q_quants: Vec<([i32; KVQ_BLOCK], f32)> = qb
+            .chunks(KvqFormat::Q8_0.block_bytes())
+            .map(|b| (KvqFormat::Q8_0.quants(b), KvqFormat::scale(b)))
+            .collect();
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+        let mut o = vec![0.0f32; d];
+        let mut v32 = vec![0.0f32; d];
+        for t in 0..self.tokens {
+            let row = (t * bpr + h * blocks) * bb;
+            let mut dot = 0.0f32;
+            for (b, (qq, dq)) in q_quants.iter().enumerate() {
+                let kb = &self.keys[row + b * bb..row + (b + 1) * bb];
+                let kq = self.format.quants(kb);
+                let sumi: i32 = kq.iter().zip(qq).map(|(a, b)| a * b).sum();
+                dot += sumi as f32 * (KvqFormat::scale(kb) * dq);
+            }
+            let z = dot * scale;
+            let m_old = m;
+            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+            if z > m {
+                m = z;
+                ms = (m_old - m).exp();
+                for x in o.iter_mut() {
+                    *x *= ms;
+                }
+            } else {
+                vs = (z - m).exp();
+            }
+            for b in 0..blocks {
+                let vb = &self.values[row + b * bb..row + (b + 1) * bb];
+                self.format
+                    .dequantize_block(vb, &mut v32[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK]);
+            }
+            for (x, &v) in o.iter_mut().zip(&v32) {
+                *x += v * vs;
+            }
+            s = s * ms + vs;
+        }
+        let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+        o.iter().map(|x| x * inv).collect()
+    }
+}
+
+impl KvCache for KvqCache {
+    fn shape(&self) -> KvShape {
+        self.shape
+    }
+    fn len(&self) -> usize {
+        self.tokens
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        if self.tokens > 0 {
+            return Err(MosaicError::AlreadyPrefilled(self.tokens));
+        }
+        prompt_kv(&self.shape, &keys, &values)?;
+        let (k, v): (Vec<f32>, Vec<f32>) = (
+            keys.iter().copied().collect(),
+            values.iter().copied().collect(),
+        );
+        self.validate_rows(&k, &v, true)?;
+        self.push_rows(k.iter(), v.iter());
+        self.tokens = keys.shape()[0];
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        token_kv(&self.shape, &key, &value)?;
+        let (k, v): (Vec<f32>, Vec<f32>) = (
+            key.iter().copied().collect(),
+            value.iter().copied().collect(),
+        );
+        self.validate_rows(&k, &v, false)?;
+        self.push_rows(k.iter(), v.iter());
+        self.tokens += 1;
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        validate_attend(&self.shape, &queries, out.shape(), self.len())?;
+        check_kvq_scales(
+            KvqFormat::Q8_0,
+            "queries (block scale beyond f16 range)",
+            queries.iter(),
+        )?;
+        let g = self.shape.group();
+        for qh in 0..self.shape.q_heads {
+            let q: Vec<f32> = queries.row(qh).to_vec();
+            let o = self.attend_row(&q, qh / g);
+            for (i, x) in o.into_iter().enumerate() {
+                out[[qh, i]] = x;
+            }
+        }
+        Ok(())
+    }
+    /// The quants as `values` (32 or 16 bytes per block), the f16 block scales as `block_meta`
+    /// (2 bytes per block): 34 / 18 bytes per 32 values, K and V, nothing else.
+    fn memory(&self) -> MemoryReport {
+        let blocks = (self.keys.len() + self.values.len()) / self.format.block_bytes();
+        MemoryReport {
+            tokens: self.tokens,
+            values: blocks * (self.format.block_bytes() - 2),
+            block_meta: blocks * 2,
+            ..MemoryReport::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod kvq_tests {
+    use super::*;
+    use ndarray::{Array2, Array3};
+
+    fn block(f: impl Fn(usize) -> f32) -> Vec<f32> {
+        (0..KVQ_BLOCK).map(f).collect()
+    }
+
+    #[test]
+    fn q4_0_rounding_and_the_signed_max_by_hand() {
+        // max element -8 (the first of largest |x|): d = -8 / -8 = 1, id = 1, q = trunc(x + 8.5)
+        let mut x = block(|_| 0.0);
+        x[0] = -8.0;
+        x[1] = 7.4; // 15.9 -> 15
+        x[2] = 0.49; // 8.99 -> 8
+        x[3] = -0.5; // 8.0 -> 8
+        x[4] = -0.51; // 7.99 -> 7
+        x[16] = 8.0; // |8| ties |-8|: the first stays the max; 16.5 -> 16 -> min 15
+        let mut out = Vec::new();
+        KvqFormat::Q4_0.quantize_block(&x, &mut out);
+        assert_eq!(out.len(), 18);
+        assert_eq!(KvqFormat::scale(&out), 1.0);
+        let q = KvqFormat::Q4_0.quants(&out);
+        assert_eq!(&q[..5], &[-8, 7, 0, 0, -1]);
+        assert_eq!(q[16], 7);
+        assert_eq!(
+            out[2],
+            0x0f << 4,
+            "element 0 low nibble 0, element 16 high nibble 15"
+        );
+        // a positive max: d = 8 / -8 = -1; -7.9 * -1 + 8.5 = 16.4 -> 15 -> (15 - 8) * -1 = -7
+        let mut x = block(|_| 0.0);
+        x[5] = 8.0;
+        x[6] = -7.9;
+        let mut out = Vec::new();
+        KvqFormat::Q4_0.quantize_block(&x, &mut out);
+        let mut y = [0.0f32; KVQ_BLOCK];
+        KvqFormat::Q4_0.dequantize_block(&out, &mut y);
+        assert_eq!((y[5], y[6], y[0]), (8.0, -7.0, 0.0));
+    }
+
+    #[test]
+    fn q8_0_scale_and_round_half_away_by_hand() {
+        // amax 127: d = 1, id = 1; roundf(2.5) = 3, roundf(-2.5) = -3 (half away from zero)
+        let mut x = block(|_| 0.0);
+        x[0] = 127.0;
+        x[1] = 2.5;
+        x[2] = -2.5;
+        x[3] = -126.4;
+        let mut out = Vec::new();
+        KvqFormat::Q8_0.quantize_block(&x, &mut out);
+        assert_eq!(out.len(), 34);
+        assert_eq!(KvqFormat::scale(&out), 1.0);
+        assert_eq!(&KvqFormat::Q8_0.quants(&out)[..4], &[127, 3, -3, -126]);
+        // all zeros: d = 0, id = 0, every quant 0
+        let mut out = Vec::new();
+        KvqFormat::Q8_0.quantize_block(&block(|_| 0.0), &mut out);
+        assert!(out.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn memory_is_34_or_18_bytes_per_32_values_for_k_and_v() {
+        let shape = KvShape::new(3, 9, 64).unwrap();
+        let kv = Array3::from_shape_fn((10, 3, 64), |(t, h, i)| (t + h + i) as f32 * 0.01);
+        for (f, per_token) in [(KvqFormat::Q8_0, 408), (KvqFormat::Q4_0, 216)] {
+            let mut c = KvqCache::new(shape, f).unwrap();
+            c.prefill(kv.view(), kv.view()).unwrap();
+            let m = c.memory();
+            assert_eq!(m.device_bytes(), 10 * per_token);
+            assert_eq!(m.bytes_per_token(), per_token as f64);
+            assert_eq!(c.key_bytes().len() + c.value_bytes().len(), 10 * per_token);
+        }
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error_and_changes_nothing() {
+        assert!(matches!(
+            KvqCache::new(KvShape::new(1, 1, 48).unwrap(), KvqFormat::Q8_0),
+            Err(MosaicError::InvalidConfig(_))
+        ));
+        let shape = KvShape::new(1, 2, 32).unwrap();
+        let mut c = KvqCache::new(shape, KvqFormat::Q4_0).unwrap();
+        let ok = Array3::from_elem((2, 1, 32), 0.5f32);
+        c.prefill(ok.view(), ok.view()).unwrap();
+        let before = (c.key_bytes().to_vec(), c.value_bytes().to_vec());
+        let mut big = Array2::from_elem((1, 32), 1.0f32);
+        big[[0, 7]] = 1e7; // |max| / 8 > 65519: the f16 scale would overflow
+        let e = c.append(big.view(), Array2::from_elem((1, 32), 1.0f32).view());
+        assert_eq!(
+            e,
+            Err(MosaicError::NonFinite {
+                what: "key (block scale beyond f16 range)",
+                index: 0
+            })
+        );
+        assert_eq!(c.len(), 2);
+        assert_eq!((c.key_bytes().to_vec(), c.value_bytes().to_vec()), before);
+        let mut out = Array2::zeros((2, 32));
+        let q = Array2::from_elem((2, 32), f32::NAN);
+        assert!(matches!(
+            c.attend(q.view(), out.view_mut()),
+            Err(MosaicError::NonFinite { .. })
+        ));
+        assert!(matches!(
+            c.prefill(ok.view(), ok.view()),
+            Err(MosaicError::AlreadyPrefilled(2))
+        ));
+    }
+
+    #[test]
+    fn attention_over_exactly_representable_rows_is_full_attention() {
+        // rows whose blocks quantize exactly: q8_0 with a block max of 127 * 2^-6 (d = 2^-6)
+        // and small integer multiples of 2^-6; q4_0 with a block max of -8 * 2^-3 (d = 2^-3)
+        // and multiples of 2^-3 in [-1, 0.875]. The query is exact under q8_0 (block max
+        // 127 * 2^-6), so only f32 rounding separates the result from full attention.
+        let (n, d) = (40, 64);
+        let shape = KvShape::new(1, 1, d).unwrap();
+        let q8 = |t: usize, i: usize| -> f32 {
+            let m = if i % KVQ_BLOCK == 0 {
+                -127
+            } else {
+                ((t * 7 + i * 3) % 41) as i32 - 20
+            };
+            m as f32 / 64.0
+        };
+        let q4 = |t: usize, i: usize| -> f32 {
+            let m = if i % KVQ_BLOCK == 0 {
+                -8
+            } else {
+                ((t * 7 + i * 3) % 16) as i32 - 8
+            };
+            m as f32 / 8.0
+        };
+        let q = Array2::from_shape_fn((1, d), |(_, i)| {
+            let m = if i % KVQ_BLOCK == 0 {
+                127
+            } else {
+                ((i * 5) % 21) as i32 - 10
+            };
+            m as f32 / 64.0
+        });
+        for (f, val) in [
+            (KvqFormat::Q8_0, &q8 as &dyn Fn(usize, usize) -> f32),
+            (KvqFormat::Q4_0, &q4),
+        ] {
+            let kv = Array3::from_shape_fn((n, 1, d), |(t, _, i)| val(t, i));
+            let mut full = FullCache::new(shape);
+            full.prefill(kv.view(), kv.view()).unwrap();
+            let mut want = Array2::zeros((1, d));
+            full.attend(q.view(), want.view_mut()).unwrap();
+            let mut c = KvqCache::new(shape, f).unwrap();
+            c.prefill(kv.view(), kv.view()).unwrap();
+            let mut got = Array2::zeros((1, d));
+            c.attend(q.view(), got.view_mut()).unwrap();
+            for i in 0..d {
+                assert!(
+                    (got[[0, i]] - want[[0, i]]).abs() < 1e-5,
+                    "{f:?} dim {i}: {} vs {}",
+                    got[[0, i]],
+                    want[[0, i]]
+                );
+            }
+        }
+    }
+}
