@@ -544,6 +544,254 @@ impl KvCache for Naive2dCache {
     }
 }
 
+/// SPEC.md section 12, Quest-sink: Quest's pages and page score under MosaicKV's attend rules
+/// (SPEC.md sections 8.3, 9, 10), so that it differs from MosaicKV only by channel compression
+/// (no rotation, no per-vector top-r: dense f16 rows, f16 page min/max instead of int8 block
+/// metadata, fixed 16-token pages instead of the variance rule's block size).
+/// - the first `sink_tokens` tokens are the sink (f16, always attended);
+/// - the other prompt tokens are paged in 16s from the first token after the sink (the last
+///   prompt page may be partial);
+/// - generated tokens join the update buffer (f16, always attended); when it reaches
+///   `buffer_capacity` its tokens become pages (16 each) and it empties (10.2);
+/// - per KV head, pages are scored `sum_c max(q_c M_c, q_c m_c)` (f64, max over the GQA
+///   group) and taken by score descending (ties: lower page) while the tokens taken are fewer
+///   than `B = min(n_paged, ceil(token_rate * n_paged))` (8.3);
+/// - softmax attention (f64) over sink, chosen pages and buffer.
+#[derive(Debug, Clone)]
+pub struct QuestSinkCache {
+    shape: KvShape,
+    token_rate: f64,
+    sink_tokens: usize,
+    buffer_capacity: usize,
+    /// f16 rows of every token `[t][h][D]` (sink, paged tokens, buffer, in token order).
+    keys: Vec<Vec<Vec<f16>>>,
+    values: Vec<Vec<Vec<f16>>>,
+    /// Tokens in the sink.
+    sink: usize,
+    /// Pages `(first token, tokens)`, in token order, covering `sink .. sink + paged`.
+    pages: Vec<(usize, usize)>,
+    /// `page_min[p][h][c]`, `page_max[p][h][c]`.
+    page_min: Vec<Vec<Vec<f16>>>,
+    page_max: Vec<Vec<Vec<f16>>>,
+    paged: usize,
+}
+
+impl QuestSinkCache {
+    /// Takes `token_rate`, `sink_tokens` and `buffer_capacity` from MosaicKV's configuration
+    /// (validated at `head_dim`, so that both run under the same rules).
+    pub fn new(shape: KvShape, config: &mosaickv_spec::CompressConfig) -> Result<Self> {
+        let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        config.validate(shape.head_dim)?;
+        Ok(Self {
+            shape,
+            token_rate: config.token_rate,
+            sink_tokens: config.sink_tokens,
+            buffer_capacity: config.buffer_capacity,
+            keys: Vec::new(),
+            values: Vec::new(),
+            sink: 0,
+            pages: Vec::new(),
+            page_min: Vec::new(),
+            page_max: Vec::new(),
+            paged: 0,
+        })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
+    fn tokens(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Tokens in the update buffer.
+    pub fn buffer_len(&self) -> usize {
+        self.tokens() - self.sink - self.paged
+    }
+
+    fn push_row(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) {
+        let row = |x: &ArrayView2<f32>| -> Vec<Vec<f16>> {
+            x.outer_iter()
+                .map(|r| r.iter().map(|&v| f16::from_f32(v)).collect())
+                .collect()
+        };
+        self.keys.push(row(&key));
+        self.values.push(row(&value));
+    }
+
+    /// Pages the tokens `from .. tokens()` in 16s (the last one may be partial).
+    fn page_from(&mut self, from: usize) {
+        let n = self.tokens();
+        let mut a = from;
+        while a < n {
+            let len = PAGE.min(n - a);
+            let (mut lo, mut hi) = (self.keys[a].clone(), self.keys[a].clone());
+            for t in a + 1..a + len {
+                for h in 0..self.shape.kv_heads {
+                    for c in 0..self.shape.head_dim {
+                        let x = self.keys[t][h][c];
+                        if x < lo[h][c] {
+                            lo[h][c] = x;
+                        }
+                        if x > hi[h][c] {
+                            hi[h][c] = x;
+                        }
+                    }
+                }
+            }
+            self.pages.push((a, len));
+            self.page_min.push(lo);
+            self.page_max.push(hi);
+            a += len;
+        }
+        self.paged += n - from;
+    }
+
+    /// SPEC.md section 12 (Quest-sink): the pages KV head `h` attends, ascending.
+    fn select_pages(&self, queries: &ArrayView2<f32>, h: usize) -> Vec<usize> {
+        let n = self.paged;
+        let budget = ((self.token_rate * n as f64).ceil() as usize).min(n);
+        let g = self.shape.group();
+        let scores: Vec<f64> = (0..self.pages.len())
+            .map(|p| {
+                let mut best = f64::NEG_INFINITY;
+                for qh in h * g..(h + 1) * g {
+                    let mut s = 0.0;
+                    for c in 0..self.shape.head_dim {
+                        let q = f64::from(queries[[qh, c]]);
+                        let hi = f64::from(self.page_max[p][h][c].to_f32());
+                        let lo = f64::from(self.page_min[p][h][c].to_f32());
+                        s += (q * hi).max(q * lo);
+                    }
+                    best = best.max(s);
+                }
+                best
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..self.pages.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a])); // stable: ties keep the lower page
+        let mut chosen = Vec::new();
+        let mut taken = 0;
+        for p in order {
+            if taken >= budget {
+                break;
+            }
+            chosen.push(p);
+            taken += self.pages[p].1;
+        }
+        chosen.sort_unstable();
+        chosen
+    }
+
+    /// Token indices attended per KV head: sink, chosen pages, buffer.
+    fn attended_per_kv(&self, queries: &ArrayView2<f32>) -> Vec<Vec<usize>> {
+        let end = self.sink + self.paged;
+        (0..self.shape.kv_heads)
+            .map(|h| {
+                let mut ts: Vec<usize> = (0..self.sink).collect();
+                for p in self.select_pages(queries, h) {
+                    let (a, len) = self.pages[p];
+                    ts.extend(a..a + len);
+                }
+                ts.extend(end..self.tokens());
+                ts
+            })
+            .collect()
+    }
+
+    /// Token indices attended per query head.
+    pub fn attended_tokens(&self, queries: ArrayView2<f32>) -> Result<Vec<Vec<usize>>> {
+        let shape = self.shape;
+        validate_attend(
+            &shape,
+            &queries,
+            &[shape.q_heads, shape.head_dim],
+            self.len(),
+        )?;
+        let per_kv = self.attended_per_kv(&queries);
+        Ok((0..shape.q_heads)
+            .map(|qh| per_kv[qh / shape.group()].clone())
+            .collect())
+    }
+}
+
+impl KvCache for QuestSinkCache {
+    fn shape(&self) -> KvShape {
+        self.shape
+    }
+    fn len(&self) -> usize {
+        self.tokens()
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        validate_prompt(&self.shape, &keys, &values, self.len())?;
+        let n = keys.shape()[0];
+        for t in 0..n {
+            self.push_row(
+                keys.index_axis(ndarray::Axis(0), t),
+                values.index_axis(ndarray::Axis(0), t),
+            );
+        }
+        self.sink = self.sink_tokens.min(n);
+        self.page_from(self.sink);
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        validate_token(&self.shape, &key, &value)?;
+        let in_sink = self.tokens() < self.sink_tokens;
+        self.push_row(key, value);
+        if in_sink {
+            self.sink += 1;
+        } else if self.buffer_len() == self.buffer_capacity {
+            self.page_from(self.sink + self.paged);
+        }
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        validate_attend(&self.shape, &queries, out.shape(), self.len())?;
+        let (d, g) = (self.shape.head_dim, self.shape.group());
+        let per_kv = self.attended_per_kv(&queries);
+        for qh in 0..self.shape.q_heads {
+            let h = qh / g;
+            let o = softmax_attend(
+                d,
+                &per_kv[h],
+                |t| {
+                    (0..d)
+                        .map(|i| {
+                            f64::from(queries[[qh, i]]) * f64::from(self.keys[t][h][i].to_f32())
+                        })
+                        .sum()
+                },
+                |t, p, o| {
+                    for (i, oi) in o.iter_mut().enumerate() {
+                        *oi += p * f64::from(self.values[t][h][i].to_f32());
+                    }
+                },
+            );
+            for (i, x) in o.into_iter().enumerate() {
+                out[[qh, i]] = x as f32;
+            }
+        }
+        Ok(())
+    }
+    /// Paged rows (f16) as `values`, sink and buffer rows (f16) as `dense`, page min/max (f16)
+    /// as `block_meta`.
+    fn memory(&self) -> MemoryReport {
+        let row = 2 * 2 * self.shape.kv_heads * self.shape.head_dim;
+        MemoryReport {
+            tokens: self.tokens(),
+            values: row * self.paged,
+            dense: row * (self.sink + self.buffer_len()),
+            block_meta: row * self.pages.len(),
+            ..MemoryReport::default()
+        }
+    }
+}
+
 /// llama.cpp's block length for `q8_0` and `q4_0` (ggml's `QK8_0` / `QK4_0`).
 pub const KVQ_BLOCK: usize = 32;
 
@@ -1063,5 +1311,94 @@ mod kvq_tests {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod quest_sink_tests {
+    use super::*;
+    use mosaickv_spec::CompressConfig;
+    use ndarray::{Array2, Array3};
+
+    fn kv(n: usize, d: usize) -> Array3<f32> {
+        Array3::from_shape_fn((n, 1, d), |(t, _, i)| {
+            (((t * 31 + i * 7) % 23) as f32 - 11.0) / 8.0
+        })
+    }
+
+    #[test]
+    fn sink_pages_and_buffer_follow_mosaics_rules() {
+        let d = 16;
+        let shape = KvShape::new(1, 2, d).unwrap();
+        let cfg = CompressConfig {
+            token_rate: 0.25,
+            ..CompressConfig::default()
+        };
+        let mut c = QuestSinkCache::new(shape, &cfg).unwrap();
+        let x = kv(4 + 40 + 64 + 3, d);
+        c.prefill(
+            x.slice(ndarray::s![..44, .., ..]),
+            x.slice(ndarray::s![..44, .., ..]),
+        )
+        .unwrap();
+        // sink 0..4; prompt pages 4..20, 20..36, 36..44 (partial)
+        assert_eq!(c.pages, vec![(4, 16), (20, 16), (36, 8)]);
+        assert_eq!(c.buffer_len(), 0);
+        for t in 44..44 + 63 {
+            c.append(
+                x.slice(ndarray::s![t, .., ..]),
+                x.slice(ndarray::s![t, .., ..]),
+            )
+            .unwrap();
+        }
+        assert_eq!((c.buffer_len(), c.pages.len()), (63, 3));
+        c.append(
+            x.slice(ndarray::s![107, .., ..]),
+            x.slice(ndarray::s![107, .., ..]),
+        )
+        .unwrap();
+        // the 64th buffered token flushes the buffer into four whole pages
+        assert_eq!(c.buffer_len(), 0);
+        assert_eq!(&c.pages[3..], &[(44, 16), (60, 16), (76, 16), (92, 16)]);
+        for t in 108..111 {
+            c.append(
+                x.slice(ndarray::s![t, .., ..]),
+                x.slice(ndarray::s![t, .., ..]),
+            )
+            .unwrap();
+        }
+        let q = Array2::from_shape_fn((2, d), |(h, i)| (h as f32 - 0.5) * (i as f32 - 7.0) / 4.0);
+        let att = c.attended_tokens(q.view()).unwrap();
+        // budget ceil(0.25 * 104) = 26 tokens of pages: two pages (16 + 16 or 16 + 8 ...)
+        let set = &att[0];
+        assert_eq!(&set[..4], &[0, 1, 2, 3]);
+        assert_eq!(&set[set.len() - 3..], &[108, 109, 110]);
+        let paged = set.len() - 7;
+        assert!((26..26 + 16).contains(&paged), "{paged}");
+        assert_eq!(att[0], att[1], "one selection per KV head");
+        // memory: every row f16 K and V, page min/max per page
+        let m = c.memory();
+        assert_eq!(m.device_bytes(), 111 * 4 * d + 7 * 4 * d);
+        assert_eq!(m.dense, 7 * 4 * d);
+    }
+
+    #[test]
+    fn at_full_rate_it_is_full_attention() {
+        let d = 32;
+        let shape = KvShape::new(1, 1, d).unwrap();
+        let cfg = CompressConfig {
+            token_rate: 1.0,
+            ..CompressConfig::default()
+        };
+        let x = kv(100, d);
+        let mut c = QuestSinkCache::new(shape, &cfg).unwrap();
+        let mut f = FullCache::new(shape);
+        c.prefill(x.view(), x.view()).unwrap();
+        f.prefill(x.view(), x.view()).unwrap();
+        let q = Array2::from_shape_fn((1, d), |(_, i)| i as f32 / 16.0 - 1.0);
+        let (mut a, mut b) = (Array2::zeros((1, d)), Array2::zeros((1, d)));
+        c.attend(q.view(), a.view_mut()).unwrap();
+        f.attend(q.view(), b.view_mut()).unwrap();
+        assert_eq!(a, b);
     }
 }
