@@ -7,10 +7,10 @@
 //! [`HEADLINE_FULL_MIN`]; the others are listed apart. The teacher-forced KL against the full
 //! cache on natural text is reported beside it (`mosaickv_tasks::stats`, docs/ACCURACY.md).
 
+use crate::cmd_fidelity::{self, ForcedRecord};
 use crate::error::{io, CliError};
 use crate::{llm, plot};
 use indicatif::{ProgressBar, ProgressStyle};
-use crate::cmd_fidelity::{self, ForcedRecord};
 use mosaickv_engine::suite::{default_suite, DefaultSuite};
 use mosaickv_engine::{Method, Model};
 use mosaickv_tasks::stats::{paired, Accuracy, Paired};
@@ -466,7 +466,10 @@ pub fn resolve_suite(a: &Args, defaults: &DefaultSuite) -> Result<(Suite, usize,
     };
     let suite = Suite {
         tasks,
-        lengths: a.lengths.clone().unwrap_or_else(|| defaults.lengths.to_vec()),
+        lengths: a
+            .lengths
+            .clone()
+            .unwrap_or_else(|| defaults.lengths.to_vec()),
         samples: a.samples.unwrap_or(defaults.samples),
         methods: llm::parse_methods(&a.methods)?,
         seed: a.seed,
@@ -594,6 +597,59 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    fn record(task: &str, method: &str, scores: &[f64], full: &[f64]) -> Record {
+        let a = Accuracy::of(scores);
+        Record {
+            task: task.into(),
+            length: 1024,
+            method: method.into(),
+            accuracy: a.mean,
+            accuracy_low: a.low,
+            accuracy_high: a.high,
+            scores: scores.to_vec(),
+            vs_full: Some(paired(scores, full)),
+            accuracy_loss: None,
+            kv_bytes_per_token: 1.0,
+            decode_ms: 1.0,
+            samples: scores.len(),
+            prompt_tokens: 1000.0,
+        }
+    }
+
+    #[test]
+    fn headline_pools_only_cells_where_full_scores_at_least_0_8() {
+        let good_full = [1.0, 1.0, 1.0, 1.0, 0.0];
+        let bad_full = [0.0, 1.0, 0.0, 0.0, 0.0];
+        let m_good = [1.0, 0.0, 1.0, 0.0, 0.0];
+        let m_bad = [1.0, 1.0, 1.0, 1.0, 1.0];
+        let records = vec![
+            record("niah_single_1", "full", &good_full, &good_full),
+            record("niah_single_1", "mosaic", &m_good, &good_full),
+            record("vt", "full", &bad_full, &bad_full),
+            record("vt", "mosaic", &m_bad, &bad_full),
+        ];
+        assert_eq!(
+            headline_cells(&records),
+            vec![("niah_single_1".to_string(), 1024)]
+        );
+        let sum = summarize(&records, &[]);
+        let m = sum.iter().find(|s| s.method == "mosaic").unwrap();
+        // only niah_single_1's five samples: 2/5, paired 2 lost, 0 won against full
+        let h = m.headline.unwrap();
+        assert_eq!((h.mean, h.n), (0.4, 5));
+        let p = m.headline_vs_full.unwrap();
+        assert_eq!((p.worse, p.better), (2, 0));
+        assert!((p.diff + 0.4).abs() < 1e-12);
+        // the all-cell mean still averages both cells
+        assert!((m.accuracy - 0.7).abs() < 1e-12);
+        let text = summary_table(&records, &sum);
+        assert!(text.contains("Cells where full scores < 0.8"), "{text}");
+        assert!(text.contains(": vt 1024"), "{text}");
+        assert!(text.contains("0.400 ["), "{text}");
+        let t = table(&records);
+        assert!(t.contains("(n=5)") && t.contains("2-0, p=0.500"), "{t}");
     }
 
     #[test]

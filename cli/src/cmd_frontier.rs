@@ -108,7 +108,10 @@ pub fn run(a: Args) -> Result<(), CliError> {
             None,
         ));
     }
-    if !methods.iter().any(|m| m.0 == Method::parse("mosaic").expect("mosaic parses")) {
+    if !methods
+        .iter()
+        .any(|m| m.0 == Method::parse("mosaic").expect("mosaic parses"))
+    {
         methods.push((Method::parse("mosaic")?, "mosaic (loss threshold)", None));
     }
     let model = llm::load_model(a.model.as_deref())?;
@@ -161,7 +164,9 @@ pub fn run(a: Args) -> Result<(), CliError> {
         println!(
             "| {} | {} | {} | {:.3} | {} | {:.1} | {:.4} | {:.3} | {:.1} |",
             p.method,
-            p.headline.map_or("-".into(), |h| cmd_eval::acc_cell(h.mean, h.low, h.high, h.n)),
+            p.headline.map_or("-".into(), |h| cmd_eval::acc_cell(
+                h.mean, h.low, h.high, h.n
+            )),
             if p.method == "full" {
                 "-".into()
             } else {
