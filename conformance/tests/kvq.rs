@@ -142,3 +142,48 @@ fn bad_input_gives_the_same_error_and_leaves_both_caches_unchanged() {
         OptKvq::new(KvShape::new(1, 1, 80).unwrap(), OptFormat::Q8_0).map(|_| ())
     );
 }
+
+/// ggml's own bytes (`engine/scripts/kvq_ggml_fixture.py`, libggml of llama-cpp-python 0.3.36):
+/// f32 values, then q8_0 and q4_0 from `quantize_row_*_ref`, then q8_0 from the CPU backend's
+/// SIMD `quantize_row_q8_0`.
+fn ggml_fixture() -> (Vec<f32>, [Vec<u8>; 3]) {
+    let text = include_str!("fixtures/kvq_ggml.txt");
+    let mut lines = text.lines();
+    let x = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+        .collect();
+    let mut bytes = || -> Vec<u8> {
+        let l = lines.next().unwrap().as_bytes();
+        l.chunks(2)
+            .map(|c| u8::from_str_radix(std::str::from_utf8(c).unwrap(), 16).unwrap())
+            .collect()
+    };
+    (x, [bytes(), bytes(), bytes()])
+}
+
+#[test]
+fn both_caches_write_ggmls_reference_bytes() {
+    let (x, [q8, q4, q8_cpu]) = ggml_fixture();
+    // one KV head of head_dim 64: two blocks per row, rows in order = blocks in order
+    let n = x.len() / 64;
+    let rows = Array3::from_shape_vec((n, 1, 64), x).unwrap();
+    let shape = KvShape::new(1, 1, 64).unwrap();
+    for (i, want) in [(0, &q8), (1, &q4)] {
+        let (mut r, mut o) = pair(shape, i);
+        r.prefill(rows.view(), rows.view()).unwrap();
+        o.prefill(rows.view(), rows.view()).unwrap();
+        assert_eq!(r.key_bytes(), want.as_slice(), "{:?}", FORMATS[i].0);
+        assert_eq!(o.key_bytes(), *want, "{:?}", FORMATS[i].0);
+    }
+    // llama.cpp's CPU backend writes q8_0 with its SIMD variant (id = 127 / amax, round half
+    // to even): it differs from the reference only in the fixture's rounding-tie blocks
+    // (every 8th block from the third: values (k + 1/2) * 2^e), in all of those, nowhere else
+    let differing: Vec<usize> = (0..q8.len() / 34)
+        .filter(|b| q8[b * 34..(b + 1) * 34] != q8_cpu[b * 34..(b + 1) * 34])
+        .collect();
+    let ties: Vec<usize> = (0..q8.len() / 34).filter(|b| b % 8 == 2).collect();
+    assert_eq!(differing, ties);
+}
