@@ -91,7 +91,9 @@ def ours(cli, model, method, text, max_new):
     cmd = [cli, "generate", "--raw", "--method", method, "--max-tokens", str(max_new), "--prompt", text]
     if model:
         cmd += ["--model", model]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    # `generate` ends its output with one newline of its own
+    return out[:-1] if out.endswith("\n") else out
 
 
 def first_diff(a, b):
