@@ -45,7 +45,7 @@ fn prompt(n: usize, seed: u64) -> (Array3<f32>, Array3<f32>, QueryStats) {
             }
         }
     }
-    let stats = QueryStats::from_queries(&shape, k.view(), q.view(), 16).unwrap();
+    let stats = QueryStats::from_queries(&shape, k.view(), v.view(), q.view(), 16).unwrap();
     (k, v, stats)
 }
 
@@ -81,6 +81,7 @@ fn every_candidate_loss_is_bit_identical() {
                 stats: &stats,
                 head: h,
                 start: 4,
+                len: 296,
             };
             let cands = rules::candidates(&cfg, d);
             let opt =

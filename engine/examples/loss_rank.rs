@@ -14,7 +14,7 @@
 
 use clap::Parser;
 use mosaickv_engine::{model_path, suite, Model};
-use mosaickv_reference::loss::{errors, key_loss, quadratic, segment_weights, value_loss};
+use mosaickv_reference::loss::{errors, key_loss, quadratic, value_loss};
 use mosaickv_reference::rotation::fit_rotation;
 use mosaickv_reference::side_loss;
 use mosaickv_spec::layout::trim_rotation;
@@ -54,17 +54,17 @@ struct Point {
     measured: Vec<f64>,
 }
 
-const KEY_LOSSES: [&str; 5] = [
+const KEY_LOSSES: [&str; 4] = [
     "energy (today)",
-    "attention (SPEC 11.1)",
-    "relative eMe/kMk",
-    "unweighted eMe/D",
-    "weighted relative",
+    "attention (SPEC 11.1.1)",
+    "relative: sum eMe / sum kMk",
+    "unweighted: mean eMe / D",
 ];
-const VALUE_LOSSES: [&str; 3] = [
+const VALUE_LOSSES: [&str; 4] = [
     "energy (today)",
-    "attention (SPEC 11.1)",
-    "unweighted relative",
+    "attention (SPEC 11.1.1)",
+    "relative weighted: sum w|e|^2 / sum w|v|^2",
+    "coherent: |sum w e|^2 / O^2",
 ];
 const MEASURES: [&str; 2] = ["attn output rel L2", "attn KL"];
 
@@ -195,6 +195,7 @@ fn main() -> BoxResult<()> {
             let stats = QueryStats::from_queries(
                 &shape,
                 keys.slice(s![..ctx, .., ..]),
+                values.slice(s![..ctx, .., ..]),
                 queries.slice(s![..ctx, .., ..]),
                 args.sample,
             )?;
@@ -222,7 +223,8 @@ fn main() -> BoxResult<()> {
                             .collect()
                     })
                     .collect();
-                let w = segment_weights(&stats, h, sink, ctx - sink);
+                let (w, u) = stats.weights(h, sink, ctx - sink).expect("covered");
+                let o2 = stats.output_sq[h];
                 let ones = vec![1.0; ctx - sink];
                 let m = stats.moment(h);
                 let kr = fit_rotation(k.view());
@@ -242,14 +244,11 @@ fn main() -> BoxResult<()> {
                         }
                     }
                     let (rel, klv) = measure(&held, &approx, &vfull, &full);
-                    let (mut num, mut den, mut wnum, mut wden) = (0.0, 0.0, 0.0, 0.0);
-                    for ((et, kt), &wt) in e.iter().zip(k.rows()).zip(&w) {
+                    let (mut num, mut den) = (0.0, 0.0);
+                    for (et, kt) in e.iter().zip(k.rows()) {
                         let kt: Vec<f64> = kt.iter().map(|&x| f64::from(x)).collect();
-                        let (a, b) = (quadratic(m, et), quadratic(m, &kt));
-                        num += a;
-                        den += b;
-                        wnum += wt * a;
-                        wden += wt * b;
+                        num += quadratic(m, et);
+                        den += quadratic(m, &kt);
                     }
                     key_points.push(Point {
                         group,
@@ -258,7 +257,6 @@ fn main() -> BoxResult<()> {
                             key_loss(&e, m, &w),
                             num / den,
                             key_loss(&e, m, &ones),
-                            wnum / wden,
                         ],
                         measured: vec![rel, klv],
                     });
@@ -276,12 +274,22 @@ fn main() -> BoxResult<()> {
                         }
                     }
                     let (rel, klv) = measure(&held, &kfull, &approx, &full);
+                    let (mut num, mut den) = (0.0, 0.0);
+                    let mut coherent = vec![0f64; d];
+                    for ((et, vt), &wt) in e.iter().zip(v.rows()).zip(&w) {
+                        num += wt * et.iter().map(|x| x * x).sum::<f64>();
+                        den += wt * vt.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
+                        for i in 0..d {
+                            coherent[i] += wt * et[i];
+                        }
+                    }
                     value_points.push(Point {
                         group,
                         losses: vec![
                             side_loss(v.view(), &side),
-                            value_loss(v.view(), &e, &w),
-                            value_loss(v.view(), &e, &ones),
+                            value_loss(&e, &u, o2),
+                            num / den,
+                            coherent.iter().map(|x| x * x).sum::<f64>() / o2,
                         ],
                         measured: vec![rel, klv],
                     });

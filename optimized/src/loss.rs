@@ -1,4 +1,4 @@
-//! SPEC.md section 11.1 (attention loss), for throughput: each candidate's
+//! SPEC.md section 11.1.1 (attention loss), for throughput: each candidate's
 //! rows are encoded, decoded and rotated back in parallel, and every row's
 //! terms are computed with the spec's operation order (f64, ascending
 //! indices, separate multiply and add), then added in row order, so the
@@ -7,22 +7,14 @@
 
 use crate::encode;
 use mosaickv_spec::query::LossContext;
-use mosaickv_spec::{RecordLayout, Result, Side, SideStrategy};
+use mosaickv_spec::{MosaicError, RecordLayout, Result, Side, SideStrategy};
 use rayon::prelude::*;
 
 /// Rows per rayon task.
 const ROWS_PER_TASK: usize = 256;
 
-/// The token weights of a segment (uniform when the statistics do not cover it or sum to 0).
-fn weights(ctx: LossContext<'_>, n: usize) -> Vec<f64> {
-    match ctx.stats.weights(ctx.head, ctx.start, n) {
-        Some(w) if w.iter().sum::<f64>() > 0.0 => w,
-        _ => vec![1.0; n],
-    }
-}
-
-/// Per-row terms: keys `(e^T M e, 0)`, values `(||e||^2, ||x||^2)`, with `e = x - R k^`.
-fn row_terms(x: &[f32], k: &[f32], rot: &[f32], m: Option<&[f64]>, e: &mut [f64]) -> (f64, f64) {
+/// Per-row term: keys `e^T M e`, values `||e||^2`, with `e = x - R k^`.
+fn row_term(x: &[f32], k: &[f32], rot: &[f32], m: Option<&[f64]>, e: &mut [f64]) -> f64 {
     let (d, dt) = (x.len(), k.len());
     for i in 0..d {
         let r = &rot[i * dt..(i + 1) * dt];
@@ -43,25 +35,22 @@ fn row_terms(x: &[f32], k: &[f32], rot: &[f32], m: Option<&[f64]>, e: &mut [f64]
                 }
                 q += e[a] * t;
             }
-            (q, 0.0)
+            q
         }
         None => {
             let mut ee = 0f64;
             for &v in e.iter() {
                 ee += v * v;
             }
-            let mut xx = 0f64;
-            for &v in x {
-                xx += f64::from(v) * f64::from(v);
-            }
-            (ee, xx)
+            ee
         }
     }
 }
 
-/// SPEC.md section 11.1's attention loss of `side_strategy` on one head's
-/// segment rows `[n][d]`: keys `sum w e^T M e / (D sum w)`, values `sum w
-/// ||e||^2 / sum w ||x||^2` (0 on a zero denominator).
+/// SPEC.md section 11.1.1's attention loss of `side_strategy` on one head's
+/// segment rows `[n][d]`: keys `sum w e^T M e / (D sum w)`, values `sum u
+/// ||e||^2 / O^2` (0 on a zero denominator). The statistics must cover the
+/// segment (`ShapeMismatch` otherwise).
 pub fn attention_loss(
     rows: &[f32],
     side_strategy: &SideStrategy,
@@ -71,6 +60,14 @@ pub fn attention_loss(
     let layout = side_strategy.layout;
     let (d, dt) = (layout.head_dim, layout.kept_dims);
     let n = rows.len() / d;
+    let (w, u) = ctx
+        .stats
+        .weights(ctx.head, ctx.start, n)
+        .ok_or_else(|| MosaicError::ShapeMismatch {
+            what: "query stats",
+            expected: format!("weights for tokens {}..{}", ctx.start, ctx.start + n),
+            got: format!("{} tokens", ctx.stats.tokens()),
+        })?;
     let packed = encode::encode_rows(rows, side_strategy)?;
     let dense = encode::decode_trusted(&packed, &layout);
     let m = match side {
@@ -78,7 +75,7 @@ pub fn attention_loss(
         Side::Value => None,
     };
     let rot = &side_strategy.rotation;
-    let mut terms = vec![(0f64, 0f64); n];
+    let mut terms = vec![0f64; n];
     terms
         .par_chunks_mut(ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
@@ -86,24 +83,33 @@ pub fn attention_loss(
         .for_each(|((out, x), k)| {
             let mut e = vec![0f64; d];
             for ((o, x), k) in out.iter_mut().zip(x.chunks_exact(d)).zip(k.chunks_exact(dt)) {
-                *o = row_terms(x, k, rot, m, &mut e);
+                *o = row_term(x, k, rot, m, &mut e);
             }
         });
-    let w = weights(ctx, n);
-    let (mut num, mut den) = (0f64, 0f64);
-    for ((a, b), &wt) in terms.iter().zip(&w) {
-        num += wt * a;
-        den += match side {
-            Side::Key => wt,
-            Side::Value => wt * b,
-        };
-    }
-    Ok(if den == 0.0 {
-        0.0
-    } else {
-        match side {
-            Side::Key => num / (d as f64 * den),
-            Side::Value => num / den,
+    Ok(match side {
+        Side::Key => {
+            let (mut num, mut den) = (0f64, 0f64);
+            for (a, &wt) in terms.iter().zip(&w) {
+                num += wt * a;
+                den += wt;
+            }
+            if den == 0.0 {
+                0.0
+            } else {
+                num / (d as f64 * den)
+            }
+        }
+        Side::Value => {
+            let mut num = 0f64;
+            for (a, &ut) in terms.iter().zip(&u) {
+                num += ut * a;
+            }
+            let o2 = ctx.stats.output_sq[ctx.head];
+            if o2 == 0.0 {
+                0.0
+            } else {
+                num / o2
+            }
         }
     })
 }

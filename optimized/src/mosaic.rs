@@ -398,6 +398,7 @@ impl KvCache for OptimizedMosaicCache {
                         stats,
                         head: h,
                         start: a,
+                        len: b - a,
                     });
                     encode_segment(
                         &gather(&kdata, kv, d, h, a, b),

@@ -17,7 +17,7 @@
 //! | [`attention`] | 9 (PackedAttention) |
 //! | [`lifecycle`] | 10 (segments, update buffer, close rule) |
 //! | [`strategy`] | 11 (loss, (r, g), block size) |
-| [`loss`] | 11.1 (attention loss) |
+//! | [`loss`] | 11.1 (attention loss) |
 //! | [`baselines`] | 12 (Full, Quest, naive 2-D) |
 //! | [`metrics`] | 16 (relative L2, recall@k) |
 //! | [`synthetic`] | test data with realistic structure (not normative) |

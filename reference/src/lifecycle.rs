@@ -74,12 +74,13 @@ impl MosaicCache {
         loss_in_use(&self.compressed.config, self.query_stats.is_some())
     }
 
-    /// The loss context of head `h`'s segment starting at token `start`.
-    fn loss_ctx(&self, h: usize, start: usize) -> Option<LossContext<'_>> {
+    /// The loss context of head `h`'s segment of tokens `start..start + len`.
+    fn loss_ctx(&self, h: usize, start: usize, len: usize) -> Option<LossContext<'_>> {
         self.query_stats.as_ref().map(|stats| LossContext {
             stats,
             head: h,
             start,
+            len,
         })
     }
 
@@ -397,7 +398,7 @@ impl KvCache for MosaicCache {
                 let k = keys.slice(s![start..start + len, h, ..]).to_owned();
                 let v = values.slice(s![start..start + len, h, ..]).to_owned();
                 let strategy =
-                    fit_strategy_with(k.view(), v.view(), &cfg, self.loss_ctx(h, start))?;
+                    fit_strategy_with(k.view(), v.view(), &cfg, self.loss_ctx(h, start, len))?;
                 heads.push(build_head(k.view(), v.view(), strategy)?);
             }
             segments.push(Segment {

@@ -7,7 +7,8 @@
 //! is counted. f64 throughout, sums in ascending order.
 
 use crate::packed::{decode_rows, encode_rows};
-use mosaickv_spec::{QueryStats, Result, SideStrategy};
+use mosaickv_spec::query::LossContext;
+use mosaickv_spec::{MosaicError, Result, SideStrategy};
 use ndarray::ArrayView2;
 
 /// The row as attention reads it, in the model basis: `x^_i = sum_{j<Dt}
@@ -61,14 +62,16 @@ pub fn errors(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<Vec<Vec<f64>
         .collect())
 }
 
-/// Token weights of a segment for the attention loss: the statistics' mean
-/// attention weights when they cover the rows and do not sum to 0, else 1
-/// per row (uniform: a generated segment, whose tokens no prefill query saw).
-pub fn segment_weights(stats: &QueryStats, h: usize, start: usize, n: usize) -> Vec<f64> {
-    match stats.weights(h, start, n) {
-        Some(w) if w.iter().sum::<f64>() > 0.0 => w,
-        _ => vec![1.0; n],
-    }
+/// The segment's token weights `(w_t, u_t)` (SPEC.md section 11.1.1) from the
+/// statistics; `ShapeMismatch` when they do not cover the segment's tokens.
+pub fn segment_weights(ctx: &LossContext<'_>) -> Result<(Vec<f64>, Vec<f64>)> {
+    ctx.stats
+        .weights(ctx.head, ctx.start, ctx.len)
+        .ok_or_else(|| MosaicError::ShapeMismatch {
+            what: "query stats",
+            expected: format!("weights for tokens {}..{}", ctx.start, ctx.start + ctx.len),
+            got: format!("{} tokens", ctx.stats.tokens()),
+        })
 }
 
 /// SPEC.md section 11.1, keys: `L_K = sum_t w_t e_t^T M e_t / (D sum_t w_t)`,
@@ -90,28 +93,24 @@ pub fn key_loss(errors: &[Vec<f64>], moment: &[f64], weights: &[f64]) -> f64 {
     }
 }
 
-/// SPEC.md section 11.1, values: `L_V = sum_t w_t ||e_t||^2 / sum_t w_t
-/// ||v_t||^2`, the attention-weighted relative error of the values (rows
-/// `[n, D]`). 0 when the denominator is 0.
-pub fn value_loss(rows: ArrayView2<f32>, errors: &[Vec<f64>], weights: &[f64]) -> f64 {
+/// SPEC.md section 11.1, values: `L_V = sum_t u_t ||e_t||^2 / O^2`, the
+/// expected squared error of the attention output (`sum_t p_t e_t`, its
+/// terms taken as uncorrelated: `E ||sum_t p_t e_t||^2 ~ sum_t E[p_t^2]
+/// ||e_t||^2`) relative to the mean squared output norm `O^2` of the KV head.
+/// 0 when `O^2 = 0`.
+pub fn value_loss(errors: &[Vec<f64>], weights: &[f64], output_sq: f64) -> f64 {
     let mut num = 0f64;
-    let mut den = 0f64;
-    for ((x, e), &w) in rows.rows().into_iter().zip(errors).zip(weights) {
+    for (e, &u) in errors.iter().zip(weights) {
         let mut ee = 0f64;
         for &v in e {
             ee += v * v;
         }
-        let mut xx = 0f64;
-        for &v in x.iter() {
-            xx += f64::from(v) * f64::from(v);
-        }
-        num += w * ee;
-        den += w * xx;
+        num += u * ee;
     }
-    if den == 0.0 {
+    if output_sq == 0.0 {
         0.0
     } else {
-        num / den
+        num / output_sq
     }
 }
 
@@ -119,8 +118,7 @@ pub fn value_loss(rows: ArrayView2<f32>, errors: &[Vec<f64>], weights: &[f64]) -
 mod tests {
     use super::*;
     use crate::strategy::fit_side_with;
-    use mosaickv_spec::query::LossContext;
-    use mosaickv_spec::{CompressConfig, LossPolicy, Side};
+    use mosaickv_spec::{CompressConfig, LossPolicy, QueryStats, Side};
     use ndarray::Array2;
 
     #[test]
@@ -140,9 +138,9 @@ mod tests {
         // (w0 * 4 + w1 * 4) / (2 * (w0 + w1)) = 2 for any weights.
         assert_eq!(key_loss(&e, &m, &[1.0, 3.0]), 2.0);
         assert_eq!(key_loss(&e, &m, &[0.0, 0.0]), 0.0);
-        let rows = Array2::from_shape_vec((2, 2), vec![2.0f32, 0.0, 0.0, 4.0]).unwrap();
-        // (1 * 1 + 3 * 4) / (1 * 4 + 3 * 16)
-        assert_eq!(value_loss(rows.view(), &e, &[1.0, 3.0]), 13.0 / 52.0);
+        // (1 * 1 + 3 * 4) / 13
+        assert_eq!(value_loss(&e, &[1.0, 3.0], 13.0), 1.0);
+        assert_eq!(value_loss(&e, &[1.0, 3.0], 0.0), 0.0);
     }
 
     /// Keys whose energy is spread over 8 dims while every query reads only 2 of them:
@@ -166,12 +164,15 @@ mod tests {
             kv_heads: 1,
             head_dim: d,
             key_moment: moment,
+            key_weight: vec![1.0; n],
             value_weight: vec![1.0; n],
+            output_sq: vec![1.0],
         };
         let ctx = LossContext {
             stats: &stats,
             head: 0,
             start: 0,
+            len: n,
         };
         let mut cfg = CompressConfig {
             block_sizes: vec![16],

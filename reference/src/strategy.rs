@@ -119,20 +119,21 @@ fn energy_losses(
         .collect()
 }
 
-/// SPEC.md section 11.1 (attention loss) of one candidate on one head's
-/// segment rows: the key loss with the head's query moment, or the value
-/// loss, both weighted by the segment's token weights.
+/// SPEC.md section 11.1.1 (attention loss) of one candidate on one head's
+/// segment rows: the key loss with the head's query moment and weights `w`,
+/// or the value loss with weights `u` and `O^2`. The statistics must cover
+/// the segment (`ShapeMismatch` otherwise).
 pub fn attention_loss(
     rows: ArrayView2<f32>,
     side_strategy: &SideStrategy,
     side: Side,
     ctx: LossContext<'_>,
 ) -> Result<f64> {
+    let (w, u) = loss::segment_weights(&ctx)?;
     let e = loss::errors(rows, side_strategy)?;
-    let w = loss::segment_weights(ctx.stats, ctx.head, ctx.start, rows.nrows());
     Ok(match side {
         Side::Key => loss::key_loss(&e, ctx.stats.moment(ctx.head), &w),
-        Side::Value => loss::value_loss(rows, &e, &w),
+        Side::Value => loss::value_loss(&e, &u, ctx.stats.output_sq[ctx.head]),
     })
 }
 

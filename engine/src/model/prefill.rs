@@ -126,9 +126,11 @@ impl Model {
             if keep_queries || stats {
                 let qs = Array3::from_shape_vec((n, c.q_heads, c.head_dim), q.clone()).expect("shape");
                 if stats {
-                    let ks = ArrayView3::from_shape((n, c.kv_heads, c.head_dim), &k).expect("shape");
+                    let kvs = (n, c.kv_heads, c.head_dim);
+                    let ks = ArrayView3::from_shape(kvs, &k).expect("shape");
+                    let vs = ArrayView3::from_shape(kvs, &v).expect("shape");
                     query_stats.push(
-                        QueryStats::from_queries(&shape, ks, qs.view(), STATS_SAMPLE)
+                        QueryStats::from_queries(&shape, ks, vs, qs.view(), STATS_SAMPLE)
                             .map_err(|e| EngineError::Invalid(e.to_string()))?,
                     );
                 }

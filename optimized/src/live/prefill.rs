@@ -136,6 +136,7 @@ impl LiveCache {
                     stats,
                     head: h,
                     start,
+                    len,
                 });
                 encode_segment(&gather(pk, kv, d, h), &gather(pv, kv, d, h), d, config, ctx)
             })
