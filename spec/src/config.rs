@@ -329,7 +329,7 @@ mod tests {
         cfg.validate(64).unwrap();
         // The default is not written, so default configs keep their JSON.
         let json = serde_json::to_string(&CompressConfig::default()).unwrap();
-        assert!(!json.contains("loss\":"), "{json}");
+        assert!(!json.contains("\"loss\":"), "{json}");
         assert_eq!(CompressConfig::from_json(&json).unwrap(), CompressConfig::default());
         let json = serde_json::to_string(&cfg).unwrap();
         assert_eq!(CompressConfig::from_json(&json).unwrap(), cfg);
