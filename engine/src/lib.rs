@@ -33,7 +33,7 @@ pub use fetch::{
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
-pub use model::{argmax, Config, DecodeWeights, Model, Prefill};
+pub use model::{argmax, Config, DecodeWeights, Model, Prefill, STATS_SAMPLE};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.

@@ -13,7 +13,7 @@ mod prefill;
 
 pub use decode::DecodeWeights;
 pub(crate) use prefill::exp_shifted_in_place;
-pub use prefill::Prefill;
+pub use prefill::{Prefill, STATS_SAMPLE};
 
 use crate::kv::{FullKv, LayerKv};
 use crate::quant::QMatrix;
