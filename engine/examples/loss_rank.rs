@@ -50,6 +50,8 @@ struct Args {
 /// One (layer, head, candidate) point: losses and measured errors.
 struct Point {
     group: usize,
+    /// Record bytes of the candidate.
+    bytes: usize,
     losses: Vec<f64>,
     measured: Vec<f64>,
 }
@@ -252,6 +254,7 @@ fn main() -> BoxResult<()> {
                     }
                     key_points.push(Point {
                         group,
+                        bytes: layout.record_bytes(),
                         losses: vec![
                             side_loss(k.view(), &side),
                             key_loss(&e, m, &w),
@@ -285,6 +288,7 @@ fn main() -> BoxResult<()> {
                     }
                     value_points.push(Point {
                         group,
+                        bytes: layout.record_bytes(),
                         losses: vec![
                             side_loss(v.view(), &side),
                             value_loss(&e, &u, o2),
@@ -343,5 +347,56 @@ fn main() -> BoxResult<()> {
             }
         }
     }
+    // A first calibration: per (layer, head), the cheapest candidate whose loss is at most the
+    // threshold (else the lowest loss), as SPEC 11.2 chooses; mean record bytes and mean
+    // measured error of the choices, for the energy loss and the attention loss.
+    let dense = 2 * d;
+    for (side, points, grid_e, grid_a) in [
+        ("K", &key_points, [0.001, 0.002, 0.005, 0.01, 0.02, 0.05], ATT_K_GRID),
+        ("V", &value_points, [0.005, 0.01, 0.02, 0.05, 0.1, 0.2], ATT_V_GRID),
+    ] {
+        println!(
+            "\n{side} side, cheapest candidate under a threshold, mean over {group} heads \
+             (record bytes of f16 dense: {dense}):"
+        );
+        println!("| loss | threshold | mean record bytes | mean attn output rel L2 | worst head |");
+        println!("|---|---|---|---|---|");
+        for (li, name, grid) in [(0, "energy", &grid_e[..]), (1, "attention", &grid_a[..])] {
+            for &thr in grid {
+                let (mut bytes, mut err, mut worst) = (0.0, 0.0, 0f64);
+                for gi in 0..group {
+                    let cands: Vec<&Point> = points.iter().filter(|p| p.group == gi).collect();
+                    let pick = cands
+                        .iter()
+                        .filter(|p| p.losses[li] <= thr)
+                        .min_by(|a, b| {
+                            a.bytes
+                                .cmp(&b.bytes)
+                                .then(a.losses[li].total_cmp(&b.losses[li]))
+                        })
+                        .or_else(|| {
+                            cands.iter().min_by(|a, b| {
+                                a.losses[li]
+                                    .total_cmp(&b.losses[li])
+                                    .then(a.bytes.cmp(&b.bytes))
+                            })
+                        })
+                        .expect("candidates");
+                    bytes += pick.bytes as f64;
+                    err += pick.measured[0];
+                    worst = worst.max(pick.measured[0]);
+                }
+                let gn = group as f64;
+                println!(
+                    "| {name} | {thr} | {:.1} | {:.4} | {worst:.4} |",
+                    bytes / gn,
+                    err / gn
+                );
+            }
+        }
+    }
     Ok(())
 }
+
+const ATT_K_GRID: [f64; 8] = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3];
+const ATT_V_GRID: [f64; 8] = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3];
