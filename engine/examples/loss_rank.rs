@@ -58,17 +58,29 @@ struct Point {
 
 const KEY_LOSSES: [&str; 4] = [
     "energy (today)",
-    "attention (SPEC 11.1.1)",
-    "relative: sum eMe / sum kMk",
-    "unweighted: mean eMe / D",
+    "attention (SPEC 11.1.1): sum eMe / sum kMk",
+    "temperature, weighted: sum w eMe / (D sum w)",
+    "temperature: mean eMe / D",
 ];
 const VALUE_LOSSES: [&str; 4] = [
     "energy (today)",
-    "attention (SPEC 11.1.1)",
+    "attention (SPEC 11.1.1): |sum w e|^2 / O^2",
     "relative weighted: sum w|e|^2 / sum w|v|^2",
-    "coherent: |sum w e|^2 / O^2",
+    "incoherent: sum u|e|^2 / O^2",
 ];
 const MEASURES: [&str; 2] = ["attn output rel L2", "attn KL"];
+
+/// `sum_t w_t e_t^T M e_t / (D sum_t w_t)`: the squared logit error in softmax units.
+fn temperature(e: &[Vec<f64>], m: &[f64], w: &[f64]) -> f64 {
+    let d = m.len().isqrt() as f64;
+    let num: f64 = e.iter().zip(w).map(|(et, wt)| wt * quadratic(m, et)).sum();
+    let den: f64 = w.iter().sum();
+    if den == 0.0 {
+        0.0
+    } else {
+        num / (d * den)
+    }
+}
 
 fn ranks(x: &[f64]) -> Vec<f64> {
     let mut idx: Vec<usize> = (0..x.len()).collect();
@@ -154,7 +166,11 @@ fn measure(
         for (q, (pf, of)) in qs.iter().zip(fs) {
             let p = probs(q, keys);
             let o = output(&p, values);
-            num += o.iter().zip(of).map(|(a, b)| (a - b) * (a - b)).sum::<f64>();
+            num += o
+                .iter()
+                .zip(of)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f64>();
             den += of.iter().map(|b| b * b).sum::<f64>();
             kls += kl(pf, &p);
             count += 1.0;
@@ -246,20 +262,14 @@ fn main() -> BoxResult<()> {
                         }
                     }
                     let (rel, klv) = measure(&held, &approx, &vfull, &full);
-                    let (mut num, mut den) = (0.0, 0.0);
-                    for (et, kt) in e.iter().zip(k.rows()) {
-                        let kt: Vec<f64> = kt.iter().map(|&x| f64::from(x)).collect();
-                        num += quadratic(m, et);
-                        den += quadratic(m, &kt);
-                    }
                     key_points.push(Point {
                         group,
                         bytes: layout.record_bytes(),
                         losses: vec![
                             side_loss(k.view(), &side),
-                            key_loss(&e, m, &w),
-                            num / den,
-                            key_loss(&e, m, &ones),
+                            key_loss(k.view(), &e, m),
+                            temperature(&e, m, &w),
+                            temperature(&e, m, &ones),
                         ],
                         measured: vec![rel, klv],
                     });
@@ -278,22 +288,22 @@ fn main() -> BoxResult<()> {
                     }
                     let (rel, klv) = measure(&held, &kfull, &approx, &full);
                     let (mut num, mut den) = (0.0, 0.0);
-                    let mut coherent = vec![0f64; d];
                     for ((et, vt), &wt) in e.iter().zip(v.rows()).zip(&w) {
                         num += wt * et.iter().map(|x| x * x).sum::<f64>();
                         den += wt * vt.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
-                        for i in 0..d {
-                            coherent[i] += wt * et[i];
-                        }
                     }
                     value_points.push(Point {
                         group,
                         bytes: layout.record_bytes(),
                         losses: vec![
                             side_loss(v.view(), &side),
-                            value_loss(&e, &u, o2),
+                            value_loss(&e, &w, o2),
                             num / den,
-                            coherent.iter().map(|x| x * x).sum::<f64>() / o2,
+                            e.iter()
+                                .zip(&u)
+                                .map(|(et, ut)| ut * et.iter().map(|x| x * x).sum::<f64>())
+                                .sum::<f64>()
+                                / o2,
                         ],
                         measured: vec![rel, klv],
                     });
@@ -352,8 +362,18 @@ fn main() -> BoxResult<()> {
     // measured error of the choices, for the energy loss and the attention loss.
     let dense = 2 * d;
     for (side, points, grid_e, grid_a) in [
-        ("K", &key_points, [0.001, 0.002, 0.005, 0.01, 0.02, 0.05], ATT_K_GRID),
-        ("V", &value_points, [0.005, 0.01, 0.02, 0.05, 0.1, 0.2], ATT_V_GRID),
+        (
+            "K",
+            &key_points,
+            [0.001, 0.002, 0.005, 0.01, 0.02, 0.05],
+            ATT_K_GRID,
+        ),
+        (
+            "V",
+            &value_points,
+            [0.005, 0.01, 0.02, 0.05, 0.1, 0.2],
+            ATT_V_GRID,
+        ),
     ] {
         println!(
             "\n{side} side, cheapest candidate under a threshold, mean over {group} heads \

@@ -38,7 +38,9 @@ impl<C: KvCache> LayerKv for KvAdapter<C> {
         self.0.memory().device_bytes()
     }
     fn set_query_stats(&mut self, stats: mosaickv_spec::QueryStats) -> Result<(), String> {
-        self.0.set_query_stats(Some(stats)).map_err(|e| e.to_string())
+        self.0
+            .set_query_stats(Some(stats))
+            .map_err(|e| e.to_string())
     }
     fn host_bytes(&self) -> usize {
         self.0.memory().host_rows

@@ -361,7 +361,6 @@ impl KvCache for OptimizedMosaicCache {
         Ok(())
     }
 
-
     fn shape(&self) -> KvShape {
         self.cache.shape
     }

@@ -6,8 +6,8 @@ use crate::meta::block_meta_of_decoded;
 use crate::packed::{decode_rows, encode_rows};
 use crate::select::select;
 use crate::strategy::{fit_strategy_with, LossSums};
-use mosaickv_spec::query::{loss_in_use, LossContext, QueryStats};
 use half::f16;
+use mosaickv_spec::query::{loss_in_use, LossContext, QueryStats};
 use mosaickv_spec::rules::{rows_storable, ROW_KEY, ROW_KEYS, ROW_VALUE, ROW_VALUES};
 use mosaickv_spec::validate::{finite, prompt_kv, token_kv};
 use mosaickv_spec::{
@@ -360,7 +360,6 @@ impl KvCache for MosaicCache {
         self.query_stats = stats;
         Ok(())
     }
-
 
     fn shape(&self) -> KvShape {
         self.compressed.shape

@@ -54,10 +54,7 @@ pub fn errors(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<Vec<Vec<f64>
         .map(|(x, k)| {
             let k: Vec<f32> = k.iter().copied().collect();
             let xr = reconstruct(&k, &side.rotation);
-            x.iter()
-                .zip(&xr)
-                .map(|(&a, &b)| f64::from(a) - b)
-                .collect()
+            x.iter().zip(&xr).map(|(&a, &b)| f64::from(a) - b).collect()
         })
         .collect())
 }
@@ -74,38 +71,41 @@ pub fn segment_weights(ctx: &LossContext<'_>) -> Result<(Vec<f64>, Vec<f64>)> {
         })
 }
 
-/// SPEC.md section 11.1, keys: `L_K = sum_t w_t e_t^T M e_t / (D sum_t w_t)`,
-/// the attention-weighted mean squared logit error in softmax units
-/// (`z = q.k / sqrt(D)`, so `E_q[(q.e / sqrt(D))^2] = e^T M e / D`), with
-/// `M` the KV head's query second moment. 0 when `sum_t w_t = 0`.
-pub fn key_loss(errors: &[Vec<f64>], moment: &[f64], weights: &[f64]) -> f64 {
-    let d = moment.len().isqrt();
+/// SPEC.md section 11.1.1, keys: `L_K = sum_t e_t^T M e_t / sum_t k_t^T M
+/// k_t`, the query-weighted relative key error: `E_q[(q.e)^2] / E_q[(q.k)^2]`
+/// summed over the segment's rows `[n, D]`, with `M` the KV head's query
+/// second moment. 0 when the denominator is 0.
+pub fn key_loss(rows: ArrayView2<f32>, errors: &[Vec<f64>], moment: &[f64]) -> f64 {
     let mut num = 0f64;
     let mut den = 0f64;
-    for (e, &w) in errors.iter().zip(weights) {
-        num += w * quadratic(moment, e);
-        den += w;
+    for (x, e) in rows.rows().into_iter().zip(errors) {
+        let x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        num += quadratic(moment, e);
+        den += quadratic(moment, &x);
     }
     if den == 0.0 {
         0.0
     } else {
-        num / (d as f64 * den)
+        num / den
     }
 }
 
-/// SPEC.md section 11.1, values: `L_V = sum_t u_t ||e_t||^2 / O^2`, the
-/// expected squared error of the attention output (`sum_t p_t e_t`, its
-/// terms taken as uncorrelated: `E ||sum_t p_t e_t||^2 ~ sum_t E[p_t^2]
-/// ||e_t||^2`) relative to the mean squared output norm `O^2` of the KV head.
-/// 0 when `O^2 = 0`.
+/// SPEC.md section 11.1.1, values: `L_V = ||sum_t w_t e_t||^2 / O^2`, the
+/// squared error the mean attention weights make of the segment's value
+/// errors, relative to the mean squared output norm `O^2` of the KV head
+/// (`se_i = sum_t w_t e_ti` over rows in order, then `sum_i se_i^2`). 0 when
+/// `O^2 = 0`.
 pub fn value_loss(errors: &[Vec<f64>], weights: &[f64], output_sq: f64) -> f64 {
-    let mut num = 0f64;
-    for (e, &u) in errors.iter().zip(weights) {
-        let mut ee = 0f64;
-        for &v in e {
-            ee += v * v;
+    let d = errors.first().map_or(0, |e| e.len());
+    let mut se = vec![0f64; d];
+    for (e, &w) in errors.iter().zip(weights) {
+        for i in 0..d {
+            se[i] += w * e[i];
         }
-        num += u * ee;
+    }
+    let mut num = 0f64;
+    for &v in &se {
+        num += v * v;
     }
     if output_sq == 0.0 {
         0.0
@@ -126,7 +126,10 @@ mod tests {
         let m = [2.0, 1.0, 1.0, 3.0];
         assert_eq!(quadratic(&m, &[1.0, -1.0]), 2.0 - 1.0 - 1.0 + 3.0);
         // R = [[0, 1], [1, 0]] stored D x Dt with Dt = 2: x^ = (k_1, k_0).
-        assert_eq!(reconstruct(&[3.0, 5.0], &[0.0, 1.0, 1.0, 0.0]), vec![5.0, 3.0]);
+        assert_eq!(
+            reconstruct(&[3.0, 5.0], &[0.0, 1.0, 1.0, 0.0]),
+            vec![5.0, 3.0]
+        );
         // Dt = 1 keeps column 0 only: x^ = (0 * k_0, 1 * k_0).
         assert_eq!(reconstruct(&[3.0], &[0.0, 1.0]), vec![0.0, 3.0]);
     }
@@ -135,11 +138,12 @@ mod tests {
     fn key_and_value_losses_follow_their_definitions() {
         let e = vec![vec![1.0, 0.0], vec![0.0, 2.0]];
         let m = [4.0, 0.0, 0.0, 1.0];
-        // (w0 * 4 + w1 * 4) / (2 * (w0 + w1)) = 2 for any weights.
-        assert_eq!(key_loss(&e, &m, &[1.0, 3.0]), 2.0);
-        assert_eq!(key_loss(&e, &m, &[0.0, 0.0]), 0.0);
-        // (1 * 1 + 3 * 4) / 13
-        assert_eq!(value_loss(&e, &[1.0, 3.0], 13.0), 1.0);
+        let rows = Array2::from_shape_vec((2, 2), vec![2.0f32, 0.0, 0.0, 4.0]).unwrap();
+        // (4 + 4) / (16 + 16)
+        assert_eq!(key_loss(rows.view(), &e, &m), 0.25);
+        assert_eq!(key_loss(rows.view(), &e, &[0.0; 4]), 0.0);
+        // ||(1 * 1, 3 * 2)||^2 / 37 = 1
+        assert_eq!(value_loss(&e, &[1.0, 3.0], 37.0), 1.0);
         assert_eq!(value_loss(&e, &[1.0, 3.0], 0.0), 0.0);
     }
 
@@ -193,8 +197,11 @@ mod tests {
             energy.layout
         );
         let e = errors(rows.view(), &attention).unwrap();
-        assert!(key_loss(&e, &stats.key_moment, &vec![1.0; n]) <= 1e-3);
+        assert!(key_loss(rows.view(), &e, &stats.key_moment) <= 1e-3);
         // fit_loss stays the energy loss (section 10.3 compares energy losses).
-        assert_eq!(attention.fit_loss, crate::side_loss(rows.view(), &attention));
+        assert_eq!(
+            attention.fit_loss,
+            crate::side_loss(rows.view(), &attention)
+        );
     }
 }

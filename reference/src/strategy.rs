@@ -1,9 +1,9 @@
 //! SPEC.md section 11: strategy generation (loss, `(r, g)`, block size).
 
+use crate::loss;
 use crate::packed::{decode_rows, encode_rows};
 use crate::rotation::fit_rotation;
 use crate::topr::{rotate_row_f64, select_row};
-use crate::loss;
 use mosaickv_spec::layout::trim_rotation;
 use mosaickv_spec::query::{attention_config, LossContext};
 use mosaickv_spec::rules;
@@ -120,8 +120,8 @@ fn energy_losses(
 }
 
 /// SPEC.md section 11.1.1 (attention loss) of one candidate on one head's
-/// segment rows: the key loss with the head's query moment and weights `w`,
-/// or the value loss with weights `u` and `O^2`. The statistics must cover
+/// segment rows: the key loss with the head's query moment, or the value
+/// loss with the mean attention weights `w` and `O^2`. The statistics must cover
 /// the segment (`ShapeMismatch` otherwise).
 pub fn attention_loss(
     rows: ArrayView2<f32>,
@@ -129,11 +129,11 @@ pub fn attention_loss(
     side: Side,
     ctx: LossContext<'_>,
 ) -> Result<f64> {
-    let (w, u) = loss::segment_weights(&ctx)?;
+    let (w, _) = loss::segment_weights(&ctx)?;
     let e = loss::errors(rows, side_strategy)?;
     Ok(match side {
-        Side::Key => loss::key_loss(&e, ctx.stats.moment(ctx.head), &w),
-        Side::Value => loss::value_loss(&e, &u, ctx.stats.output_sq[ctx.head]),
+        Side::Key => loss::key_loss(rows, &e, ctx.stats.moment(ctx.head)),
+        Side::Value => loss::value_loss(&e, &w, ctx.stats.output_sq[ctx.head]),
     })
 }
 

@@ -242,7 +242,9 @@ impl CompressConfig {
         {
             for l in [key_loss, value_loss] {
                 if !(*l >= 0.0 && l.is_finite()) {
-                    return bad(format!("attention loss threshold {l} must be finite and >= 0"));
+                    return bad(format!(
+                        "attention loss threshold {l} must be finite and >= 0"
+                    ));
                 }
             }
         }
@@ -330,7 +332,10 @@ mod tests {
         // The default is not written, so default configs keep their JSON.
         let json = serde_json::to_string(&CompressConfig::default()).unwrap();
         assert!(!json.contains("\"loss\":"), "{json}");
-        assert_eq!(CompressConfig::from_json(&json).unwrap(), CompressConfig::default());
+        assert_eq!(
+            CompressConfig::from_json(&json).unwrap(),
+            CompressConfig::default()
+        );
         let json = serde_json::to_string(&cfg).unwrap();
         assert_eq!(CompressConfig::from_json(&json).unwrap(), cfg);
         let bad = CompressConfig {
@@ -340,7 +345,10 @@ mod tests {
             },
             ..CompressConfig::default()
         };
-        assert!(matches!(bad.validate(64), Err(MosaicError::InvalidConfig(_))));
+        assert!(matches!(
+            bad.validate(64),
+            Err(MosaicError::InvalidConfig(_))
+        ));
         assert!(CompressConfig::from_json(r#"{"loss": {"kind": "entropy"}}"#).is_err());
     }
 

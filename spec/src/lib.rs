@@ -19,9 +19,9 @@ pub use cache::{CompressedCache, DenseRows, HeadSegment, MemoryReport, Segment, 
 pub use config::{ceil_to, ChannelPolicy, CompressConfig, KvShape, LossPolicy};
 pub use error::{MosaicError, Result};
 pub use half::f16;
-pub use query::QueryStats;
 pub use layout::{
     meta_quant_max, meta_quant_min, meta_scale, BlockMeta, PackedRows, RecordLayout, SideStrategy,
     Strategy, ValueDtype,
 };
+pub use query::QueryStats;
 pub use traits::{Availability, Backend, KvCache, Selection, Side};

@@ -47,7 +47,11 @@ impl QueryStats {
         if start + len > self.tokens() {
             return None;
         }
-        let pick = |v: &[f64]| (start..start + len).map(|t| v[t * self.kv_heads + h]).collect();
+        let pick = |v: &[f64]| {
+            (start..start + len)
+                .map(|t| v[t * self.kv_heads + h])
+                .collect()
+        };
         Some((pick(&self.key_weight), pick(&self.value_weight)))
     }
 
@@ -107,7 +111,10 @@ impl QueryStats {
     ) -> Result<Self> {
         let (kv, qh, d) = (shape.kv_heads, shape.q_heads, shape.head_dim);
         let n = keys.len_of(Axis(0));
-        if keys.shape()[1..] != [kv, d] || values.shape() != keys.shape() || queries.shape() != [n, qh, d] {
+        if keys.shape()[1..] != [kv, d]
+            || values.shape() != keys.shape()
+            || queries.shape() != [n, qh, d]
+        {
             return Err(MosaicError::ShapeMismatch {
                 what: "queries",
                 expected: format!("[{n}, {qh}, {d}] beside keys [{n}, {kv}, {d}]"),
@@ -306,6 +313,10 @@ mod tests {
         };
         assert!(attention_config(&cfg, Some(ctx)).is_none());
         assert!(attention_config(&cfg, Some(LossContext { len: 1, ..ctx })).is_some());
-        assert!(attention_config(&CompressConfig::default(), Some(LossContext { len: 1, ..ctx })).is_none());
+        assert!(attention_config(
+            &CompressConfig::default(),
+            Some(LossContext { len: 1, ..ctx })
+        )
+        .is_none());
     }
 }

@@ -124,7 +124,8 @@ impl Model {
             self.rope(&mut q, c.q_heads, 0);
             self.rope(&mut k, c.kv_heads, 0);
             if keep_queries || stats {
-                let qs = Array3::from_shape_vec((n, c.q_heads, c.head_dim), q.clone()).expect("shape");
+                let qs =
+                    Array3::from_shape_vec((n, c.q_heads, c.head_dim), q.clone()).expect("shape");
                 if stats {
                     let kvs = (n, c.kv_heads, c.head_dim);
                     let ks = ArrayView3::from_shape(kvs, &k).expect("shape");

@@ -475,7 +475,6 @@ impl KvCache for LiveCache {
         Ok(())
     }
 
-
     fn shape(&self) -> KvShape {
         self.view.shape
     }
