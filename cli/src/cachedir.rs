@@ -97,6 +97,9 @@ pub fn manifest(cache: &CompressedCache, m: &MemoryReport) -> Value {
         "sink_tokens": cache.sink.tokens,
         "buffer_tokens": cache.buffer.tokens,
         "config": cache.config,
+        // `compress` reads a bare K/V file: no query statistics, so a `loss = attention`
+        // config falls back to the energy loss, and this says so (SPEC.md section 11.1).
+        "loss": mosaickv_spec::query::loss_in_use(&cache.config, false),
         "segments": segments,
         "memory": memory_json(cache, m),
     })

@@ -121,7 +121,12 @@ pub fn run_suite(model: &Model, s: &Suite, pb: &mut Progress) -> Result<Vec<Reco
                 let seed = s.seed + i as u64;
                 pb.set_message(format!("{task} {length} #{i}: prefill"));
                 let (sample, ids) = llm::task_sample(model, task, length, seed)?;
-                let pre = model.prefill(&ids)?;
+                // Query statistics only when a method uses them (SPEC.md section 11.1).
+                let pre = if s.methods.iter().any(|m| m.wants_query_stats()) {
+                    model.prefill_with_stats(&ids)?
+                } else {
+                    model.prefill(&ids)?
+                };
                 for (mi, m) in s.methods.iter().enumerate() {
                     pb.set_message(format!("{task} {length} #{i}: {m}"));
                     let d = llm::decode_greedy(model, &pre, m, llm::answer_budget(task), |_| {})?;

@@ -21,6 +21,11 @@ pub trait LayerKv: Send {
     fn host_bytes(&self) -> usize {
         0
     }
+    /// The layer's query statistics for the attention loss (SPEC.md section 11.1), given
+    /// before `prefill`; caches that do not use them ignore them.
+    fn set_query_stats(&mut self, _stats: mosaickv_spec::QueryStats) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Dense cache: every key and value stored as f16, attention accumulated in f32.

@@ -38,7 +38,7 @@ pub use fetch::{
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
-pub use model::{argmax, Arch, Config, DecodeWeights, Model, Prefill, RopeStyle};
+pub use model::{argmax, Arch, Config, DecodeWeights, Model, Prefill, RopeStyle, STATS_SAMPLE};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.

@@ -41,6 +41,11 @@ impl<C: KvCache> LayerKv for KvAdapter<C> {
     fn bytes(&self) -> usize {
         self.0.memory().device_bytes()
     }
+    fn set_query_stats(&mut self, stats: mosaickv_spec::QueryStats) -> Result<(), String> {
+        self.0
+            .set_query_stats(Some(stats))
+            .map_err(|e| e.to_string())
+    }
     fn host_bytes(&self) -> usize {
         self.0.memory().host_rows
     }
@@ -287,6 +292,20 @@ impl Method {
                         "sink" => c.sink_tokens = num(k, v)? as usize,
                         "lin" => c.input_segment_len = num(k, v)? as usize,
                         "var" => c.variance_threshold = num(k, v)?,
+                        // the attention loss (SPEC.md section 11.1) with its K/V thresholds
+                        "aloss" => match list(k, v)?.as_slice() {
+                            &[key_loss, value_loss] => {
+                                c.loss = mosaickv_spec::LossPolicy::Attention {
+                                    key_loss,
+                                    value_loss,
+                                }
+                            }
+                            _ => {
+                                return Err(EngineError::Invalid(format!(
+                                    "method {spec:?}: aloss={v} is not KEY/VALUE"
+                                )))
+                            }
+                        },
                         "bs" => {
                             c.block_sizes = list(k, v)?.into_iter().map(|x| x as usize).collect()
                         }
@@ -397,6 +416,12 @@ impl Method {
             }),
             _ => Err(EngineError::Invalid(format!("{self} is not quest-sink"))),
         }
+    }
+
+    /// Whether the method's caches use query statistics (the attention loss, SPEC.md section
+    /// 11.1): then the prompt is prefilled with [`crate::Model::prefill_with_stats`].
+    pub fn wants_query_stats(&self) -> bool {
+        matches!(self, Method::Mosaic { config, .. } if !config.loss.is_energy())
     }
 
     /// A short label: the canonical name plus the overrides that differ from the defaults.
@@ -639,6 +664,13 @@ impl fmt::Display for Method {
                         }
                     }
                     _ => {}
+                }
+                if let mosaickv_spec::LossPolicy::Attention {
+                    key_loss,
+                    value_loss,
+                } = &c.loss
+                {
+                    write!(f, ":aloss={key_loss}/{value_loss}")?;
                 }
                 if c.truncate_fraction != d.truncate_fraction {
                     write!(f, ":trunc={}", c.truncate_fraction)?;

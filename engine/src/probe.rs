@@ -70,6 +70,12 @@ impl LayerProbe {
 }
 
 impl LayerKv for LayerProbe {
+    fn set_query_stats(&mut self, stats: mosaickv_spec::QueryStats) -> Result<(), String> {
+        for m in &mut self.methods {
+            m.set_query_stats(stats.clone())?;
+        }
+        Ok(())
+    }
     fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<(), String> {
         self.full.prefill(keys, values)?;
         self.keys.extend(keys.iter());

@@ -495,6 +495,19 @@ pub fn fit_side_rotated(
     side: Side,
     config: &CompressConfig,
 ) -> Result<(SideStrategy, Vec<f64>)> {
+    fit_side_rotated_with(rows, d, side, config, None)
+}
+
+/// [`fit_side_rotated`] with the attention loss's statistics (SPEC.md section 11.1): under
+/// `LossPolicy::Attention` with statistics the candidates are compared by their attention
+/// loss ([`crate::loss`]) against its thresholds; `fit_loss` stays the energy loss.
+pub fn fit_side_rotated_with(
+    rows: &[f32],
+    d: usize,
+    side: Side,
+    config: &CompressConfig,
+    ctx: Option<mosaickv_spec::query::LossContext<'_>>,
+) -> Result<(SideStrategy, Vec<f64>)> {
     config.validate(d)?;
     let c = covariance(rows, d);
     let rotation = rotation_from_covariance(&c, d);
@@ -511,7 +524,13 @@ pub fn fit_side_rotated(
         .iter()
         .map(|l| loss_rotated(rows, &xr, d, l))
         .collect();
-    let k = rules::choose_candidate(&cands, &losses, side, config);
+    let k = match (mosaickv_spec::query::attention_config(config, ctx), ctx) {
+        (Some(att), Some(ctx)) => {
+            let attn = crate::loss::attention_losses(rows, &rotation, &cands, side, ctx)?;
+            rules::choose_candidate(&cands, &attn, side, &att)
+        }
+        _ => rules::choose_candidate(&cands, &losses, side, config),
+    };
     Ok((
         SideStrategy {
             layout: cands[k],

@@ -33,6 +33,7 @@ pub mod baselines;
 pub mod cuda;
 pub mod encode;
 pub mod live;
+pub mod loss;
 pub mod mosaic;
 pub mod simd;
 

@@ -5,6 +5,7 @@ use crate::attend::{packed_attention, scratch_bytes_for, MosaicScratch, Selectio
 use crate::backend::contig;
 use crate::encode;
 use crate::simd::Path;
+use mosaickv_spec::query::{LossContext, QueryStats};
 use mosaickv_spec::{
     rules, validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport,
     MosaicError, Result, Segment, SegmentState, Side, Strategy,
@@ -32,16 +33,18 @@ pub fn attend_scratch_bytes(shape: &KvShape, config: &CompressConfig, tokens: us
 }
 
 /// Encodes one head's segment rows (SPEC 10.1: fit, encode, metadata).
+/// `ctx`: the attention loss's statistics for a prompt segment (SPEC.md section 11.1).
 pub(crate) fn encode_segment(
     keys: &[f32],
     values: &[f32],
     d: usize,
     config: &CompressConfig,
+    ctx: Option<LossContext<'_>>,
 ) -> Result<HeadSegment> {
-    let (ks, kr) = encode::fit_side_rotated(keys, d, Side::Key, config)?;
+    let (ks, kr) = encode::fit_side_rotated_with(keys, d, Side::Key, config, ctx)?;
     let packed_k = encode::pack_rotated(&kr, d, &ks.layout)?;
     drop(kr);
-    let (vs, vr) = encode::fit_side_rotated(values, d, Side::Value, config)?;
+    let (vs, vr) = encode::fit_side_rotated_with(values, d, Side::Value, config, ctx)?;
     let packed_v = encode::pack_rotated(&vr, d, &vs.layout)?;
     drop(vr);
     let dense = encode::decode_trusted(&packed_k, &ks.layout);
@@ -118,6 +121,8 @@ pub struct OptimizedMosaicCache {
     open_loss: Vec<[(f64, f64); 2]>,
     scratch: MosaicScratch,
     out_tmp: Vec<f32>,
+    /// The layer's query statistics for the attention loss (SPEC.md section 11.1), if given.
+    query_stats: Option<QueryStats>,
 }
 
 impl OptimizedMosaicCache {
@@ -144,7 +149,13 @@ impl OptimizedMosaicCache {
             open_loss: Vec::new(),
             scratch: MosaicScratch::default(),
             out_tmp: Vec::new(),
+            query_stats: None,
         })
+    }
+
+    /// The loss strategies are chosen by (SPEC.md section 11.1), as the manifest reports it.
+    pub fn loss_in_use(&self) -> &'static str {
+        mosaickv_spec::query::loss_in_use(&self.cache.config, self.query_stats.is_some())
     }
 
     /// The compressed data (SPEC.md section 9's cache).
@@ -259,7 +270,7 @@ impl OptimizedMosaicCache {
                         k.extend(gather(bk, kv, d, h, 0, n));
                         let mut v = gather(ov, kv, d, h, 0, old_len);
                         v.extend(gather(bv, kv, d, h, 0, n));
-                        encode_segment(&k, &v, d, &config)
+                        encode_segment(&k, &v, d, &config, None)
                     })
                     .collect(),
             )?)
@@ -339,6 +350,17 @@ pub(crate) fn first_error_in_order<T>(results: Vec<Result<T>>) -> Result<Vec<T>>
 }
 
 impl KvCache for OptimizedMosaicCache {
+    /// Gives (or with `None` removes) the layer's query statistics, used by the prompt
+    /// segments' strategies (`prefill`) when the configuration's loss is `attention` (SPEC.md
+    /// section 11.1); checked against the shape, nothing changes on error.
+    fn set_query_stats(&mut self, stats: Option<QueryStats>) -> Result<()> {
+        if let Some(st) = &stats {
+            st.validate(&self.cache.shape)?;
+        }
+        self.query_stats = stats;
+        Ok(())
+    }
+
     fn shape(&self) -> KvShape {
         self.cache.shape
     }
@@ -371,11 +393,18 @@ impl KvCache for OptimizedMosaicCache {
             jobs.par_iter()
                 .map(|&(i, h)| {
                     let (a, b) = bounds[i];
+                    let ctx = self.query_stats.as_ref().map(|stats| LossContext {
+                        stats,
+                        head: h,
+                        start: a,
+                        len: b - a,
+                    });
                     encode_segment(
                         &gather(&kdata, kv, d, h, a, b),
                         &gather(&vdata, kv, d, h, a, b),
                         d,
                         &config,
+                        ctx,
                     )
                 })
                 .collect(),

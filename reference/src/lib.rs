@@ -17,6 +17,7 @@
 //! | [`attention`] | 9 (PackedAttention) |
 //! | [`lifecycle`] | 10 (segments, update buffer, close rule) |
 //! | [`strategy`] | 11 (loss, (r, g), block size) |
+//! | [`loss`] | 11.1 (attention loss) |
 //! | [`baselines`] | 12 (Full, Quest, naive 2-D) |
 //! | [`metrics`] | 16 (relative L2, recall@k) |
 //! | [`synthetic`] | test data with realistic structure (not normative) |
@@ -25,6 +26,7 @@ pub mod attention;
 pub mod backend;
 pub mod baselines;
 pub mod lifecycle;
+pub mod loss;
 pub mod meta;
 pub mod metrics;
 pub mod packed;

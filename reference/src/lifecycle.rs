@@ -5,8 +5,9 @@ use crate::attention::{attend, attended_tokens};
 use crate::meta::block_meta_of_decoded;
 use crate::packed::{decode_rows, encode_rows};
 use crate::select::select;
-use crate::strategy::{fit_strategy, LossSums};
+use crate::strategy::{fit_strategy_with, LossSums};
 use half::f16;
+use mosaickv_spec::query::{loss_in_use, LossContext, QueryStats};
 use mosaickv_spec::rules::{rows_storable, ROW_KEY, ROW_KEYS, ROW_VALUE, ROW_VALUES};
 use mosaickv_spec::validate::{finite, prompt_kv, token_kv};
 use mosaickv_spec::{
@@ -49,6 +50,8 @@ pub struct MosaicCache {
     host_keys: Vec<f32>,
     host_values: Vec<f32>,
     open_loss: Vec<[LossSums; 2]>,
+    /// The layer's query statistics for the attention loss (SPEC.md section 11.1), if given.
+    query_stats: Option<QueryStats>,
 }
 
 impl MosaicCache {
@@ -61,6 +64,23 @@ impl MosaicCache {
             host_keys: Vec::new(),
             host_values: Vec::new(),
             open_loss: Vec::new(),
+            query_stats: None,
+        })
+    }
+
+    /// The loss strategies are chosen by: `energy`, `attention`, or the energy fallback
+    /// when the attention loss was asked for without statistics (SPEC.md section 11.1).
+    pub fn loss_in_use(&self) -> &'static str {
+        loss_in_use(&self.compressed.config, self.query_stats.is_some())
+    }
+
+    /// The loss context of head `h`'s segment of tokens `start..start + len`.
+    fn loss_ctx(&self, h: usize, start: usize, len: usize) -> Option<LossContext<'_>> {
+        self.query_stats.as_ref().map(|stats| LossContext {
+            stats,
+            head: h,
+            start,
+            len,
         })
     }
 
@@ -160,6 +180,7 @@ impl MosaicCache {
             host_keys,
             host_values,
             open_loss: Vec::new(),
+            query_stats: None,
         };
         if open_len > 0 {
             cache.open_loss = cache.loss_sums_of(0, open_len, &[], &cache.open_strategies());
@@ -223,7 +244,7 @@ impl MosaicCache {
             for h in 0..shape.kv_heads {
                 let k = Self::host_head_rows(&self.host_keys, &shape, open_len, cap, h);
                 let v = Self::host_head_rows(&self.host_values, &shape, open_len, cap, h);
-                fitted.push(fit_strategy(k.view(), v.view(), &cfg)?);
+                fitted.push(fit_strategy_with(k.view(), v.view(), &cfg, None)?);
             }
             fitted
         };
@@ -258,7 +279,8 @@ impl MosaicCache {
             for h in 0..shape.kv_heads {
                 let k = Self::host_head_rows(&self.host_keys, &shape, 0, new_len, h);
                 let v = Self::host_head_rows(&self.host_values, &shape, 0, new_len, h);
-                let own = fit_strategy(k.view(), v.view(), &cfg)?;
+                // Generated segments are fitted by the energy loss (SPEC.md section 11.1).
+                let own = fit_strategy_with(k.view(), v.view(), &cfg, None)?;
                 heads.push(build_head(k.view(), v.view(), own)?);
             }
             Some(heads)
@@ -327,6 +349,18 @@ impl MosaicCache {
 }
 
 impl KvCache for MosaicCache {
+    /// Gives (or with `None` removes) the layer's query statistics, used by the prompt
+    /// segments' strategies (`prefill`) when the configuration's loss is `attention` (SPEC.md
+    /// section 11.1); generated segments keep the energy loss.
+    /// Checked against the shape (`ShapeMismatch`, `NonFinite`); nothing changes on error.
+    fn set_query_stats(&mut self, stats: Option<QueryStats>) -> Result<()> {
+        if let Some(st) = &stats {
+            st.validate(&self.compressed.shape)?;
+        }
+        self.query_stats = stats;
+        Ok(())
+    }
+
     fn shape(&self) -> KvShape {
         self.compressed.shape
     }
@@ -362,7 +396,8 @@ impl KvCache for MosaicCache {
             for h in 0..shape.kv_heads {
                 let k = keys.slice(s![start..start + len, h, ..]).to_owned();
                 let v = values.slice(s![start..start + len, h, ..]).to_owned();
-                let strategy = fit_strategy(k.view(), v.view(), &cfg)?;
+                let strategy =
+                    fit_strategy_with(k.view(), v.view(), &cfg, self.loss_ctx(h, start, len))?;
                 heads.push(build_head(k.view(), v.view(), strategy)?);
             }
             segments.push(Segment {

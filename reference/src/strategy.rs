@@ -1,9 +1,11 @@
 //! SPEC.md section 11: strategy generation (loss, `(r, g)`, block size).
 
+use crate::loss;
 use crate::packed::{decode_rows, dequantized_kept, encode_rows, kept_values};
 use crate::rotation::fit_rotation;
 use crate::topr::{rotate_row_f64, select_row};
 use mosaickv_spec::layout::trim_rotation;
+use mosaickv_spec::query::{attention_config, LossContext};
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy};
@@ -97,7 +99,7 @@ pub fn side_loss(rows: ArrayView2<f32>, side: &SideStrategy) -> f64 {
 /// with the full R (f64, all D dims). Each candidate's loss is section 11.1's,
 /// rows added in order; the pick is [`mosaickv_spec::rules::choose_candidate`]
 /// (the rule is data, written once in the spec crate). Returns the layout and
-/// its loss.
+/// its (energy) loss.
 pub fn choose_layout(
     rows: ArrayView2<f32>,
     rotated: &[Vec<f64>],
@@ -106,7 +108,18 @@ pub fn choose_layout(
     head_dim: usize,
 ) -> (RecordLayout, f64) {
     let candidates = rules::candidates(config, head_dim);
-    let losses: Vec<f64> = candidates
+    let losses = energy_losses(rows, rotated, &candidates);
+    let k = rules::choose_candidate(&candidates, &losses, side, config);
+    (candidates[k], losses[k])
+}
+
+/// Section 11.1's energy loss of each candidate, rows added in order.
+fn energy_losses(
+    rows: ArrayView2<f32>,
+    rotated: &[Vec<f64>],
+    candidates: &[RecordLayout],
+) -> Vec<f64> {
+    candidates
         .iter()
         .map(|layout| {
             let mut sums = LossSums::default();
@@ -116,18 +129,48 @@ pub fn choose_layout(
             }
             sums.loss()
         })
-        .collect();
-    let k = rules::choose_candidate(&candidates, &losses, side, config);
-    (candidates[k], losses[k])
+        .collect()
+}
+
+/// SPEC.md section 11.1.1 (attention loss) of one candidate on one head's
+/// segment rows: the key loss with the head's query moment, or the value
+/// loss with the mean attention weights `w` and `O^2`. The statistics must cover
+/// the segment (`ShapeMismatch` otherwise).
+pub fn attention_loss(
+    rows: ArrayView2<f32>,
+    side_strategy: &SideStrategy,
+    side: Side,
+    ctx: LossContext<'_>,
+) -> Result<f64> {
+    let (w, _) = loss::segment_weights(&ctx)?;
+    let e = loss::errors(rows, side_strategy)?;
+    Ok(match side {
+        Side::Key => loss::key_loss(rows, &e, ctx.stats.moment(ctx.head)),
+        Side::Value => loss::value_loss(&e, &w, ctx.stats.output_sq[ctx.head]),
+    })
 }
 
 /// SPEC.md sections 3, 4, 11.1, 11.2: one side's strategy for rows `[n, D]`:
 /// rotation fitted on the rows, then `(r, g)` chosen with that rotation
-/// (the loss uses R as stored, f32); `fit_loss` is the chosen candidate's loss.
+/// (the loss uses R as stored, f32); `fit_loss` is the chosen candidate's energy loss.
 pub fn fit_side(
     rows: ArrayView2<f32>,
     side: Side,
     config: &CompressConfig,
+) -> Result<SideStrategy> {
+    fit_side_with(rows, side, config, None)
+}
+
+/// [`fit_side`] with the attention loss's statistics (SPEC.md section 11.1):
+/// under `LossPolicy::Attention` with statistics, the candidates are compared
+/// by their attention loss against its thresholds; `fit_loss` stays the
+/// chosen candidate's energy loss (the drift rule of section 10.3 compares
+/// energy losses). Without statistics this is [`fit_side`] (the fallback).
+pub fn fit_side_with(
+    rows: ArrayView2<f32>,
+    side: Side,
+    config: &CompressConfig,
+    ctx: Option<LossContext<'_>>,
 ) -> Result<SideStrategy> {
     let d = rows.ncols();
     config.validate(d)?;
@@ -141,11 +184,28 @@ pub fn fit_side(
             rotate_row_f64(&row, &rotation)
         })
         .collect();
-    let (layout, fit_loss) = choose_layout(rows, &rotated, side, config, d);
+    let candidates = rules::candidates(config, d);
+    let energy = energy_losses(rows, &rotated, &candidates);
+    let k = match (attention_config(config, ctx), ctx) {
+        (Some(att), Some(ctx)) => {
+            let mut losses = Vec::with_capacity(candidates.len());
+            for layout in &candidates {
+                let st = SideStrategy {
+                    layout: *layout,
+                    rotation: trim_rotation(&rotation, d, layout.kept_dims),
+                    fit_loss: 0.0,
+                };
+                losses.push(attention_loss(rows, &st, side, ctx)?);
+            }
+            rules::choose_candidate(&candidates, &losses, side, &att)
+        }
+        _ => rules::choose_candidate(&candidates, &energy, side, config),
+    };
+    let layout = candidates[k];
     Ok(SideStrategy {
         layout,
         rotation: trim_rotation(&rotation, d, layout.kept_dims),
-        fit_loss,
+        fit_loss: energy[k],
     })
 }
 
@@ -226,8 +286,18 @@ pub fn fit_strategy(
     values: ArrayView2<f32>,
     config: &CompressConfig,
 ) -> Result<Strategy> {
-    let key = fit_side(keys, Side::Key, config)?;
-    let value = fit_side(values, Side::Value, config)?;
+    fit_strategy_with(keys, values, config, None)
+}
+
+/// [`fit_strategy`] with the attention loss's statistics ([`fit_side_with`]).
+pub fn fit_strategy_with(
+    keys: ArrayView2<f32>,
+    values: ArrayView2<f32>,
+    config: &CompressConfig,
+    ctx: Option<LossContext<'_>>,
+) -> Result<Strategy> {
+    let key = fit_side_with(keys, Side::Key, config, ctx)?;
+    let value = fit_side_with(values, Side::Value, config, ctx)?;
     let block_size = fit_block_size(keys, &key, config)?;
     Ok(Strategy {
         key,

@@ -79,6 +79,25 @@ impl Default for ChannelPolicy {
     }
 }
 
+/// Which loss the channel thresholds compare (SPEC.md section 11.1).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LossPolicy {
+    /// Relative dropped energy, compared with the channel policy's `key_loss` / `value_loss`.
+    #[default]
+    Energy,
+    /// The attention loss of SPEC.md section 11.1 (query-weighted key error, attention-weighted
+    /// value error, of the reconstruction as stored), compared with these thresholds. A cache
+    /// given no query statistics falls back to the energy loss (and says so).
+    Attention { key_loss: f64, value_loss: f64 },
+}
+
+impl LossPolicy {
+    pub fn is_energy(&self) -> bool {
+        matches!(self, LossPolicy::Energy)
+    }
+}
+
 /// Every parameter of the method. Defaults and their reasons: SPEC.md section 2.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -111,6 +130,10 @@ pub struct CompressConfig {
     /// `f16`, `int8`, `int4`. The loss-threshold policy tries every listed dtype; the fixed
     /// policy uses the first.
     pub value_dtypes: Vec<ValueDtype>,
+    /// The loss `loss_threshold` channels are chosen by (SPEC.md section 11.1); omitted from
+    /// JSON when it is the default energy loss, so such files keep their bytes.
+    #[serde(skip_serializing_if = "LossPolicy::is_energy")]
+    pub loss: LossPolicy,
 }
 
 impl Default for CompressConfig {
@@ -128,6 +151,7 @@ impl Default for CompressConfig {
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
             value_dtypes: vec![ValueDtype::F16],
+            loss: LossPolicy::Energy,
         }
     }
 }
@@ -226,6 +250,19 @@ impl CompressConfig {
                 self.value_dtypes
             ));
         }
+        if let LossPolicy::Attention {
+            key_loss,
+            value_loss,
+        } = &self.loss
+        {
+            for l in [key_loss, value_loss] {
+                if !(*l >= 0.0 && l.is_finite()) {
+                    return bad(format!(
+                        "attention loss threshold {l} must be finite and >= 0"
+                    ));
+                }
+            }
+        }
         let check_g = |g: usize| -> Result<()> {
             if g == 0 || head_dim % g != 0 {
                 return Err(MosaicError::GroupSizeNotDivisor {
@@ -292,6 +329,43 @@ pub fn ceil_to(x: usize, g: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loss_policy_key() {
+        let cfg = CompressConfig::from_json(
+            r#"{"loss": {"kind": "attention", "key_loss": 0.01, "value_loss": 0.02}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.loss,
+            LossPolicy::Attention {
+                key_loss: 0.01,
+                value_loss: 0.02
+            }
+        );
+        cfg.validate(64).unwrap();
+        // The default is not written, so default configs keep their JSON.
+        let json = serde_json::to_string(&CompressConfig::default()).unwrap();
+        assert!(!json.contains("\"loss\":"), "{json}");
+        assert_eq!(
+            CompressConfig::from_json(&json).unwrap(),
+            CompressConfig::default()
+        );
+        let json = serde_json::to_string(&cfg).unwrap();
+        assert_eq!(CompressConfig::from_json(&json).unwrap(), cfg);
+        let bad = CompressConfig {
+            loss: LossPolicy::Attention {
+                key_loss: -1.0,
+                value_loss: 0.0,
+            },
+            ..CompressConfig::default()
+        };
+        assert!(matches!(
+            bad.validate(64),
+            Err(MosaicError::InvalidConfig(_))
+        ));
+        assert!(CompressConfig::from_json(r#"{"loss": {"kind": "entropy"}}"#).is_err());
+    }
 
     #[test]
     fn min_segment_len_is_a_positive_multiple_of_the_buffer() {

@@ -10,16 +10,18 @@ pub mod config;
 pub mod error;
 pub mod layout;
 pub mod persist;
+pub mod query;
 pub mod rules;
 pub mod traits;
 pub mod validate;
 
 pub use cache::{CompressedCache, DenseRows, HeadSegment, MemoryReport, Segment, SegmentState};
-pub use config::{ceil_to, ChannelPolicy, CompressConfig, KvShape};
+pub use config::{ceil_to, ChannelPolicy, CompressConfig, KvShape, LossPolicy};
 pub use error::{MosaicError, Result};
 pub use half::f16;
 pub use layout::{
     meta_quant_max, meta_quant_min, meta_scale, BlockMeta, PackedRows, RecordLayout, SideStrategy,
     Strategy, ValueDtype,
 };
+pub use query::QueryStats;
 pub use traits::{Availability, Backend, KvCache, Selection, Side};

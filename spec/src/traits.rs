@@ -137,4 +137,9 @@ pub trait KvCache: Send {
     fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()>;
     /// Every byte held, itemized.
     fn memory(&self) -> MemoryReport;
+    /// The layer's query statistics for the attention loss (SPEC.md section 11.1), before
+    /// `prefill`. Caches that do not use them (the baselines) accept and ignore them.
+    fn set_query_stats(&mut self, _stats: Option<crate::query::QueryStats>) -> Result<()> {
+        Ok(())
+    }
 }

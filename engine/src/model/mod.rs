@@ -16,7 +16,7 @@ mod weights;
 
 pub use decode::DecodeWeights;
 pub(crate) use prefill::exp_shifted_in_place;
-pub use prefill::Prefill;
+pub use prefill::{Prefill, STATS_SAMPLE};
 
 use crate::kv::{FullKv, LayerKv};
 use crate::quant::{QMatrix, QVec, RowStack};

@@ -4,13 +4,16 @@ use super::Model;
 use crate::kv::LayerKv;
 use crate::{EngineError, Result};
 use candle_core::Tensor;
-use ndarray::Array3;
+use mosaickv_spec::{KvShape, QueryStats};
+use ndarray::{Array3, ArrayView3};
 use rayon::prelude::*;
 
 /// Query rows per attention chunk in prefill.
 const Q_CHUNK: usize = 256;
 /// Key rows per online-softmax step in prefill.
 const K_CHUNK: usize = 1024;
+/// Last prompt positions whose queries give the value weights of the attention loss.
+pub const STATS_SAMPLE: usize = 64;
 
 /// Result of [`Model::prefill`].
 #[derive(Debug, Clone)]
@@ -21,6 +24,12 @@ pub struct Prefill {
     pub values: Vec<Array3<f32>>,
     /// Logits at the last prompt position.
     pub logits: Vec<f32>,
+    /// Per layer, post-RoPE queries [tokens, q_heads, head_dim]; empty unless
+    /// [`Model::prefill_with_queries`] made it.
+    pub queries: Vec<Array3<f32>>,
+    /// Per layer, the query statistics of SPEC.md section 11.1; empty unless
+    /// [`Model::prefill_with_stats`] made them. [`Prefill::fill`] hands them to the caches.
+    pub query_stats: Vec<QueryStats>,
 }
 
 impl Prefill {
@@ -42,6 +51,10 @@ impl Prefill {
             )));
         }
         for (layer, c) in caches.iter_mut().enumerate() {
+            if let Some(stats) = self.query_stats.get(layer) {
+                c.set_query_stats(stats.clone())
+                    .map_err(|message| EngineError::Cache { layer, message })?;
+            }
             c.prefill(self.keys[layer].view(), self.values[layer].view())
                 .map_err(|message| EngineError::Cache { layer, message })?;
         }
@@ -53,6 +66,22 @@ impl Model {
     /// Dense prefill of a prompt. Attention is causal and chunked: queries in blocks of 256
     /// rows, keys in blocks of 1024 with an online softmax, so no n x n matrix is formed.
     pub fn prefill(&self, tokens: &[u32]) -> Result<Prefill> {
+        self.prefill_impl(tokens, false, false)
+    }
+
+    /// [`Model::prefill`] that also keeps every layer's post-RoPE queries (`Prefill::queries`).
+    pub fn prefill_with_queries(&self, tokens: &[u32]) -> Result<Prefill> {
+        self.prefill_impl(tokens, true, false)
+    }
+
+    /// [`Model::prefill`] that also collects every layer's query statistics for the attention
+    /// loss (`Prefill::query_stats`, SPEC.md section 11.1): the key second moment over every
+    /// prompt query, the value weights from the last [`STATS_SAMPLE`] positions.
+    pub fn prefill_with_stats(&self, tokens: &[u32]) -> Result<Prefill> {
+        self.prefill_impl(tokens, false, true)
+    }
+
+    fn prefill_impl(&self, tokens: &[u32], keep_queries: bool, stats: bool) -> Result<Prefill> {
         let n = tokens.len();
         if n == 0 {
             return Err(EngineError::Invalid("empty prompt".into()));
@@ -68,6 +97,10 @@ impl Model {
         let mut x = self.embed_tokens(tokens)?;
         let mut keys = Vec::with_capacity(c.n_layers);
         let mut values = Vec::with_capacity(c.n_layers);
+        let mut queries = Vec::new();
+        let mut query_stats = Vec::new();
+        let shape = KvShape::new(c.kv_heads, c.q_heads, c.head_dim)
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let mut attn_time = std::time::Duration::ZERO;
         let t_all = std::time::Instant::now();
         for l in &self.layers {
@@ -93,6 +126,22 @@ impl Model {
                 .to_vec1::<f32>()?;
             self.rope(&mut q, c.q_heads, 0);
             self.rope(&mut k, c.kv_heads, 0);
+            if keep_queries || stats {
+                let qs =
+                    Array3::from_shape_vec((n, c.q_heads, c.head_dim), q.clone()).expect("shape");
+                if stats {
+                    let kvs = (n, c.kv_heads, c.head_dim);
+                    let ks = ArrayView3::from_shape(kvs, &k).expect("shape");
+                    let vs = ArrayView3::from_shape(kvs, &v).expect("shape");
+                    query_stats.push(
+                        QueryStats::from_queries(&shape, ks, vs, qs.view(), STATS_SAMPLE)
+                            .map_err(|e| EngineError::Invalid(e.to_string()))?,
+                    );
+                }
+                if keep_queries {
+                    queries.push(qs);
+                }
+            }
             let qt = Tensor::from_vec(q, (n, c.q_heads, c.head_dim), &self.dev)?
                 .transpose(0, 1)?
                 .contiguous()?;
@@ -122,6 +171,8 @@ impl Model {
             keys,
             values,
             logits,
+            queries,
+            query_stats,
         })
     }
 

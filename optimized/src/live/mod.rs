@@ -207,6 +207,8 @@ pub struct LiveCache {
     holds: Arc<()>,
     scratch: MosaicScratch,
     out_tmp: Vec<f32>,
+    /// The layer's query statistics for the attention loss (SPEC.md section 11.1), if given.
+    query_stats: Option<mosaickv_spec::QueryStats>,
 }
 
 impl std::fmt::Debug for LiveCache {
@@ -322,6 +324,7 @@ impl LiveCache {
             holds: Arc::new(()),
             scratch: MosaicScratch::default(),
             out_tmp: Vec::new(),
+            query_stats: None,
         })
     }
 
@@ -460,6 +463,18 @@ impl LiveCache {
 }
 
 impl KvCache for LiveCache {
+    /// Gives (or with `None` removes) the layer's query statistics, used by the prompt
+    /// segments' strategies when the configuration's loss is `attention` (SPEC.md section
+    /// 11.1; generated segments keep the energy loss). Checked against the shape; nothing
+    /// changes on error.
+    fn set_query_stats(&mut self, stats: Option<mosaickv_spec::QueryStats>) -> Result<()> {
+        if let Some(st) = &stats {
+            st.validate(&self.view.shape)?;
+        }
+        self.query_stats = stats;
+        Ok(())
+    }
+
     fn shape(&self) -> KvShape {
         self.view.shape
     }

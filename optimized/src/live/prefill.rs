@@ -4,6 +4,7 @@
 
 use super::{gather, LiveCache};
 use crate::mosaic::encode_segment;
+use mosaickv_spec::query::LossContext;
 use mosaickv_spec::{rules, validate, KvCache, MosaicError, Result, Segment, SegmentState};
 use ndarray::ArrayView3;
 use rayon::prelude::*;
@@ -126,13 +127,22 @@ impl LiveCache {
         let p = self.prefill.as_mut().expect("pending prompt rows");
         let config = &self.view.config;
         let (pk, pv) = (&p.keys[..len * row], &p.values[..len * row]);
+        let start = self.view.sink.tokens + self.view.segment_tokens();
+        let stats = self.query_stats.as_ref();
         let heads = (0..kv)
             .into_par_iter()
-            .map(|h| encode_segment(&gather(pk, kv, d, h), &gather(pv, kv, d, h), d, config))
+            .map(|h| {
+                let ctx = stats.map(|stats| LossContext {
+                    stats,
+                    head: h,
+                    start,
+                    len,
+                });
+                encode_segment(&gather(pk, kv, d, h), &gather(pv, kv, d, h), d, config, ctx)
+            })
             .collect::<Result<Vec<_>>>()?;
         p.keys.drain(..len * row);
         p.values.drain(..len * row);
-        let start = self.view.sink.tokens + self.view.segment_tokens();
         self.view.segments.push(Segment {
             start,
             len,
@@ -141,6 +151,11 @@ impl LiveCache {
         });
         self.tags.push(None);
         Ok(())
+    }
+
+    /// The loss strategies are chosen by (SPEC.md section 11.1), as the manifest reports it.
+    pub fn loss_in_use(&self) -> &'static str {
+        mosaickv_spec::query::loss_in_use(&self.view.config, self.query_stats.is_some())
     }
 
     pub(super) fn end_prompt(&mut self) -> Result<()> {
