@@ -424,3 +424,32 @@ mod cuda_cache {
         );
     }
 }
+
+/// The CUDA kernels store f16 values only (docs/GPU.md): an int8 or int4 strategy is refused
+/// with `BackendUnavailable` by the stages that read or write records, never misread. (The
+/// stamped suite above holds this backend to its f16 configurations.)
+#[test]
+fn quantized_layouts_are_refused_with_a_typed_error() {
+    use mosaickv_spec::{MosaicError, ValueDtype};
+    let rows = mosaickv_conformance::structured_rows(300, 64, 3);
+    for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+        let cfg = CompressConfig {
+            value_dtypes: vec![dtype],
+            ..CompressConfig::default()
+        };
+        let side = mosaickv_reference::ReferenceBackend
+            .fit_side(rows.view(), Side::Key, &cfg)
+            .unwrap();
+        assert_eq!(side.layout.dtype, dtype);
+        let packed = mosaickv_reference::ReferenceBackend
+            .encode(rows.view(), &side)
+            .unwrap();
+        let refused = |r: Result<()>, stage: &str| match r {
+            Err(MosaicError::BackendUnavailable(m)) => assert!(m.contains("f16"), "{stage}: {m}"),
+            other => panic!("{stage} on {dtype:?}: {other:?}"),
+        };
+        refused(SharedEmu.encode(rows.view(), &side).map(|_| ()), "encode");
+        refused(SharedEmu.decode(&packed, &side).map(|_| ()), "decode");
+        refused(SharedEmu.block_meta(&packed, &side, 16).map(|_| ()), "block_meta");
+    }
+}

@@ -16,7 +16,7 @@
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
 //!
-//! * [`methods::Method`] builds per-layer caches for `full`, `quest`, `naive2d`, `mosaic`;
+//! * [`methods::Method`] builds per-layer caches for `full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4`, `mosaic`;
 //!   [`probe`] measures per-layer attention fidelity against the dense cache.
 //!
 //! Set `MOSAICKV_PROFILE=1` to print prefill timings (total and attention) to stderr.
