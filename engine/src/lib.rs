@@ -10,7 +10,8 @@
 //!   (`prefill.rs`) and the decode steps (`decode.rs`).
 //! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
-//! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
+//! * [`Model::decode_step`] runs one token through all layers against caller-owned caches;
+//!   [`Model::decode_batch`] runs one step of many sequences together (batched weight products).
 //!
 //! * [`methods::Method`] builds per-layer caches for `full`, `quest`, `naive2d`, `mosaic`;
 //!   [`probe`] measures per-layer attention fidelity against the dense cache.
@@ -33,7 +34,7 @@ pub use fetch::{
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
-pub use model::{argmax, Config, DecodeWeights, Model, Prefill};
+pub use model::{argmax, BatchSeq, Config, DecodeWeights, Model, Prefill};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.

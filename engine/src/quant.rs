@@ -191,6 +191,55 @@ impl QMatrix {
             }
         });
     }
+
+    /// The batched product of a decode step over many sequences (`[batch, cols]` times the
+    /// transposed weight): `out[b * rows + r] = sum_c self[r, c] * xs[b][c]`. Each weight row is
+    /// read once for the whole batch (it stays in cache while every activation is dotted with
+    /// it), so the weight bytes a step reads do not grow with the batch. Every entry is the same
+    /// kernel call [`QMatrix::matvec`] makes, so row `b` equals `matvec(xs[b])` bit for bit.
+    /// Panics if the shapes differ (callers build both from the model's config).
+    pub(crate) fn matmul_batch(&self, xs: &[QVec], out: &mut [f32]) {
+        let (rows, cols) = (self.rows(), self.cols());
+        let batch = xs.len();
+        assert!(xs.iter().all(|x| x.len() == cols), "activation length");
+        assert_eq!(out.len(), batch * rows, "output length");
+        if batch == 0 {
+            return;
+        }
+        let kernel = Kernel::detect();
+        let nb = cols / QK;
+        let chunk = (rows / (8 * rayon::current_num_threads().max(1))).clamp(16, 512);
+        // [rows][batch] in parallel row chunks, then transposed into [batch][rows]
+        let mut by_row = vec![0f32; rows * batch];
+        by_row
+            .par_chunks_mut(chunk * batch)
+            .enumerate()
+            .for_each(|(ci, o)| {
+                let r0 = ci * chunk;
+                for (i, ys) in o.chunks_exact_mut(batch).enumerate() {
+                    let r = r0 + i;
+                    for (y, x) in ys.iter_mut().zip(xs) {
+                        *y = match self {
+                            Self::Q4_1 { qs, dm, .. } => kernel.dot_q4_1(
+                                &qs[r * nb * 16..(r + 1) * nb * 16],
+                                &dm[r * nb..(r + 1) * nb],
+                                x,
+                            ),
+                            Self::Q8_0 { qs, d, .. } => kernel.dot_q8_0(
+                                &qs[r * cols..(r + 1) * cols],
+                                &d[r * nb..(r + 1) * nb],
+                                x,
+                            ),
+                        };
+                    }
+                }
+            });
+        for (r, ys) in by_row.chunks_exact(batch).enumerate() {
+            for (b, &y) in ys.iter().enumerate() {
+                out[b * rows + r] = y;
+            }
+        }
+    }
 }
 
 /// An activation vector quantized to 8 bits per block of 32 (llama.cpp's Q8_1).
@@ -547,6 +596,40 @@ mod tests {
                 got[r],
                 want[r]
             );
+        }
+    }
+
+    /// Every row of the batched product equals the single-vector product bit for bit (the batch
+    /// decode's equality with single decode rests on it), for both formats and awkward batches.
+    #[test]
+    fn matmul_batch_equals_matvec_per_row() {
+        let mut seed = 77u64;
+        let (rows, cols) = (37, 96);
+        let q41 = QMatrix::from_q4_1_bytes(&q4_1_bytes(rows, cols, &mut seed), rows, cols).unwrap();
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng(&mut seed)).collect();
+        let q80 = QMatrix::q8_0_from_f32(&w, rows, cols).unwrap();
+        for m in [&q41, &q80] {
+            for batch in [1usize, 2, 5] {
+                let xs: Vec<QVec> = (0..batch)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..cols).map(|_| 3.0 * rng(&mut seed)).collect();
+                        let mut q = QVec::default();
+                        q.quantize(&x);
+                        q
+                    })
+                    .collect();
+                let mut out = vec![0f32; batch * rows];
+                m.matmul_batch(&xs, &mut out);
+                for (b, x) in xs.iter().enumerate() {
+                    let mut one = vec![0f32; rows];
+                    m.matvec(x, &mut one);
+                    let got = &out[b * rows..(b + 1) * rows];
+                    assert!(
+                        got.iter().zip(&one).all(|(a, c)| a.to_bits() == c.to_bits()),
+                        "batch {batch}, row {b}"
+                    );
+                }
+            }
         }
     }
 

@@ -1,0 +1,188 @@
+//! Batched decode: one step advances many sequences together (issue 16).
+//!
+//! Each sequence brings its own token, RoPE position and per-layer caches (so its own method and
+//! length). Per layer, the weight products run once for the whole batch
+//! ([`crate::quant::QMatrix::matmul_batch`]: each weight row is read once per step, not once per
+//! sequence), and the attention of every sequence runs in one rayon pass over the sequences, each
+//! cache splitting its own work over (KV head, token span) items as in single decode. Every
+//! per-sequence operation is the one [`Model::decode_step`] runs, in the same order, so a
+//! sequence's logits in a batch equal its logits decoded alone bit for bit.
+
+use super::decode::rms_norm_into;
+use super::Model;
+use crate::kv::LayerKv;
+use crate::quant::QVec;
+use crate::{EngineError, Result};
+use ndarray::{Array2, ArrayView2};
+use rayon::prelude::*;
+
+/// One sequence of a batched decode step: the token to run at RoPE position `pos` against
+/// `caches` (one per layer; see [`Model::decode_step`] for `pos`).
+pub struct BatchSeq<'a> {
+    pub token: u32,
+    pub pos: usize,
+    pub caches: &'a mut [Box<dyn LayerKv>],
+}
+
+impl Model {
+    /// One decode step for every sequence of `batch` on the quantized weights
+    /// ([`crate::DecodeWeights::Quantized`]). Returns each sequence's logits or its own error: a
+    /// bad token or a cache error fails that sequence only (its caches may then hold this step's
+    /// K/V in some layers; the caller drops them), the others go on.
+    pub fn decode_batch(&self, batch: &mut [BatchSeq<'_>]) -> Vec<Result<Vec<f32>>> {
+        let c = &self.cfg;
+        let n = batch.len();
+        let mut errors: Vec<Option<EngineError>> = batch
+            .iter()
+            .map(|s| {
+                if s.caches.len() != c.n_layers {
+                    Some(EngineError::Invalid(format!(
+                        "{} caches for {} layers",
+                        s.caches.len(),
+                        c.n_layers
+                    )))
+                } else if s.token as usize >= c.vocab {
+                    Some(EngineError::Invalid(format!(
+                        "token id {} >= vocab {}",
+                        s.token, c.vocab
+                    )))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let (qd, kvd, hd, d) = (
+            c.q_heads * c.head_dim,
+            c.kv_heads * c.head_dim,
+            c.hidden,
+            c.head_dim,
+        );
+        let eps = c.rms_eps as f32;
+        // residual streams [n][hidden]; a failed sequence runs token 0 (its rows are discarded)
+        let mut xs: Vec<Vec<f32>> = Vec::with_capacity(n);
+        for (s, e) in batch.iter().zip(&errors) {
+            let token = if e.is_some() { 0 } else { s.token as usize };
+            match self
+                .embed
+                .narrow(0, token, 1)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+            {
+                Ok(v) => xs.push(v),
+                Err(err) => {
+                    let msg = err.to_string();
+                    return batch
+                        .iter()
+                        .map(|_| Err(EngineError::Invalid(format!("embedding: {msg}"))))
+                        .collect();
+                }
+            }
+        }
+        // RoPE angles per sequence, as in the single step
+        let angles: Vec<Vec<(f32, f32)>> = batch
+            .iter()
+            .map(|s| {
+                self.inv_freq
+                    .iter()
+                    .map(|f| {
+                        let a = s.pos as f64 * f;
+                        (a.cos() as f32, a.sin() as f32)
+                    })
+                    .collect()
+            })
+            .collect();
+        let rope = |v: &mut [f32], cs: &[(f32, f32)]| {
+            for head in v.chunks_exact_mut(d) {
+                for (i, &(co, si)) in cs.iter().enumerate() {
+                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = x0 * co - x1 * si;
+                    head[2 * i + 1] = x0 * si + x1 * co;
+                }
+            }
+        };
+        let mut h = vec![0f32; hd];
+        let mut xq: Vec<QVec> = vec![QVec::default(); n];
+        let mut qkv = vec![0f32; n * (qd + 2 * kvd)];
+        let mut tmp = vec![0f32; n * hd];
+        let mut gu = vec![0f32; n * 2 * c.ffn];
+        let mut act = vec![0f32; c.ffn];
+        let mut outs: Vec<Array2<f32>> = (0..n).map(|_| Array2::zeros((c.q_heads, d))).collect();
+        for (layer, l) in self.layers.iter().enumerate() {
+            let ql = &l.q;
+            for (x, q) in xs.iter().zip(xq.iter_mut()) {
+                rms_norm_into(x, &ql.attn_norm, eps, &mut h);
+                q.quantize(&h);
+            }
+            ql.wqkv.matmul_batch(&xq, &mut qkv);
+            // append + attend of every sequence in one parallel pass
+            let results: Vec<std::result::Result<(), String>> = batch
+                .par_iter_mut()
+                .zip(qkv.par_chunks_mut(qd + 2 * kvd))
+                .zip(outs.par_iter_mut())
+                .zip(angles.par_iter())
+                .zip(errors.par_iter())
+                .map(|((((s, row), out), cs), err)| {
+                    if err.is_some() {
+                        return Ok(());
+                    }
+                    let (q, rest) = row.split_at_mut(qd);
+                    let (k, v) = rest.split_at_mut(kvd);
+                    rope(q, cs);
+                    rope(k, cs);
+                    let kv_shape = (c.kv_heads, d);
+                    let cache = &mut s.caches[layer];
+                    cache.append(
+                        ArrayView2::from_shape(kv_shape, k).expect("shape"),
+                        ArrayView2::from_shape(kv_shape, v).expect("shape"),
+                    )?;
+                    cache.attend(
+                        ArrayView2::from_shape((c.q_heads, d), q).expect("shape"),
+                        out.view_mut(),
+                    )
+                })
+                .collect();
+            for (e, r) in errors.iter_mut().zip(results) {
+                if let (None, Err(message)) = (&e, r) {
+                    *e = Some(EngineError::Cache { layer, message });
+                }
+            }
+            for (q, out) in xq.iter_mut().zip(&outs) {
+                q.quantize(out.as_slice().expect("standard layout"));
+            }
+            ql.wo.matmul_batch(&xq, &mut tmp);
+            for (x, t) in xs.iter_mut().zip(tmp.chunks_exact(hd)) {
+                x.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+            }
+            for (x, q) in xs.iter().zip(xq.iter_mut()) {
+                rms_norm_into(x, &ql.ffn_norm, eps, &mut h);
+                q.quantize(&h);
+            }
+            ql.w_gate_up.matmul_batch(&xq, &mut gu);
+            for (q, g_u) in xq.iter_mut().zip(gu.chunks_exact(2 * c.ffn)) {
+                let (g, u) = g_u.split_at(c.ffn);
+                for ((a, &gv), &uv) in act.iter_mut().zip(g).zip(u) {
+                    *a = gv / (1.0 + (-gv).exp()) * uv;
+                }
+                q.quantize(&act);
+            }
+            ql.w_down.matmul_batch(&xq, &mut tmp);
+            for (x, t) in xs.iter_mut().zip(tmp.chunks_exact(hd)) {
+                x.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+            }
+        }
+        for (x, q) in xs.iter().zip(xq.iter_mut()) {
+            rms_norm_into(x, &self.out_norm_v, eps, &mut h);
+            q.quantize(&h);
+        }
+        let mut logits = vec![0f32; n * c.vocab];
+        self.q_lm_head.matmul_batch(&xq, &mut logits);
+        errors
+            .into_iter()
+            .zip(logits.chunks_exact(c.vocab))
+            .map(|(e, l)| match e {
+                Some(e) => Err(e),
+                None => Ok(l.to_vec()),
+            })
+            .collect()
+    }
+}
