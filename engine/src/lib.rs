@@ -34,7 +34,7 @@ pub use fetch::{
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
-pub use model::{argmax, BatchSeq, Config, DecodeWeights, Model, Prefill};
+pub use model::{argmax, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.

@@ -5,9 +5,9 @@
 //! Each turn of the loop:
 //! 1. drops sequences (and queued jobs) whose client has gone: their caches are freed and their
 //!    reservation released;
-//! 2. admits at most one queued job, in arrival order, when the batch has room and its
-//!    reservation fits under the budget with everything already reserved; its prompt is
-//!    prefilled between two decode steps;
+//! 2. admits the next queued job, in arrival order, when no other prompt is prefilling, the
+//!    batch has room and its reservation fits under the budget with everything already
+//!    reserved; its prompt is prefilled [`PREFILL_CHUNK`] tokens per turn, between decode steps;
 //! 3. runs one batched decode step ([`mosaickv_engine::Model::decode_batch`]) for every running
 //!    sequence, samples each one's next token and streams its text;
 //! 4. measures each sequence's cache bytes and lowers its reservation to what it may still need.
@@ -16,7 +16,7 @@
 
 use crate::budget::Footprint;
 use crate::metrics::Metrics;
-use mosaickv_engine::{BatchSeq, LayerKv, Method, Model};
+use mosaickv_engine::{BatchSeq, ChunkedPrefill, LayerKv, Method, Model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;
@@ -24,6 +24,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
+
+/// Prompt tokens prefilled per engine turn (between two decode steps).
+pub const PREFILL_CHUNK: usize = 256;
 
 /// How a request samples.
 #[derive(Debug, Clone, PartialEq)]
@@ -190,6 +193,7 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
 /// Runs the engine loop until [`Shared::stop`] and every accepted job has finished.
 pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Shared>) {
     let mut running: Vec<Seq> = Vec::new();
+    let mut prefilling: Option<Prefilling> = None;
     loop {
         // 1. cancellations: a closed channel means the client is gone
         running.retain(|s| {
@@ -199,6 +203,10 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
             !gone
         });
+        if prefilling.as_ref().is_some_and(|p| p.job.events.is_closed()) {
+            prefilling = None;
+            shared.metrics.finished("cancelled");
+        }
         {
             let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             let before = q.len();
@@ -208,29 +216,37 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
             shared.metrics.queued.set(q.len() as i64);
         }
-        publish(&shared, &running);
-        // 2. admission: one prefill per turn, in arrival order
-        let reserved: usize = running.iter().map(|s| s.reserve).sum();
-        let job = if running.len() < shared.max_batch {
+        publish(&shared, &running, prefilling.as_ref());
+        // 2. admission, in arrival order: one prompt prefills at a time, a chunk per turn
+        if prefilling.is_none() && running.len() < shared.max_batch {
+            let reserved: usize = running.iter().map(|s| s.reserve).sum();
             let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-            match q.front() {
-                Some(j) if reserved + j.reserve <= shared.budget => {
-                    let j = q.pop_front();
+            if let Some(j) = q.front() {
+                if reserved + j.reserve <= shared.budget {
+                    prefilling = q.pop_front().map(|job| Prefilling {
+                        job,
+                        state: ChunkedPrefill::default(),
+                    });
                     shared.metrics.queued.set(q.len() as i64);
-                    j
                 }
-                _ => None,
             }
-        } else {
-            None
-        };
-        if let Some(job) = job {
-            if let Some(seq) = start(&model, &method, &foot, &shared, job) {
-                running.push(seq);
+        }
+        if let Some(mut p) = prefilling.take() {
+            match prefill_step(&model, &method, &shared, &mut p) {
+                Step::More => prefilling = Some(p),
+                Step::Ready(caches, logits) => {
+                    if let Some(seq) = start(&model, &foot, &shared, p.job, caches, &logits) {
+                        running.push(seq);
+                    }
+                }
+                Step::Failed => {}
             }
-            publish(&shared, &running);
+            publish(&shared, &running, prefilling.as_ref());
         }
         if running.is_empty() {
+            if prefilling.is_some() {
+                continue;
+            }
             let q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             if shared.shutdown.load(Ordering::SeqCst) && q.is_empty() {
                 return;
@@ -273,46 +289,77 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
         }
         running = keep;
-        publish(&shared, &running);
+        publish(&shared, &running, prefilling.as_ref());
     }
 }
 
-/// Prefills a job and samples its first token; `None` when it finished or failed at once.
-fn start(
-    model: &Model,
-    method: &Method,
-    foot: &Footprint,
-    shared: &Shared,
+/// A job whose prompt is being prefilled.
+struct Prefilling {
     job: Job,
-) -> Option<Seq> {
-    if job.events.is_closed() {
-        shared.metrics.finished("cancelled");
-        return None;
-    }
+    state: ChunkedPrefill,
+}
+
+enum Step {
+    More,
+    Ready(Vec<Box<dyn LayerKv>>, Vec<f32>),
+    Failed,
+}
+
+/// Runs the next prefill chunk of `p`: a prompt of at most [`PREFILL_CHUNK`] tokens in one
+/// [`Model::prefill`] (as a sequence decoded alone), a longer one [`PREFILL_CHUNK`] tokens per
+/// call ([`Model::prefill_chunk`]); the caches take the whole prompt at the end.
+fn prefill_step(model: &Model, method: &Method, shared: &Shared, p: &mut Prefilling) -> Step {
     let fail = |job: &Job, msg: String| {
         let _ = job.events.send(Event::Error(msg));
         shared.metrics.finished("error");
+        Step::Failed
     };
-    let mut caches = match method.new_caches(model.config()) {
-        Ok(c) => c,
-        Err(e) => {
-            fail(&job, format!("cache: {e}"));
-            return None;
+    let n = p.job.prompt.len();
+    let mut caches = if n <= PREFILL_CHUNK || p.state.len() + PREFILL_CHUNK >= n {
+        match method.new_caches(model.config()) {
+            Ok(c) => c,
+            Err(e) => return fail(&p.job, format!("cache: {e}")),
         }
+    } else {
+        Vec::new()
     };
-    let pre = match model.prefill(&job.prompt) {
-        Ok(p) => p,
-        Err(e) => {
-            fail(&job, format!("prefill: {e}"));
-            return None;
-        }
-    };
-    if let Err(e) = pre.fill(&mut caches) {
-        fail(&job, format!("prefill: {e}"));
-        return None;
+    if n <= PREFILL_CHUNK {
+        let pre = match model.prefill(&p.job.prompt) {
+            Ok(pre) => pre,
+            Err(e) => return fail(&p.job, format!("prefill: {e}")),
+        };
+        return match pre.fill(&mut caches) {
+            Ok(()) => Step::Ready(caches, pre.logits),
+            Err(e) => fail(&p.job, format!("prefill: {e}")),
+        };
     }
+    let a = p.state.len();
+    let b = (a + PREFILL_CHUNK).min(n);
+    let logits = match model.prefill_chunk(&mut p.state, &p.job.prompt[a..b]) {
+        Ok(l) => l,
+        Err(e) => return fail(&p.job, format!("prefill: {e}")),
+    };
+    if b < n {
+        return Step::More;
+    }
+    match p.state.fill(model, &mut caches) {
+        Ok(()) => Step::Ready(caches, logits),
+        Err(e) => fail(&p.job, format!("prefill: {e}")),
+    }
+}
+
+/// Samples a prefilled job's first token and makes it a running sequence; `None` when it
+/// finished at once.
+fn start(
+    model: &Model,
+    foot: &Footprint,
+    shared: &Shared,
+    job: Job,
+    caches: Vec<Box<dyn LayerKv>>,
+    logits: &[f32],
+) -> Option<Seq> {
     let mut rng = ChaCha8Rng::seed_from_u64(job.sampling.seed);
-    let tok = sample(&pre.logits, &job.sampling, &mut rng);
+    let tok = sample(logits, &job.sampling, &mut rng);
     shared
         .metrics
         .ttft
@@ -405,13 +452,15 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
     Some(s)
 }
 
-/// Publishes the running set's measured bytes, reservations and count.
-fn publish(shared: &Shared, running: &[Seq]) {
+/// Publishes the running set's measured bytes, reservations (the prefilling job's included)
+/// and count.
+fn publish(shared: &Shared, running: &[Seq], prefilling: Option<&Prefilling>) {
     let used: usize = running
         .iter()
         .map(|s| s.caches.iter().map(|c| c.bytes()).sum::<usize>())
         .sum();
-    let reserved: usize = running.iter().map(|s| s.reserve).sum();
+    let reserved: usize =
+        running.iter().map(|s| s.reserve).sum::<usize>() + prefilling.map_or(0, |p| p.job.reserve);
     shared.kv_used.store(used, Ordering::SeqCst);
     shared.kv_reserved.store(reserved, Ordering::SeqCst);
     shared.kv_peak.fetch_max(used, Ordering::SeqCst);

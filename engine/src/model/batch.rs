@@ -13,6 +13,7 @@ use super::Model;
 use crate::kv::LayerKv;
 use crate::quant::QVec;
 use crate::{EngineError, Result};
+use candle_core::Tensor;
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
@@ -184,5 +185,139 @@ impl Model {
                 None => Ok(l.to_vec()),
             })
             .collect()
+    }
+}
+
+/// A prompt being prefilled in chunks ([`Model::prefill_chunk`]): every layer's post-RoPE K/V
+/// so far, `[tokens, kv_heads, head_dim]` flat.
+#[derive(Debug, Clone, Default)]
+pub struct ChunkedPrefill {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl ChunkedPrefill {
+    /// Prompt tokens prefilled so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Host bytes of the f32 K/V it holds (not cache bytes: the caches get the prompt in
+    /// [`ChunkedPrefill::fill`]).
+    pub fn host_bytes(&self) -> usize {
+        self.keys
+            .iter()
+            .chain(&self.values)
+            .map(|v| v.len() * 4)
+            .sum()
+    }
+
+    /// Hands the whole prompt's K/V to the caches (each layer's `prefill`, so a MosaicKV cache
+    /// cuts its prompt segments exactly as SPEC.md section 10.1 does for an unchunked prompt).
+    pub fn fill(&self, model: &Model, caches: &mut [Box<dyn LayerKv>]) -> Result<()> {
+        let c = &model.cfg;
+        if caches.len() != c.n_layers || self.keys.len() != c.n_layers {
+            return Err(EngineError::Invalid(format!(
+                "{} caches, {} prefilled layers for {} layers",
+                caches.len(),
+                self.keys.len(),
+                c.n_layers
+            )));
+        }
+        let shape = (self.len, c.kv_heads, c.head_dim);
+        for (layer, cache) in caches.iter_mut().enumerate() {
+            let k = ndarray::ArrayView3::from_shape(shape, &self.keys[layer]).expect("shape");
+            let v = ndarray::ArrayView3::from_shape(shape, &self.values[layer]).expect("shape");
+            cache
+                .prefill(k, v)
+                .map_err(|message| EngineError::Cache { layer, message })?;
+        }
+        Ok(())
+    }
+}
+
+impl Model {
+    /// Prefills the next `tokens` of a prompt whose earlier tokens are in `state` (issue 16: a
+    /// long prompt runs in bounded chunks between decode steps). Same f32 layer blocks as
+    /// [`Model::prefill`]; the chunk's queries attend every earlier prompt token and the
+    /// chunk's own causally, per KV head as one masked `[group * chunk, tokens]` product. Returns
+    /// the logits at the chunk's last token. Floating sums run in another order than
+    /// [`Model::prefill`]'s online softmax, so logits agree to rounding, not bit for bit.
+    pub fn prefill_chunk(&self, state: &mut ChunkedPrefill, tokens: &[u32]) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(EngineError::Invalid("empty prompt chunk".into()));
+        }
+        let (a, total) = (state.len, state.len + n);
+        if total > c.context_length {
+            return Err(EngineError::Invalid(format!(
+                "{total} tokens exceed the context length {}",
+                c.context_length
+            )));
+        }
+        if state.keys.is_empty() {
+            state.keys = vec![Vec::new(); c.n_layers];
+            state.values = vec![Vec::new(); c.n_layers];
+        }
+        let (qd, kvd, d) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim);
+        let group = c.q_heads / c.kv_heads;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut x = self.embed_tokens(tokens)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let h = self.rms(&x, &l.attn_norm)?;
+            let qkv = h.matmul(&l.wqkv.t()?)?;
+            let take = |off: usize, len: usize| -> Result<Vec<f32>> {
+                Ok(qkv
+                    .narrow(1, off, len)?
+                    .contiguous()?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?)
+            };
+            let (mut q, mut k, v) = (take(0, qd)?, take(qd, kvd)?, take(qd + kvd, kvd)?);
+            self.rope(&mut q, c.q_heads, a);
+            self.rope(&mut k, c.kv_heads, a);
+            state.keys[li].extend_from_slice(&k);
+            state.values[li].extend_from_slice(&v);
+            let kt = Tensor::from_slice(&state.keys[li], (total, c.kv_heads, d), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let vt = Tensor::from_slice(&state.values[li], (total, c.kv_heads, d), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?;
+            // [kv_heads, group * n, d]: row g * n + i is query head kv * group + g, token a + i
+            let qt = (Tensor::from_vec(q, (n, c.q_heads, d), &self.dev)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((c.kv_heads, group * n, d))?
+                * scale)?;
+            let mut s = qt.matmul(&kt.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+            s.par_chunks_mut(total).enumerate().for_each(|(r, row)| {
+                // causal: token a + i sees keys 0..=a + i
+                let vis = a + r % n + 1;
+                let (on, off) = row.split_at_mut(vis);
+                let m = on.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                super::exp_shifted_in_place(on, m);
+                let inv = 1.0 / on.iter().sum::<f32>();
+                on.iter_mut().for_each(|p| *p *= inv);
+                off.fill(0.0);
+            });
+            let p = Tensor::from_vec(s, (c.kv_heads, group * n, total), &self.dev)?;
+            let attn = p
+                .matmul(&vt)?
+                .reshape((c.q_heads, n, d))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((n, qd))?;
+            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (&x + self.mlp(l, &x)?)?;
+        }
+        state.len = total;
+        self.logits(&x.narrow(0, n - 1, 1)?)
     }
 }

