@@ -625,7 +625,9 @@ mod tests {
                     m.matvec(x, &mut one);
                     let got = &out[b * rows..(b + 1) * rows];
                     assert!(
-                        got.iter().zip(&one).all(|(a, c)| a.to_bits() == c.to_bits()),
+                        got.iter()
+                            .zip(&one)
+                            .all(|(a, c)| a.to_bits() == c.to_bits()),
                         "batch {batch}, row {b}"
                     );
                 }

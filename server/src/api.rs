@@ -173,7 +173,10 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
         if *m != state.model_name {
             return Err(ApiError::bad(
                 "model_not_found",
-                format!("unknown model {m:?}; this server serves {:?}", state.model_name),
+                format!(
+                    "unknown model {m:?}; this server serves {:?}",
+                    state.model_name
+                ),
             ));
         }
     }
@@ -212,9 +215,15 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
         return Err(ApiError::bad("invalid_prompt", "prompt is empty"));
     }
     let context = state.model.config().context_length;
-    let max_tokens = match req.max_completion_tokens.as_ref().or(req.max_tokens.as_ref()) {
+    let max_tokens = match req
+        .max_completion_tokens
+        .as_ref()
+        .or(req.max_tokens.as_ref())
+    {
         Some(v) => parse_max_tokens(v)?,
-        None => DEFAULT_MAX_TOKENS.min(context.saturating_sub(prompt.len())).max(1),
+        None => DEFAULT_MAX_TOKENS
+            .min(context.saturating_sub(prompt.len()))
+            .max(1),
     };
     if prompt.len() + max_tokens > context {
         return Err(ApiError::bad(
@@ -328,7 +337,11 @@ async fn completion(state: AppState, body: Bytes, kind: Kind) -> Response {
     }
     let id = format!(
         "{}-{}",
-        if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
         NEXT_ID.fetch_add(1, Ordering::Relaxed)
     );
     let model = state.model_name.clone();
@@ -361,8 +374,12 @@ async fn whole_response(
                 completion_tokens,
             } => {
                 let choice = match kind {
-                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}),
-                    Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}),
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
+                    }
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason})
+                    }
                 };
                 let object = if kind == Kind::Chat {
                     "chat.completion"
@@ -441,28 +458,26 @@ fn stream_response(
                 finish_reason,
                 prompt_tokens,
                 completion_tokens,
-            } => {
-                Some(vec![
-                    chunk(
-                        None,
-                        Some(finish_reason),
-                        Some(usage(prompt_tokens, completion_tokens)),
-                    ),
-                    "[DONE]".to_string(),
-                ])
-            }
-            Event::Error(m) => {
-                Some(vec![
-                    json!({"error": {"message": m, "type": "server_error", "code": "engine_error"}})
-                        .to_string(),
-                    "[DONE]".to_string(),
-                ])
-            }
+            } => Some(vec![
+                chunk(
+                    None,
+                    Some(finish_reason),
+                    Some(usage(prompt_tokens, completion_tokens)),
+                ),
+                "[DONE]".to_string(),
+            ]),
+            Event::Error(m) => Some(vec![
+                json!({"error": {"message": m, "type": "server_error", "code": "engine_error"}})
+                    .to_string(),
+                "[DONE]".to_string(),
+            ]),
         };
         std::future::ready(out)
     });
     let events = head
-        .chain(body.flat_map(|v| futures_util::stream::iter(v.into_iter().map(|s| SseEvent::default().data(s)))))
+        .chain(body.flat_map(|v| {
+            futures_util::stream::iter(v.into_iter().map(|s| SseEvent::default().data(s)))
+        }))
         .map(Ok::<_, Infallible>);
     Sse::new(events).keep_alive(KeepAlive::default())
 }

@@ -203,7 +203,10 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
             !gone
         });
-        if prefilling.as_ref().is_some_and(|p| p.job.events.is_closed()) {
+        if prefilling
+            .as_ref()
+            .is_some_and(|p| p.job.events.is_closed())
+        {
             prefilling = None;
             shared.metrics.finished("cancelled");
         }
@@ -428,8 +431,10 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
             e
         }
     };
-    if end > s.sent {
-        let _ = s.events.send(Event::Text(text[s.sent..end].to_string()));
+    // the decoded prefix is stable (byte-level BPE; a trailing partial character is held back),
+    // so `sent` is a character boundary; `get` keeps a surprise from panicking the engine
+    if let Some(piece) = text.get(s.sent..end).filter(|p| !p.is_empty()) {
+        let _ = s.events.send(Event::Text(piece.to_string()));
         s.sent = end;
     }
     if let Some(reason) = finish {
@@ -465,7 +470,9 @@ fn publish(shared: &Shared, running: &[Seq], prefilling: Option<&Prefilling>) {
     shared.kv_reserved.store(reserved, Ordering::SeqCst);
     shared.kv_peak.fetch_max(used, Ordering::SeqCst);
     shared.running.store(running.len(), Ordering::SeqCst);
-    shared.running_peak.fetch_max(running.len(), Ordering::SeqCst);
+    shared
+        .running_peak
+        .fetch_max(running.len(), Ordering::SeqCst);
     shared.metrics.running.set(running.len() as i64);
     shared.metrics.kv_used.set(used as i64);
     shared.metrics.kv_reserved.set(reserved as i64);

@@ -101,7 +101,11 @@ impl Server {
                 "--max-batch, --queue and --kv-budget must be at least 1".into(),
             ));
         }
-        let shared = Arc::new(Shared::new(cfg.kv_budget, cfg.max_batch, cfg.queue_capacity));
+        let shared = Arc::new(Shared::new(
+            cfg.kv_budget,
+            cfg.max_batch,
+            cfg.queue_capacity,
+        ));
         shared.metrics.kv_budget.set(cfg.kv_budget as i64);
         let addr_s = format!("{host}:{port}");
         let listener = tokio::net::TcpListener::bind(&addr_s)

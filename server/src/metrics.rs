@@ -9,8 +9,7 @@ use std::time::Instant;
 
 /// Latency buckets in seconds, 1 ms to 2 min.
 const BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 pub struct Metrics {
@@ -56,7 +55,9 @@ impl Metrics {
         let kv_budget = gauge("mosaickv_kv_bytes_budget", "The --kv-budget in bytes");
         let tokens =
             IntCounter::new("mosaickv_generated_tokens_total", "Tokens generated").expect("name");
-        registry.register(Box::new(tokens.clone())).expect("register");
+        registry
+            .register(Box::new(tokens.clone()))
+            .expect("register");
         let requests = IntCounterVec::new(
             Opts::new("mosaickv_requests_total", "Finished requests by outcome"),
             &["outcome"],

@@ -29,13 +29,9 @@ fn prompts(model: &Model) -> Vec<Vec<u32>> {
     .map(|s| model.encode_chat(s).unwrap())
     .collect();
     // a needle haystack long enough that mosaic compresses a prompt segment
-    let (_, ids) = mosaickv_engine::suite::task_sample(
-        model,
-        mosaickv_tasks::Task::NiahSingle1,
-        1024,
-        3,
-    )
-    .unwrap();
+    let (_, ids) =
+        mosaickv_engine::suite::task_sample(model, mosaickv_tasks::Task::NiahSingle1, 1024, 3)
+            .unwrap();
     p.push(ids);
     p
 }
@@ -48,7 +44,9 @@ fn alone(model: &Model, method: &Method, prompt: &[u32]) -> Vec<u32> {
     let mut ids = vec![argmax(&pre.logits)];
     while ids.len() < STEPS {
         let pos = prompt.len() + ids.len() - 1;
-        let logits = model.decode_step(*ids.last().unwrap(), pos, &mut caches).unwrap();
+        let logits = model
+            .decode_step(*ids.last().unwrap(), pos, &mut caches)
+            .unwrap();
         ids.push(argmax(&logits));
     }
     ids
@@ -166,13 +164,9 @@ fn a_bad_sequence_fails_alone() {
 #[test]
 fn chunked_prefill_matches_whole_prefill() {
     let model = load_model();
-    let (_, ids) = mosaickv_engine::suite::task_sample(
-        &model,
-        mosaickv_tasks::Task::NiahSingle1,
-        1024,
-        5,
-    )
-    .unwrap();
+    let (_, ids) =
+        mosaickv_engine::suite::task_sample(&model, mosaickv_tasks::Task::NiahSingle1, 1024, 5)
+            .unwrap();
     let whole = model.prefill(&ids).unwrap();
     let mut st = mosaickv_engine::ChunkedPrefill::default();
     let mut logits = Vec::new();

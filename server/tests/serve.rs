@@ -127,7 +127,12 @@ async fn concurrent_streams_equal_single_answers() {
                 u["total_tokens"].as_u64().unwrap(),
                 u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
             );
-            single.push(v["choices"][0]["message"]["content"].as_str().unwrap().to_string());
+            single.push(
+                v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
         }
         // all at once, streamed: decoded in one batch
         let handles: Vec<_> = PROMPTS
@@ -135,7 +140,13 @@ async fn concurrent_streams_equal_single_answers() {
             .map(|p| {
                 let (u, body) = (url(&s, "/v1/chat/completions"), chat_body(p, 20, true));
                 tokio::spawn(async move {
-                    let r = client().post(u).header("content-type", "application/json").body(body).send().await.unwrap();
+                    let r = client()
+                        .post(u)
+                        .header("content-type", "application/json")
+                        .body(body)
+                        .send()
+                        .await
+                        .unwrap();
                     assert_eq!(r.status().as_u16(), 200);
                     read_sse(r).await
                 })
@@ -157,7 +168,10 @@ async fn concurrent_streams_equal_single_answers() {
             peak_seen = peak_seen.max(s.stats().running_peak);
         }
         assert!(peak_seen >= 2, "{method}: the streams never ran together");
-        wait_for(&s, "all memory released", |st| st.running == 0 && st.kv_used == 0).await;
+        wait_for(&s, "all memory released", |st| {
+            st.running == 0 && st.kv_used == 0
+        })
+        .await;
         assert_eq!(s.stats().reservation_overruns, 0, "{method}");
         s.shutdown();
     }
@@ -187,20 +201,45 @@ async fn bad_requests_get_400_and_the_server_stays_up() {
         assert!(v["error"]["message"].as_str().unwrap().len() > 3);
     }
     // still serving: models, health, metrics, and a completion with a stop string
-    let m: Value = client().get(url(&s, "/v1/models")).send().await.unwrap().json().await.unwrap();
+    let m: Value = client()
+        .get(url(&s, "/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(m["data"][0]["id"], NAME);
     let h = client().get(url(&s, "/health")).send().await.unwrap();
     assert_eq!(h.status().as_u16(), 200);
-    let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "1, 2, 3, 4,", "max_tokens": 30, "temperature": 0, "stop": [" 7"]}).to_string()).await;
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "1, 2, 3, 4,", "max_tokens": 30, "temperature": 0, "stop": [" 7"]})
+            .to_string(),
+    )
+    .await;
     assert_eq!(st, 200, "{v}");
     let text = v["choices"][0]["text"].as_str().unwrap();
     assert!(!text.contains(" 7"), "stop string in the text: {text:?}");
     // seeded sampling is reproducible
-    let body = json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11}).to_string();
-    let (a, b) = (post(&s, "/v1/completions", &body).await, post(&s, "/v1/completions", &body).await);
+    let body =
+        json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11})
+            .to_string();
+    let (a, b) = (
+        post(&s, "/v1/completions", &body).await,
+        post(&s, "/v1/completions", &body).await,
+    );
     assert_eq!(a.0, 200);
     assert_eq!(a.1["choices"][0]["text"], b.1["choices"][0]["text"]);
-    let metrics = client().get(url(&s, "/metrics")).send().await.unwrap().text().await.unwrap();
+    let metrics = client()
+        .get(url(&s, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     for name in [
         "mosaickv_running_sequences",
         "mosaickv_queued_sequences",
@@ -243,9 +282,18 @@ async fn budget_queue_429_and_cancellation() {
     let used_a = s.stats().kv_used;
     assert!(s.stats().kv_reserved <= budget);
     let b = {
-        let (u, body) = (url(&s, "/v1/completions"), completion_body(prompt, 400, false));
+        let (u, body) = (
+            url(&s, "/v1/completions"),
+            completion_body(prompt, 400, false),
+        );
         tokio::spawn(async move {
-            let r = client().post(u).header("content-type", "application/json").body(body).send().await.unwrap();
+            let r = client()
+                .post(u)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
             (r.status().as_u16(), r.json::<Value>().await.unwrap())
         })
     };
@@ -255,7 +303,10 @@ async fn budget_queue_429_and_cancellation() {
     assert_eq!(v["error"]["code"], "queue_full");
     // budget accounting while A runs: used is A's caches, within its reservation
     let now = s.stats();
-    assert!(now.kv_used >= used_a && now.kv_used <= now.kv_reserved, "{now:?}");
+    assert!(
+        now.kv_used >= used_a && now.kv_used <= now.kv_reserved,
+        "{now:?}"
+    );
     assert_eq!(now.running, 1, "B must wait for A's memory");
     // cancel A mid-stream: its memory is freed and B is admitted and completes
     drop(a);
@@ -268,10 +319,110 @@ async fn budget_queue_429_and_cancellation() {
     .await;
     assert_eq!(s.stats().running_peak, 1);
     assert_eq!(s.stats().reservation_overruns, 0);
-    let metrics = client().get(url(&s, "/metrics")).send().await.unwrap().text().await.unwrap();
+    let metrics = client()
+        .get(url(&s, "/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(
         metrics.contains("mosaickv_requests_total{outcome=\"cancelled\"} 1"),
         "{metrics}"
     );
     s.shutdown();
+}
+
+/// Soak: 200 requests of random lengths from 16 concurrent clients, a quarter of them streamed
+/// and dropped after their first chunk, under a budget that makes requests wait and a queue
+/// small enough to refuse some. Every request ends answered (200), refused with a reason (429,
+/// or 400 for one beyond the budget) or cancelled by its client; the KV bytes return to zero and
+/// no sequence ever held more than its reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_200_requests_with_cancellations() {
+    use rand::{Rng, SeedableRng};
+    let m = model();
+    let foot = Footprint::of(&Method::parse("mosaic").unwrap(), m.config()).unwrap();
+    // about four mid-sized requests at once
+    let budget = 4 * foot.worst_case(150, 16);
+    let s = Arc::new(start("mosaic", budget, 8, 6).await);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..16u64 {
+        let (s, next) = (s.clone(), next.clone());
+        clients.push(tokio::spawn(async move {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(c);
+            let mut outcomes = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= 200 {
+                    return outcomes;
+                }
+                let words = rng.gen_range(1..120);
+                let prompt = "lorem ipsum ".repeat(words);
+                let max_tokens = rng.gen_range(1..16);
+                let cancel = i % 4 == 0;
+                let body = json!({"prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": if i % 3 == 0 { 0.8 } else { 0.0 }, "seed": i, "stream": cancel})
+                .to_string();
+                let r = client()
+                    .post(url(&s, "/v1/completions"))
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                if status != 200 {
+                    let v: Value = r.json().await.unwrap();
+                    assert!(
+                        v["error"]["message"].is_string(),
+                        "{status} without a reason"
+                    );
+                    outcomes.push(status);
+                    continue;
+                }
+                if cancel {
+                    // read until the first chunk (or the end), then hang up
+                    use futures_util::StreamExt;
+                    let mut stream = r.bytes_stream();
+                    let _ = stream.next().await;
+                    drop(stream);
+                    outcomes.push(499);
+                } else {
+                    let v: Value = r.json().await.unwrap();
+                    let n = v["usage"]["completion_tokens"].as_u64().unwrap();
+                    assert!(n >= 1 && n <= max_tokens as u64, "{v}");
+                    outcomes.push(200);
+                }
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for c in clients {
+        all.extend(c.await.unwrap());
+    }
+    assert_eq!(all.len(), 200);
+    assert!(
+        all.iter().all(|st| matches!(st, 200 | 429 | 499)),
+        "{all:?}"
+    );
+    assert!(all.iter().filter(|&&st| st == 200).count() >= 50, "{all:?}");
+    wait_for(&s, "memory back to zero", |st| {
+        st.running == 0 && st.queued == 0 && st.kv_used == 0 && st.kv_reserved == 0
+    })
+    .await;
+    let st = s.stats();
+    assert_eq!(st.reservation_overruns, 0, "{st:?}");
+    assert!(st.kv_peak <= budget, "{st:?}");
+    eprintln!(
+        "soak: {} answered, {} refused (429), {} cancelled; peak {} running, peak KV {} of {} bytes",
+        all.iter().filter(|&&x| x == 200).count(),
+        all.iter().filter(|&&x| x == 429).count(),
+        all.iter().filter(|&&x| x == 499).count(),
+        st.running_peak,
+        st.kv_peak,
+        budget
+    );
 }

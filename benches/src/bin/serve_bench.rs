@@ -148,7 +148,8 @@ async fn one_request(url: String, body: String) -> RequestStats {
             }
         }
     }
-    st.error.get_or_insert_with(|| "stream ended without [DONE]".into());
+    st.error
+        .get_or_insert_with(|| "stream ended without [DONE]".into());
     st
 }
 
@@ -188,7 +189,11 @@ fn main() {
                 eprintln!("serve_bench: prompt: {e}");
                 std::process::exit(1)
             });
-            let text = format!("{}{}", model.tokenizer().chat.render(&s.context), s.answer_prefix);
+            let text = format!(
+                "{}{}",
+                model.tokenizer().chat.render(&s.context),
+                s.answer_prefix
+            );
             (text, ids.len())
         })
         .collect();
