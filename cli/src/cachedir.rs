@@ -31,13 +31,16 @@ pub fn memory(cache: &CompressedCache, host_keys: &[f32], host_values: &[f32]) -
     }
 }
 
-fn side_json(s: &SideStrategy) -> Value {
+fn side_json(s: &SideStrategy, tokens: usize) -> Value {
     let l = &s.layout;
     json!({
         "r": l.r,
         "g": l.group_size,
         "kept_dims": l.kept_dims,
+        "dtype": l.dtype.name(),
         "record_bytes": l.record_bytes(),
+        "scale_bytes_per_record": l.scale_bytes(),
+        "scale_bytes": tokens * l.scale_bytes(),
         "fit_loss": s.fit_loss,
     })
 }
@@ -48,6 +51,7 @@ fn memory_json(cache: &CompressedCache, m: &MemoryReport) -> Value {
     json!({
         "tokens": m.tokens,
         "values": m.values,
+        "scales": m.scales,
         "bitmaps": m.bitmaps,
         "padding": m.padding,
         "block_meta": m.block_meta,
@@ -75,8 +79,8 @@ pub fn manifest(cache: &CompressedCache, m: &MemoryReport) -> Value {
                 "heads": s.heads.iter().enumerate().map(|(h, hs)| json!({
                     "head": h,
                     "block_size": hs.strategy.block_size,
-                    "key": side_json(&hs.strategy.key),
-                    "value": side_json(&hs.strategy.value),
+                    "key": side_json(&hs.strategy.key, s.len),
+                    "value": side_json(&hs.strategy.value, s.len),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -117,6 +121,7 @@ pub fn report_text(cache: &CompressedCache, m: &MemoryReport) -> String {
     s += "memory (device bytes, SPEC.md section 13):\n";
     for (name, v) in [
         ("retained values", m.values),
+        ("value minimum + scale", m.scales),
         ("bitmaps", m.bitmaps),
         ("record padding", m.padding),
         ("block metadata", m.block_meta),
@@ -147,11 +152,13 @@ pub fn report_text(cache: &CompressedCache, m: &MemoryReport) -> String {
             let st = &hs.strategy;
             let side = |x: &SideStrategy| {
                 format!(
-                    "r {} g {} kept_dims {} record {} B fit_loss {:.4}",
+                    "r {} g {} kept_dims {} {} record {} B (scales {} B) fit_loss {:.4}",
                     x.layout.r,
                     x.layout.group_size,
                     x.layout.kept_dims,
+                    x.layout.dtype.name(),
                     x.layout.record_bytes(),
+                    seg.len * x.layout.scale_bytes(),
                     x.fit_loss
                 )
             };

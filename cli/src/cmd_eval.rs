@@ -1,12 +1,19 @@
-//! `mosaickv eval`: the accuracy suite (issue 4). RULER-style tasks at several lengths, one
-//! shared dense prefill per prompt, then greedy decoding on each method's caches; a table per
-//! task x length x method of accuracy (string_match_all), accuracy loss vs full (SPEC.md
-//! section 16), KV bytes per token (SPEC.md section 13) and mean decode-step time.
+//! `mosaickv eval`: the accuracy suite (issues 4, 14). RULER-style tasks at several lengths,
+//! one shared dense prefill per prompt, then greedy decoding on each method's caches; a table
+//! per task x length x method of accuracy (string_match_all) with its sample count and 95 %
+//! Wilson interval, the paired difference against `full` on the same prompts (Newcombe's
+//! interval, exact sign-test p-value), KV bytes per token (SPEC.md section 13) and mean
+//! decode-step time. The headline pools the cells where `full` scores at least
+//! [`HEADLINE_FULL_MIN`]; the others are listed apart. The teacher-forced KL against the full
+//! cache on natural text is reported beside it (`mosaickv_tasks::stats`, docs/ACCURACY.md).
 
+use crate::cmd_fidelity::{self, ForcedRecord};
 use crate::error::{io, CliError};
 use crate::{llm, plot};
 use indicatif::{ProgressBar, ProgressStyle};
+use mosaickv_engine::suite::{default_suite, DefaultSuite};
 use mosaickv_engine::{Method, Model};
+use mosaickv_tasks::stats::{paired, Accuracy, Paired};
 use mosaickv_tasks::{string_match_all, Task};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -14,26 +21,31 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// The default suite: every task at 1K and 2K tokens, 2 samples each (about 10 minutes on 2
-/// cores; docs/ACCURACY.md).
-pub const DEFAULT_TASKS: &str =
-    "niah_single_1,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe";
-pub const DEFAULT_LENGTHS: &str = "1024,2048";
-pub const DEFAULT_SAMPLES: usize = 2;
-pub const DEFAULT_METHODS: &str = "full,quest,naive2d,mosaic";
+/// The default methods: every baseline of SPEC.md section 12 and MosaicKV's default.
+pub const DEFAULT_METHODS: &str = "full,quest,quest-sink,naive2d,kvq8,kvq4,mosaic";
+
+/// The headline pools the cells where `full` scores at least this: a cell that full attention
+/// fails carries no information about a compression method.
+pub const HEADLINE_FULL_MIN: f64 = 0.8;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Tasks (comma-separated): niah_single_1, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe.
-    #[arg(long, value_delimiter = ',', default_value = DEFAULT_TASKS)]
-    pub tasks: Vec<String>,
-    /// Prompt lengths in tokens (prompt + answer budget fit each).
-    #[arg(long, value_delimiter = ',', default_value = DEFAULT_LENGTHS)]
-    pub lengths: Vec<usize>,
-    /// Samples per task and length.
-    #[arg(long, default_value_t = DEFAULT_SAMPLES)]
-    pub samples: usize,
-    /// Methods (comma-separated): full, quest, naive2d, mosaic, mosaic-ref, with optional :key=value overrides.
+    /// Tasks (comma-separated): niah_single_1, niah_multikey, niah_multivalue, niah_multiquery,
+    /// vt, cwe [default: the model's default suite, `engine/src/suite.rs`].
+    #[arg(long, value_delimiter = ',')]
+    pub tasks: Option<Vec<String>>,
+    /// Prompt lengths in tokens (prompt + answer budget fit each) [default: the model's suite].
+    #[arg(long, value_delimiter = ',')]
+    pub lengths: Option<Vec<usize>>,
+    /// Samples per task and length [default: the model's suite].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Tokens of natural text for the teacher-forced KL run, 0 for none [default: the model's
+    /// suite].
+    #[arg(long)]
+    pub kl_length: Option<usize>,
+    /// Methods (comma-separated): full, quest, quest-sink, naive2d, kvq8, kvq4, mosaic,
+    /// mosaic-ref, with optional :key=value overrides.
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_METHODS)]
     pub methods: Vec<String>,
     /// Seed of the task generator (sample i uses seed + i).
@@ -61,6 +73,13 @@ pub struct Record {
     pub method: String,
     /// Mean string_match_all over the samples.
     pub accuracy: f64,
+    /// The 95 % Wilson interval of `accuracy` (`mosaickv_tasks::stats`).
+    pub accuracy_low: f64,
+    pub accuracy_high: f64,
+    /// Per-sample scores, sample i from seed `seed + i` (the same prompts for every method).
+    pub scores: Vec<f64>,
+    /// Paired difference against `full` on the same prompts; null without a `full` run.
+    pub vs_full: Option<Paired>,
     /// `1 - accuracy / accuracy(full)` (SPEC.md section 16); null without a `full` run or
     /// when full scored 0.
     pub accuracy_loss: Option<f64>,
@@ -85,7 +104,7 @@ pub struct Suite {
 
 #[derive(Default)]
 struct Acc {
-    score: f64,
+    scores: Vec<f64>,
     bytes: f64,
     step_s: f64,
     steps: usize,
@@ -116,7 +135,7 @@ pub fn run_suite(model: &Model, s: &Suite, pb: &mut Progress) -> Result<Vec<Reco
                         ));
                     }
                     let a = acc.entry((ti, li, mi)).or_default();
-                    a.score += score;
+                    a.scores.push(score);
                     a.bytes += d.bytes_per_token;
                     a.step_s += d.step_s.iter().sum::<f64>();
                     a.steps += d.step_s.len();
@@ -132,15 +151,21 @@ pub fn run_suite(model: &Model, s: &Suite, pb: &mut Progress) -> Result<Vec<Reco
     let mut out = Vec::new();
     for (ti, &task) in s.tasks.iter().enumerate() {
         for (li, &length) in s.lengths.iter().enumerate() {
-            let full_acc = full.map(|f| acc[&(ti, li, f)].score / acc[&(ti, li, f)].n as f64);
+            let full_scores = full.map(|f| acc[&(ti, li, f)].scores.clone());
             for (mi, m) in s.methods.iter().enumerate() {
                 let a = &acc[&(ti, li, mi)];
-                let accuracy = a.score / a.n as f64;
+                let acc_ci = Accuracy::of(&a.scores);
+                let accuracy = acc_ci.mean;
+                let full_acc = full_scores.as_ref().map(|f| Accuracy::of(f).mean);
                 out.push(Record {
                     task: task.name().to_string(),
                     length,
                     method: m.to_string(),
                     accuracy,
+                    accuracy_low: acc_ci.low,
+                    accuracy_high: acc_ci.high,
+                    scores: a.scores.clone(),
+                    vs_full: full_scores.as_ref().map(|f| paired(&a.scores, f)),
                     accuracy_loss: full_acc.filter(|&f| f > 0.0).map(|f| 1.0 - accuracy / f),
                     kv_bytes_per_token: a.bytes / a.n as f64,
                     decode_ms: if a.steps > 0 {
@@ -157,18 +182,38 @@ pub fn run_suite(model: &Model, s: &Suite, pb: &mut Progress) -> Result<Vec<Reco
     Ok(out)
 }
 
-/// Per method, over the whole suite: mean accuracy, loss vs full (of the means), mean bytes per
-/// token, mean decode ms.
+/// Per method, over the whole suite: the headline (cells where `full` scores at least
+/// [`HEADLINE_FULL_MIN`], their samples pooled), the mean over every cell, loss vs full (of the
+/// means), mean bytes per token, mean decode ms, and the teacher-forced KL when it was run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     pub method: String,
+    /// Pooled accuracy over the headline cells with its Wilson interval; null when no cell
+    /// qualifies (or without a `full` run).
+    pub headline: Option<Accuracy>,
+    /// Paired difference against `full` over the headline cells' samples.
+    pub headline_vs_full: Option<Paired>,
+    /// Mean accuracy over every cell.
     pub accuracy: f64,
     pub accuracy_loss: Option<f64>,
     pub kv_bytes_per_token: f64,
     pub decode_ms: f64,
+    /// Teacher-forced `KL(full || method)` on natural text, and top-1 agreement.
+    pub kl: Option<f64>,
+    pub top1: Option<f64>,
 }
 
-pub fn summarize(records: &[Record]) -> Vec<Summary> {
+/// The `(task, length)` cells where `full` scores at least [`HEADLINE_FULL_MIN`] (none without
+/// a `full` run).
+pub fn headline_cells(records: &[Record]) -> Vec<(String, usize)> {
+    records
+        .iter()
+        .filter(|r| r.method == "full" && r.accuracy >= HEADLINE_FULL_MIN)
+        .map(|r| (r.task.clone(), r.length))
+        .collect()
+}
+
+pub fn summarize(records: &[Record], forced: &[ForcedRecord]) -> Vec<Summary> {
     let mut methods: Vec<String> = Vec::new();
     for r in records {
         if !methods.contains(&r.method) {
@@ -183,16 +228,36 @@ pub fn summarize(records: &[Record]) -> Vec<Summary> {
         .iter()
         .any(|m| m == "full")
         .then(|| mean("full", &|r| r.accuracy));
+    let cells = headline_cells(records);
+    let pooled = |m: &str| -> Vec<f64> {
+        cells
+            .iter()
+            .flat_map(|(t, l)| {
+                records
+                    .iter()
+                    .filter(move |r| r.method == m && &r.task == t && r.length == *l)
+                    .flat_map(|r| r.scores.iter().copied())
+            })
+            .collect()
+    };
+    let full_pooled = pooled("full");
     methods
         .iter()
         .map(|m| {
             let accuracy = mean(m, &|r| r.accuracy);
+            let mine = pooled(m);
+            let f = forced.iter().find(|f| &f.method == m);
             Summary {
                 method: m.clone(),
+                headline: (!mine.is_empty()).then(|| Accuracy::of(&mine)),
+                headline_vs_full: (!mine.is_empty() && mine.len() == full_pooled.len())
+                    .then(|| paired(&mine, &full_pooled)),
                 accuracy,
                 accuracy_loss: full_acc.filter(|&f| f > 0.0).map(|f| 1.0 - accuracy / f),
                 kv_bytes_per_token: mean(m, &|r| r.kv_bytes_per_token),
                 decode_ms: mean(m, &|r| r.decode_ms),
+                kl: f.map(|f| f.kl),
+                top1: f.map(|f| f.top1),
             }
         })
         .collect()
@@ -202,19 +267,39 @@ fn pct(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{:+.1} %", 100.0 * v))
 }
 
+/// `0.800 [0.490, 0.943] (n=10)`.
+pub fn acc_cell(mean: f64, low: f64, high: f64, n: usize) -> String {
+    format!("{mean:.3} [{low:.3}, {high:.3}] (n={n})")
+}
+
+/// `-0.300 [-0.571, -0.033], 3-0, p=0.250`: difference, interval, samples lost-won, p-value.
+pub fn paired_cell(p: &Option<Paired>) -> String {
+    match p {
+        None => "-".into(),
+        Some(p) => format!(
+            "{:+.3} [{:+.3}, {:+.3}], {}-{}, p={:.3}",
+            p.diff, p.low, p.high, p.worse, p.better, p.p_value
+        ),
+    }
+}
+
 /// The table as Markdown (what `eval` prints).
 pub fn table(records: &[Record]) -> String {
     let mut s = String::from(
-        "| task | length | method | accuracy | loss vs full | KV B/token | decode ms/step |\n|---|---:|---|---:|---:|---:|---:|\n",
+        "| task | length | method | accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | KV B/token | decode ms/step |\n|---|---:|---|---:|---:|---:|---:|\n",
     );
     for r in records {
         s += &format!(
-            "| {} | {} | {} | {:.3} | {} | {:.1} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.1} |\n",
             r.task,
             r.length,
             r.method,
-            r.accuracy,
-            pct(r.accuracy_loss),
+            acc_cell(r.accuracy, r.accuracy_low, r.accuracy_high, r.samples),
+            if r.method == "full" {
+                "-".into()
+            } else {
+                paired_cell(&r.vs_full)
+            },
             r.kv_bytes_per_token,
             r.decode_ms
         );
@@ -222,21 +307,52 @@ pub fn table(records: &[Record]) -> String {
     s
 }
 
-/// The per-method summary as Markdown.
-pub fn summary_table(sum: &[Summary]) -> String {
-    let mut s = String::from(
-        "| method | mean accuracy | loss vs full | KV B/token | decode ms/step |\n|---|---:|---:|---:|---:|\n",
+/// The per-method summary as Markdown: the headline over the cells where full scores at least
+/// [`HEADLINE_FULL_MIN`], then the other cells named apart, then the all-cell means and KL.
+pub fn summary_table(records: &[Record], sum: &[Summary]) -> String {
+    let cells = headline_cells(records);
+    let names = |cs: &[(String, usize)]| -> String {
+        cs.iter()
+            .map(|(t, l)| format!("{t} {l}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut others: Vec<(String, usize)> = Vec::new();
+    for r in records.iter().filter(|r| r.method == "full") {
+        if !cells.contains(&(r.task.clone(), r.length)) {
+            others.push((r.task.clone(), r.length));
+        }
+    }
+    let mut s = format!(
+        "Headline: the {} cells where full scores >= {HEADLINE_FULL_MIN} ({}), samples pooled; paired with full on the same prompts.\n\n",
+        cells.len(),
+        if cells.is_empty() { "none".into() } else { names(&cells) }
     );
+    s += "| method | headline accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | mean accuracy, all cells | loss vs full | KV B/token | decode ms/step | KL(full‖method) | top-1 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
     for m in sum {
         s += &format!(
-            "| {} | {:.3} | {} | {:.1} | {:.1} |\n",
+            "| {} | {} | {} | {:.3} | {} | {:.1} | {:.1} | {} | {} |\n",
             m.method,
+            m.headline
+                .map_or("-".into(), |a| acc_cell(a.mean, a.low, a.high, a.n)),
+            if m.method == "full" {
+                "-".into()
+            } else {
+                paired_cell(&m.headline_vs_full)
+            },
             m.accuracy,
             pct(m.accuracy_loss),
             m.kv_bytes_per_token,
-            m.decode_ms
+            m.decode_ms,
+            opt(m.kl, 4),
+            opt(m.top1, 3),
         );
     }
+    s += &format!(
+        "\nCells where full scores < {HEADLINE_FULL_MIN} (no information about a compression method; in the table above only in the all-cell mean): {}\n",
+        if others.is_empty() { "none".into() } else { names(&others) }
+    );
     s
 }
 
@@ -342,11 +458,19 @@ pub fn parse_tasks(names: &[String]) -> Result<Vec<Task>, CliError> {
         .collect()
 }
 
-pub fn run(a: Args) -> Result<(), CliError> {
+/// What `eval` runs: the explicit arguments over the model's default suite.
+pub fn resolve_suite(a: &Args, defaults: &DefaultSuite) -> Result<(Suite, usize, usize), CliError> {
+    let tasks = match &a.tasks {
+        Some(t) => parse_tasks(t)?,
+        None => defaults.tasks.to_vec(),
+    };
     let suite = Suite {
-        tasks: parse_tasks(&a.tasks)?,
-        lengths: a.lengths.clone(),
-        samples: a.samples,
+        tasks,
+        lengths: a
+            .lengths
+            .clone()
+            .unwrap_or_else(|| defaults.lengths.to_vec()),
+        samples: a.samples.unwrap_or(defaults.samples),
         methods: llm::parse_methods(&a.methods)?,
         seed: a.seed,
         verbose: a.verbose,
@@ -360,8 +484,36 @@ pub fn run(a: Args) -> Result<(), CliError> {
             "eval needs at least one task, length, sample and method".into(),
         ));
     }
+    Ok((
+        suite,
+        a.kl_length.unwrap_or(defaults.kl_length),
+        defaults.kl_positions,
+    ))
+}
+
+pub fn run(a: Args) -> Result<(), CliError> {
     let t0 = Instant::now();
+    // bad method names fail before the model loads
+    llm::parse_methods(&a.methods)?;
     let model = llm::load_model(a.model.as_deref())?;
+    let c = model.config();
+    let defaults = default_suite(
+        a.model.as_deref().and_then(|p| p.to_str()),
+        (c.n_layers, c.q_heads, c.kv_heads, c.head_dim),
+    );
+    let (suite, kl_length, kl_positions) = resolve_suite(&a, defaults)?;
+    eprintln!(
+        "eval: {} (default suite of {}), {} tasks x {:?} x {} samples, {} methods, KL over {} tokens",
+        a.model
+            .as_deref()
+            .map_or("default model".into(), |p| p.display().to_string()),
+        defaults.model,
+        suite.tasks.len(),
+        suite.lengths,
+        suite.samples,
+        suite.methods.len(),
+        kl_length
+    );
     let mut pb = Progress::stderr(
         "eval",
         suite.tasks.len() * suite.lengths.len() * suite.samples,
@@ -369,17 +521,31 @@ pub fn run(a: Args) -> Result<(), CliError> {
     );
     let records = run_suite(&model, &suite, &mut pb)?;
     pb.finish();
+    let forced = if kl_length > 0 {
+        let (text, source) = cmd_fidelity::natural_text(None)?;
+        let tokens = cmd_fidelity::text_tokens(&model, &text, kl_length)?;
+        eprintln!("eval: teacher-forced KL over the last {kl_positions} of {kl_length} tokens of {source}");
+        cmd_fidelity::teacher_forced(&model, &tokens, kl_positions, &suite.methods, |m| {
+            eprintln!("  {m}")
+        })?
+    } else {
+        Vec::new()
+    };
     print!("{}", table(&records));
     println!();
-    print!("{}", summary_table(&summarize(&records)));
+    print!("{}", summary_table(&records, &summarize(&records, &forced)));
     eprintln!(
         "eval: {} in {}",
         records.len(),
         llm::secs(t0.elapsed().as_secs_f64())
     );
     if let Some(p) = &a.json {
-        let text =
-            serde_json::to_string_pretty(&records).map_err(|e| CliError::Input(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&serde_json::json!({
+            "records": records,
+            "summary": summarize(&records, &forced),
+            "forced": forced,
+        }))
+        .map_err(|e| CliError::Input(e.to_string()))?;
         std::fs::write(p, text + "\n").map_err(|e| io(p, e))?;
     }
     if let Some(p) = &a.plot {
@@ -431,6 +597,59 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    fn record(task: &str, method: &str, scores: &[f64], full: &[f64]) -> Record {
+        let a = Accuracy::of(scores);
+        Record {
+            task: task.into(),
+            length: 1024,
+            method: method.into(),
+            accuracy: a.mean,
+            accuracy_low: a.low,
+            accuracy_high: a.high,
+            scores: scores.to_vec(),
+            vs_full: Some(paired(scores, full)),
+            accuracy_loss: None,
+            kv_bytes_per_token: 1.0,
+            decode_ms: 1.0,
+            samples: scores.len(),
+            prompt_tokens: 1000.0,
+        }
+    }
+
+    #[test]
+    fn headline_pools_only_cells_where_full_scores_at_least_0_8() {
+        let good_full = [1.0, 1.0, 1.0, 1.0, 0.0];
+        let bad_full = [0.0, 1.0, 0.0, 0.0, 0.0];
+        let m_good = [1.0, 0.0, 1.0, 0.0, 0.0];
+        let m_bad = [1.0, 1.0, 1.0, 1.0, 1.0];
+        let records = vec![
+            record("niah_single_1", "full", &good_full, &good_full),
+            record("niah_single_1", "mosaic", &m_good, &good_full),
+            record("vt", "full", &bad_full, &bad_full),
+            record("vt", "mosaic", &m_bad, &bad_full),
+        ];
+        assert_eq!(
+            headline_cells(&records),
+            vec![("niah_single_1".to_string(), 1024)]
+        );
+        let sum = summarize(&records, &[]);
+        let m = sum.iter().find(|s| s.method == "mosaic").unwrap();
+        // only niah_single_1's five samples: 2/5, paired 2 lost, 0 won against full
+        let h = m.headline.unwrap();
+        assert_eq!((h.mean, h.n), (0.4, 5));
+        let p = m.headline_vs_full.unwrap();
+        assert_eq!((p.worse, p.better), (2, 0));
+        assert!((p.diff + 0.4).abs() < 1e-12);
+        // the all-cell mean still averages both cells
+        assert!((m.accuracy - 0.7).abs() < 1e-12);
+        let text = summary_table(&records, &sum);
+        assert!(text.contains("Cells where full scores < 0.8"), "{text}");
+        assert!(text.contains(": vt 1024"), "{text}");
+        assert!(text.contains("0.400 ["), "{text}");
+        let t = table(&records);
+        assert!(t.contains("(n=5)") && t.contains("2-0, p=0.500"), "{t}");
     }
 
     #[test]

@@ -30,7 +30,11 @@ pub struct Args {
     #[arg(long, default_value_t = 2048)]
     pub length: usize,
     /// Methods compared with full attention.
-    #[arg(long, value_delimiter = ',', default_value = "quest,naive2d,mosaic")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "quest,quest-sink,naive2d,kvq8,kvq4,mosaic"
+    )]
     pub methods: Vec<String>,
     /// Decode steps measured on the niah prompt.
     #[arg(long, default_value_t = 4)]

@@ -1,7 +1,9 @@
-//! `mosaickv frontier`: the accuracy-memory frontier (issue 4). Sweeps channel retention for
-//! MosaicKV (fixed policy) and naive 2-D, plus Quest alone, full and default MosaicKV; for each:
-//! the suite's mean accuracy and the teacher-forced KL against the full cache, each beside the
-//! KV bytes per token it reached. Writes a table, optional JSON, and two SVG plots.
+//! `mosaickv frontier`: the accuracy-memory frontier (issues 4, 14). Sweeps channel retention
+//! for MosaicKV (fixed policy) and naive 2-D and the loss thresholds of MosaicKV's default
+//! policy, plus every other baseline of SPEC.md section 12 (full, quest, quest-sink, kvq8,
+//! kvq4) on the same prompts; for each: the suite's mean accuracy (with the headline cells'
+//! pooled accuracy and Wilson interval) and the teacher-forced KL against the full cache, each
+//! beside the KV bytes per token it reached. Writes a table, optional JSON, and two SVG plots.
 
 use crate::cmd_eval::{self, Suite};
 use crate::cmd_fidelity;
@@ -16,6 +18,13 @@ pub struct Args {
     /// Channel retentions swept for mosaic (fixed policy, g = 1) and naive2d.
     #[arg(long, value_delimiter = ',', default_value = "0.25,0.375,0.5,0.625")]
     pub retentions: Vec<f64>,
+    /// Loss thresholds `key_loss/value_loss` swept for mosaic's default (loss-threshold) policy.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0.0025/0.01,0.005/0.02,0.01/0.03,0.02/0.05"
+    )]
+    pub thresholds: Vec<String>,
     /// Tasks of the accuracy part.
     #[arg(
         long,
@@ -57,6 +66,10 @@ pub struct Point {
     pub retention: Option<f64>,
     pub accuracy: f64,
     pub accuracy_loss: Option<f64>,
+    /// Pooled accuracy over the cells where full scores >= 0.8, with its Wilson interval.
+    pub headline: Option<mosaickv_tasks::stats::Accuracy>,
+    /// Paired difference against full over those cells.
+    pub headline_vs_full: Option<mosaickv_tasks::stats::Paired>,
     /// Bytes per token in the accuracy runs (mean over samples).
     pub kv_bytes_per_token: f64,
     pub kl: f64,
@@ -69,6 +82,9 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let mut methods = vec![
         (Method::Full, "full", None),
         (Method::parse("quest")?, "quest", None),
+        (Method::parse("quest-sink")?, "quest-sink", None),
+        (Method::parse("kvq8")?, "kvq8", None),
+        (Method::parse("kvq4")?, "kvq4", None),
     ];
     for &r in &a.retentions {
         methods.push((
@@ -82,7 +98,22 @@ pub fn run(a: Args) -> Result<(), CliError> {
             Some(r),
         ));
     }
-    methods.push((Method::parse("mosaic")?, "mosaic (default)", None));
+    for t in &a.thresholds {
+        let (k, v) = t.split_once('/').ok_or_else(|| {
+            CliError::Input(format!("--thresholds: {t:?} is not key_loss/value_loss"))
+        })?;
+        methods.push((
+            Method::parse(&format!("mosaic:kloss={k}:vloss={v}"))?,
+            "mosaic (loss threshold)",
+            None,
+        ));
+    }
+    if !methods
+        .iter()
+        .any(|m| m.0 == Method::parse("mosaic").expect("mosaic parses"))
+    {
+        methods.push((Method::parse("mosaic")?, "mosaic (loss threshold)", None));
+    }
     let model = llm::load_model(a.model.as_deref())?;
     let suite = Suite {
         tasks: cmd_eval::parse_tasks(&a.tasks)?,
@@ -99,7 +130,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
     );
     let records = cmd_eval::run_suite(&model, &suite, &mut pb)?;
     pb.finish();
-    let summary = cmd_eval::summarize(&records);
+    let summary = cmd_eval::summarize(&records, &[]);
     let (text, source) = cmd_fidelity::natural_text(None)?;
     let tokens = cmd_fidelity::text_tokens(&model, &text, a.kl_length)?;
     let forced = cmd_fidelity::teacher_forced(&model, &tokens, 64, &suite.methods, |m| {
@@ -116,6 +147,8 @@ pub fn run(a: Args) -> Result<(), CliError> {
             retention: *ret,
             accuracy: s.accuracy,
             accuracy_loss: s.accuracy_loss,
+            headline: s.headline,
+            headline_vs_full: s.headline_vs_full,
             kv_bytes_per_token: s.kv_bytes_per_token,
             kl: f.kl,
             top1: f.top1,
@@ -126,11 +159,19 @@ pub fn run(a: Args) -> Result<(), CliError> {
         "Frontier: accuracy over {:?} x {:?} x {} samples; KL over the last 64 of {} tokens of {source}\n",
         a.tasks, a.lengths, a.samples, a.kl_length
     );
-    println!("| method | accuracy | loss vs full | KV B/token (suite) | KL | top-1 | KV B/token (KL run) |\n|---|---:|---:|---:|---:|---:|---:|");
+    println!("| method | headline accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | mean accuracy | loss vs full | KV B/token (suite) | KL | top-1 | KV B/token (KL run) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for p in &points {
         println!(
-            "| {} | {:.3} | {} | {:.1} | {:.4} | {:.3} | {:.1} |",
+            "| {} | {} | {} | {:.3} | {} | {:.1} | {:.4} | {:.3} | {:.1} |",
             p.method,
+            p.headline.map_or("-".into(), |h| cmd_eval::acc_cell(
+                h.mean, h.low, h.high, h.n
+            )),
+            if p.method == "full" {
+                "-".into()
+            } else {
+                cmd_eval::paired_cell(&p.headline_vs_full)
+            },
             p.accuracy,
             p.accuracy_loss
                 .map_or("-".into(), |v| format!("{:+.1} %", 100.0 * v)),

@@ -1,4 +1,4 @@
-//! `mosaickv generate --prompt TEXT [--method M] [--max-tokens N] [--raw] [--model PATH]`:
+//! `mosaickv generate --prompt TEXT [--method M] [--max-tokens N] [--raw] [--model NAME|PATH]`:
 //! greedy generation with the KV cache held by a method; text to stdout as it is generated,
 //! statistics to stderr.
 
@@ -23,8 +23,9 @@ pub struct Args {
     /// Feed the prompt as plain text, without the chat template.
     #[arg(long)]
     pub raw: bool,
-    /// A local GGUF file instead of the cached (or fetched) SmolLM2-135M-Instruct.
-    #[arg(long)]
+    /// `qwen2.5-1.5b` (Qwen2.5-Coder-1.5B-Instruct, fetched on first use), `smollm2-135m`
+    /// (the default), or a local GGUF file.
+    #[arg(long, value_name = "NAME|PATH")]
     pub model: Option<PathBuf>,
 }
 

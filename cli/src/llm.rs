@@ -2,13 +2,15 @@
 //! loading the model, greedy decoding on a method's caches, task prompts and budgets.
 
 use crate::error::CliError;
-use mosaickv_engine::{argmax, model_path, LayerKv, Method, Model, Prefill};
+use mosaickv_engine::{argmax, resolve_model, LayerKv, Method, Model, Prefill};
 use std::path::Path;
 use std::time::Instant;
 
-/// Finds (or fetches) and loads the model; `--model PATH` wins over the cache directory.
+/// Finds (or fetches) and loads the model: `--model NAME` names a known model
+/// (`smollm2-135m`, `qwen2.5-1.5b`; fetched into the cache directory on first use),
+/// `--model PATH` a local GGUF file; without it, SmolLM2-135M-Instruct.
 pub fn load_model(explicit: Option<&Path>) -> Result<Model, CliError> {
-    let path = model_path(explicit)?;
+    let path = resolve_model(explicit)?;
     Ok(Model::load(&path)?)
 }
 

@@ -773,3 +773,46 @@ fn attend_timing_prints_one_line_on_stderr() {
         assert!(timed.stdout.is_empty(), "{}", timed.stdout);
     }
 }
+
+/// Quantized values (SPEC.md section 6): both backends write the same int8/int4 cache file,
+/// and `inspect` and the manifest show each side's dtype and scale bytes.
+#[test]
+fn quantized_caches_are_identical_and_inspect_shows_dtype_and_scales() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    setup(d, 600);
+    let cfg = d.join("q.json");
+    std::fs::write(
+        &cfg,
+        r#"{"input_segment_len": 256, "value_dtypes": ["int4", "int8"]}"#,
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let opt = compress_to(d, "opt", &["--config", cfg, "--backend", "optimized"]);
+    let refc = compress_to(d, "ref", &["--config", cfg, "--backend", "reference"]);
+    assert!(
+        std::fs::read(opt.join("cache.mkv")).unwrap()
+            == std::fs::read(refc.join("cache.mkv")).unwrap(),
+        "the optimized and reference backends wrote different quantized cache.mkv files"
+    );
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(opt.join("manifest.json")).unwrap()).unwrap();
+    let head0 = &m["segments"][0]["heads"][0];
+    for side in ["key", "value"] {
+        let dtype = head0[side]["dtype"].as_str().unwrap();
+        assert!(dtype == "int4" || dtype == "int8", "{side}: {dtype}");
+        assert_eq!(head0[side]["scale_bytes_per_record"], 4);
+        assert_eq!(
+            head0[side]["scale_bytes"].as_u64().unwrap(),
+            4 * m["segments"][0]["len"].as_u64().unwrap()
+        );
+    }
+    assert!(m["memory"]["scales"].as_u64().unwrap() > 0);
+    let inspect = ok(&[&"inspect", &"--cache", &opt]);
+    for needle in ["value minimum + scale", "(scales ", "int"] {
+        assert!(
+            inspect.contains(needle),
+            "inspect lacks {needle}: {inspect}"
+        );
+    }
+}

@@ -37,6 +37,8 @@ fn eval_writes_json_records() {
         "1",
         "--methods",
         "full,mosaic",
+        "--kl-length",
+        "200",
         "--json",
         json.to_str().unwrap(),
         "--plot",
@@ -58,8 +60,18 @@ fn eval_writes_json_records() {
     );
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let recs = v.as_array().unwrap();
+    let recs = v["records"].as_array().unwrap();
     assert_eq!(recs.len(), 2);
+    // the teacher-forced KL beside accuracy, one per method (full's own is 0)
+    let forced = v["forced"].as_array().unwrap();
+    assert_eq!(forced.len(), 2);
+    assert_eq!(forced[0]["kl"].as_f64().unwrap(), 0.0);
+    assert!(
+        o.stdout
+            .contains("Headline: the 1 cells where full scores >= 0.8 (niah_single_1 512)"),
+        "{}",
+        o.stdout
+    );
     for (r, method) in recs.iter().zip(["full", "mosaic"]) {
         assert_eq!(r["task"], "niah_single_1");
         assert_eq!(r["length"], 512);
@@ -70,6 +82,14 @@ fn eval_writes_json_records() {
         assert!(r["decode_ms"].as_f64().unwrap() > 0.0);
         assert!(r["prompt_tokens"].as_f64().unwrap() <= 512.0);
         assert!(r.get("accuracy_loss").is_some());
+        // one sample: the Wilson interval of 0/1 or 1/1, and the per-sample score kept
+        let (lo, hi) = (
+            r["accuracy_low"].as_f64().unwrap(),
+            r["accuracy_high"].as_f64().unwrap(),
+        );
+        assert!(lo <= acc && acc <= hi && hi - lo > 0.7, "{lo} {hi}");
+        assert_eq!(r["scores"].as_array().unwrap().len(), 1);
+        assert!(r["vs_full"].is_object());
     }
     assert_eq!(recs[0]["kv_bytes_per_token"].as_f64().unwrap(), 768.0);
     // full found it at 512 tokens, so its loss is defined and 0

@@ -698,7 +698,14 @@ macro_rules! conformance_suite {
                 fixed.buffer_capacity = 32;
                 fixed.max_segment_len = 128;
                 fixed.min_segment_len = 64;
-                vec![CompressConfig::default(), small, fixed]
+                // Every value dtype (SPEC.md section 6): int8 under the loss rule (g = 1, 2, 4),
+                // int4 under the fixed policy (g = 1, the SIMD kernels), and a mix the loss
+                // rule chooses from.
+                use mosaickv_spec::ValueDtype::{F16, Int4, Int8};
+                let int8 = CompressConfig { value_dtypes: vec![Int8], ..CompressConfig::default() };
+                let int4 = CompressConfig { value_dtypes: vec![Int4], ..fixed.clone() };
+                let mixed = CompressConfig { value_dtypes: vec![Int4, Int8, F16], ..small.clone() };
+                vec![CompressConfig::default(), small, fixed, int8, int4, mixed]
             }
 
             $(#[$attr])*
@@ -793,7 +800,7 @@ macro_rules! conformance_suite {
                 #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
                 $(#[$attr])*
             #[test]
-                fn prop_stages(d_idx in 0usize..6, n in 0usize..300, group_idx in 0usize..4, seed in any::<u64>(), cfg_idx in 0usize..3) {
+                fn prop_stages(d_idx in 0usize..6, n in 0usize..300, group_idx in 0usize..4, seed in any::<u64>(), cfg_idx in 0usize..6) {
                     let Some(b) = backend("prop_stages") else { return Ok(()) };
                     let d = HEAD_DIMS[d_idx];
                     let cfg = &configs()[cfg_idx];
@@ -803,7 +810,7 @@ macro_rules! conformance_suite {
 
                 $(#[$attr])*
             #[test]
-                fn prop_cache_attention(d_idx in 0usize..6, prompt in 0usize..400, appends in 0usize..150, ratio_idx in 0usize..4, kv in 1usize..3, seed in any::<u64>(), cfg_idx in 0usize..3) {
+                fn prop_cache_attention(d_idx in 0usize..6, prompt in 0usize..400, appends in 0usize..150, ratio_idx in 0usize..4, kv in 1usize..3, seed in any::<u64>(), cfg_idx in 0usize..6) {
                     let Some(b) = backend("prop_cache_attention") else { return Ok(()) };
                     let shape = KvShape::new(kv, kv * GQA_RATIOS[ratio_idx], HEAD_DIMS[d_idx]).unwrap();
                     let cfg = &configs()[cfg_idx];

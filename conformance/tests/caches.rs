@@ -102,14 +102,27 @@ fn same_structure(r: &MosaicCache, o: &OptimizedMosaicCache) -> Result<(), Strin
 
 #[test]
 fn mosaic_lifecycle_matches_reference() {
-    for (ci, cfg) in [small_config(), CompressConfig::default(), {
-        let mut c = CompressConfig::paper_fixed();
-        c.input_segment_len = 64;
-        c.buffer_capacity = 32;
-        c.max_segment_len = 96;
-        c.min_segment_len = 64;
-        c
-    }]
+    for (ci, cfg) in [
+        small_config(),
+        CompressConfig::default(),
+        {
+            let mut c = CompressConfig::paper_fixed();
+            c.input_segment_len = 64;
+            c.buffer_capacity = 32;
+            c.max_segment_len = 96;
+            c.min_segment_len = 64;
+            c
+        },
+        {
+            // int4 and int8 values chosen by the loss rule (SPEC.md sections 6, 11.2).
+            let mut c = small_config();
+            c.value_dtypes = vec![
+                mosaickv_spec::ValueDtype::Int4,
+                mosaickv_spec::ValueDtype::Int8,
+            ];
+            c
+        },
+    ]
     .into_iter()
     .enumerate()
     {

@@ -8,16 +8,17 @@ use mosaickv_conformance::structured_kv;
 use mosaickv_optimized::{LiveCache, Mode, OptimizedMosaicCache};
 use mosaickv_reference::{side_loss, MosaicCache};
 use mosaickv_spec::{
-    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, SegmentState,
+    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, SegmentState, ValueDtype,
 };
 use ndarray::{s, Array2, Array3, Axis};
 
 const PROMPT: usize = 4 + 64;
 const BUFFER: usize = 16;
 
-fn config(margin: f64, channels: ChannelPolicy) -> CompressConfig {
+fn config(margin: f64, channels: ChannelPolicy, value_dtypes: &[ValueDtype]) -> CompressConfig {
     CompressConfig {
         channels,
+        value_dtypes: value_dtypes.to_vec(),
         sink_tokens: 4,
         input_segment_len: 64,
         buffer_capacity: BUFFER,
@@ -106,53 +107,73 @@ fn close_exactly_at_the_rule() {
         },
         CompressConfig::default().channels,
     ];
+    // f16, and quantized values whose error the loss includes (SPEC 11.1): the live cache
+    // takes it from its packed records, the others from the f16 values they quantize.
+    let dtypes: [&[ValueDtype]; 3] = [
+        &[ValueDtype::F16],
+        &[ValueDtype::Int4],
+        &[ValueDtype::Int8, ValueDtype::Int4, ValueDtype::F16],
+    ];
     let mut edges_tested = 0;
+    let mut quantized_edges = 0;
     for (pi, policy) in policies.iter().enumerate() {
-        for seed in 0..6u64 {
-            let shape = KvShape::new(2, 2, 32).unwrap();
-            let (k, v) = structured_kv(PROMPT + BUFFER, 2, 32, 1000 + seed);
-            // The temporary strategy of the first generated segment is the prompt segment's.
-            let mut probe = MosaicCache::new(shape, config(0.0, policy.clone())).unwrap();
-            probe
-                .prefill(k.slice(s![..PROMPT, .., ..]), v.slice(s![..PROMPT, .., ..]))
-                .unwrap();
-            let seg = &probe.compressed().segments[0];
-            // Per head and side: (fit_loss, L on the buffer rows).
-            let mut sides = Vec::new();
-            for h in 0..2 {
-                let st = &seg.heads[h].strategy;
-                let lk = side_loss(head_rows(&k, h, PROMPT, PROMPT + BUFFER).view(), &st.key);
-                let lv = side_loss(head_rows(&v, h, PROMPT, PROMPT + BUFFER).view(), &st.value);
-                sides.push((st.key.fit_loss, lk));
-                sides.push((st.value.fit_loss, lv));
-            }
-            let (fit, l) = sides
-                .iter()
-                .copied()
-                .max_by(|a, b| (a.1 - a.0).total_cmp(&(b.1 - b.0)))
-                .unwrap();
-            let Some(m) = exact_margin(fit, l) else {
-                continue;
-            };
-            // The others must not exceed the edge at this margin, or the test proves nothing.
-            if sides.iter().any(|&(f, x)| (f, x) != (fit, l) && x > f + m) {
-                continue;
-            }
-            let below = f64::from_bits(m.to_bits() - 1);
-            assert!(fit + m == l && fit + below < l);
-            for (margin, expect) in [(m, SegmentState::Open), (below, SegmentState::Closed)] {
-                let cfg = config(margin, policy.clone());
-                let all = all_segments(shape, &cfg, &k, &v);
-                let want = vec![(64, SegmentState::Closed), (BUFFER, expect)];
-                for (name, got) in &all {
-                    assert_eq!(
+        for dt in dtypes {
+            for seed in 0..6u64 {
+                let shape = KvShape::new(2, 2, 32).unwrap();
+                let (k, v) = structured_kv(PROMPT + BUFFER, 2, 32, 1000 + seed);
+                // The temporary strategy of the first generated segment is the prompt segment's.
+                let mut probe = MosaicCache::new(shape, config(0.0, policy.clone(), dt)).unwrap();
+                probe
+                    .prefill(k.slice(s![..PROMPT, .., ..]), v.slice(s![..PROMPT, .., ..]))
+                    .unwrap();
+                let seg = &probe.compressed().segments[0];
+                // Per head and side: (fit_loss, L on the buffer rows).
+                let mut sides = Vec::new();
+                for h in 0..2 {
+                    let st = &seg.heads[h].strategy;
+                    let lk = side_loss(head_rows(&k, h, PROMPT, PROMPT + BUFFER).view(), &st.key);
+                    let lv = side_loss(head_rows(&v, h, PROMPT, PROMPT + BUFFER).view(), &st.value);
+                    sides.push((st.key.fit_loss, lk));
+                    sides.push((st.value.fit_loss, lv));
+                }
+                let (fit, l) = sides
+                    .iter()
+                    .copied()
+                    .max_by(|a, b| (a.1 - a.0).total_cmp(&(b.1 - b.0)))
+                    .unwrap();
+                let Some(m) = exact_margin(fit, l) else {
+                    continue;
+                };
+                // The others must not exceed the edge at this margin, or the test proves nothing.
+                if sides.iter().any(|&(f, x)| (f, x) != (fit, l) && x > f + m) {
+                    continue;
+                }
+                let below = f64::from_bits(m.to_bits() - 1);
+                assert!(fit + m == l && fit + below < l);
+                for (margin, expect) in [(m, SegmentState::Open), (below, SegmentState::Closed)] {
+                    let cfg = config(margin, policy.clone(), dt);
+                    let all = all_segments(shape, &cfg, &k, &v);
+                    let want = vec![(64, SegmentState::Closed), (BUFFER, expect)];
+                    for (name, got) in &all {
+                        assert_eq!(
                         got, &want,
-                        "policy {pi} seed {seed} margin {margin:e} (fit {fit:e}, L {l:e}): {name}"
+                        "policy {pi} dtypes {dt:?} seed {seed} margin {margin:e} (fit {fit:e}, L {l:e}): {name}"
                     );
+                    }
+                }
+                edges_tested += 1;
+                if seg.heads.iter().any(|h| {
+                    h.strategy.key.layout.dtype.is_quantized()
+                        || h.strategy.value.layout.dtype.is_quantized()
+                }) {
+                    quantized_edges += 1;
                 }
             }
-            edges_tested += 1;
         }
     }
-    assert!(edges_tested >= 6, "only {edges_tested} exact edges found");
+    assert!(edges_tested >= 18, "only {edges_tested} exact edges found");
+    assert!(
+        quantized_edges >= 6,
+        "only {quantized_edges} exact edges with quantized values"
+    );
 }

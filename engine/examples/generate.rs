@@ -4,7 +4,7 @@
 //! cargo run --release -p mosaickv-engine --example generate -- --haystack 3000 --max-new 32
 
 use clap::Parser;
-use mosaickv_engine::{model_path, Model};
+use mosaickv_engine::{resolve_model, Model};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -49,7 +49,7 @@ fn haystack(model: &Model, target: usize) -> BoxResult<String> {
 fn main() -> BoxResult<()> {
     let args = Args::parse();
     let t = Instant::now();
-    let model = Model::load(&model_path(args.model.as_deref())?)?;
+    let model = Model::load(&resolve_model(args.model.as_deref())?)?;
     eprintln!("[load {:.2} s]", t.elapsed().as_secs_f64());
     let prompt = match (args.haystack, &args.prompt) {
         (Some(n), _) => haystack(&model, n)?,

@@ -4,7 +4,7 @@
 Usage:  python3 -m pip install llama-cpp-python numpy
         cargo build --release -p mosaickv-engine --example bench
         python3 engine/scripts/compare_llamacpp.py [--lengths 1024,3072,6144] [--steps 32]
-            [--methods full,mosaic] [--threads 2] [--json FILE] [--model GGUF]
+            [--methods full,mosaic] [--threads 2] [--json FILE] [--model GGUF|qwen2.5-1.5b]
 
 The prompts are the first N tokens of a fixed filler text, tokenized by our engine
 (`bench --tokens-only`; the golden test checks that our tokenizer agrees with llama.cpp's), so
@@ -38,9 +38,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 
 
-def default_model():
+# --model NAME as the engine knows them (engine/src/fetch.rs); anything else is a GGUF path
+KNOWN = {
+    "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+}
+
+
+def model_file(name):
     home = os.environ.get("MOSAICKV_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mosaickv")
-    return os.path.join(home, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return os.path.join(home, KNOWN[name]) if name in KNOWN else name
+
+
+def default_model():
+    return model_file("smollm2-135m")
 
 
 def cpu_idle(seconds=1.0):
@@ -145,6 +156,7 @@ def main():
     ap.add_argument("--omp-wait-policy", default="passive", help="OMP_WAIT_POLICY for llama.cpp ('' = leave unset)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.model = model_file(args.model)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # read when llama.cpp loads

@@ -1,13 +1,17 @@
-//! `mosaickv-engine`: runs SmolLM2-135M-Instruct (GGUF, llama architecture) with an owned
-//! forward pass and a pluggable per-layer KV cache ([`LayerKv`]).
+//! `mosaickv-engine`: runs SmolLM2-135M-Instruct (GGUF, `llama` architecture, the default)
+//! and Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M, `qwen2`) with an owned forward pass and a
+//! pluggable per-layer KV cache ([`LayerKv`]).
 //!
-//! * [`model_path`] finds (or fetches, via pip) the model file.
+//! * [`model_path`] finds (or fetches, via pip) SmolLM2's file, [`KnownModel::path`] either
+//!   model's ([`resolve_model`] takes `--model NAME|PATH`).
 //! * [`Model::load`] reads the GGUF header with the checked reader in [`gguf`] (every length,
 //!   count and tensor extent against the file's size; [`Config::from_gguf`] checks the heads,
 //!   layers and tensor shapes before any weight is read) and the tensors with candle; prefill
-//!   multiplies with weights dequantized to f32, decode steps with the file's own Q4_1/Q8_0
-//!   blocks (see `quant.rs`). `model/` holds the loader (`load.rs`), the f32 prefill
-//!   (`prefill.rs`) and the decode steps (`decode.rs`).
+//!   multiplies with weights dequantized to f32 (kept for SmolLM2, dequantized on use for
+//!   Qwen), decode steps with the file's own blocks (Q4_1/Q8_0 with this crate's kernels,
+//!   Q4_K/Q6_K with candle's QMatMul; see `quant.rs`). `model/` holds the loader (`load.rs`),
+//!   the weights (`weights.rs`), the f32 prefill (`prefill.rs`) and the decode steps
+//!   (`decode.rs`).
 //! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches;
@@ -29,12 +33,15 @@ pub mod suite;
 mod tokenizer;
 
 pub use fetch::{
-    check_gguf_file, default_home, model_path, sha256_file, MODEL_FILE_NAME, MODEL_SHA256,
-    WHEEL_ENTRY, WHEEL_SPEC,
+    check_gguf_file, default_home, model_path, resolve_model, sha256_file, KnownModel, Wheels,
+    KNOWN_MODELS, MODEL_FILE_NAME, MODEL_SHA256, QWEN25_CODER_1_5B, SMOLLM2, WHEEL_ENTRY,
+    WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
-pub use model::{argmax, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill};
+pub use model::{
+    argmax, Arch, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill, RopeStyle,
+};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.
@@ -69,6 +76,16 @@ pub enum EngineError {
         expected: String,
         actual: String,
     },
+    /// A fetched or cached model file whose size is not the pinned one.
+    #[error("{path}: {actual} bytes, expected {expected} (delete it to fetch again)")]
+    Size {
+        path: std::path::PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    /// A part of a split model (1-based) is missing.
+    #[error("model part {part} missing: {what}")]
+    MissingPart { part: usize, what: String },
     #[error("bad or unsupported model: {0}")]
     Format(String),
     #[error("candle: {0}")]

@@ -4,12 +4,16 @@
 //!
 //! Prefill stays dense and shared (issue 4): one [`crate::Model::prefill`] per prompt, then each
 //! method's caches take the same per-layer K/V through `prefill` and decode from there.
-//! Every one of the model's 30 layers is compressed (no layer is kept dense; Quest's paper keeps
-//! its first two layers dense, we do not, so the numbers charge every layer; docs/ACCURACY.md).
+//! Every layer is compressed, except where the method's description says otherwise: `quest`
+//! keeps its first [`QUEST_DENSE_LAYERS`] layers dense as Quest's code does (`layer_id < 2`
+//! runs dense attention in `evaluation/quest_attention.py`); those layers' f16 bytes are
+//! counted in its bytes per token (docs/ACCURACY.md).
 
 use crate::kv::{FullKv, LayerKv};
 use crate::{EngineError, Result};
+use mosaickv_optimized::baselines::{KvqCache as OptKvqCache, KvqFormat as OptKvqFormat};
 use mosaickv_optimized::{CpuBackend, LiveCache, Mode, OptimizedMosaicCache, QuestF16Cache};
+use mosaickv_reference::baselines::{KvqCache, KvqFormat, QuestSinkCache};
 use mosaickv_reference::{MosaicCache, Naive2dCache, QuestCache};
 use mosaickv_spec::{
     Backend as _, ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape,
@@ -69,7 +73,14 @@ macro_rules! probe_via_attended_tokens {
     )*};
 }
 
-probe_via_attended_tokens!(MosaicCache, QuestCache, Naive2dCache);
+probe_via_attended_tokens!(MosaicCache, QuestCache, Naive2dCache, QuestSinkCache);
+
+/// kvq8 / kvq4 attend every token.
+impl ProbeKv for KvAdapter<KvqCache> {
+    fn attended(&self, _queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
+        Ok(None)
+    }
+}
 
 impl ProbeKv for KvAdapter<OptimizedMosaicCache> {
     fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>, String> {
@@ -121,19 +132,31 @@ pub enum MosaicBackend {
 
 /// A KV-cache method (issue 4): what `--method` / `--methods` name.
 ///
-/// Names: `full`, `quest`, `naive2d`, `mosaic` (optimized backend), `mosaic-ref` (reference
-/// backend), each optionally followed by `:key=value` overrides separated by `:`:
-/// `rate` (token_rate), `ret` (fixed channel retention; for mosaic it switches to the fixed
-/// policy), `g` (group size with `ret`), `kloss`, `vloss` (loss thresholds), `rets` (candidate
-/// retentions, `/`-separated), `trunc` (truncate_fraction), `sink`, `lin` (input_segment_len),
-/// `bs` (block sizes, `/`-separated), `var` (variance_threshold). Example: `mosaic:ret=0.5`,
-/// `naive2d:ret=0.25`, `mosaic:rate=1:trunc=0`.
+/// Names: `full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4`, `mosaic` (optimized
+/// backend), `mosaic-ref` (reference backend), each optionally followed by `:key=value`
+/// overrides separated by `:`: `rate` (token_rate), `dense` (quest: leading dense layers),
+/// `ret` (fixed channel retention; for mosaic it switches to the fixed policy), `g` (group
+/// size with `ret`), `kloss`, `vloss` (loss thresholds), `rets` (candidate retentions,
+/// `/`-separated), `trunc` (truncate_fraction), `sink` (mosaic, quest-sink), `lin`
+/// (input_segment_len), `bs` (block sizes, `/`-separated), `var` (variance_threshold).
+/// Example: `mosaic:ret=0.5`, `naive2d:ret=0.25`, `mosaic:rate=1:trunc=0`, `quest:dense=0`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Method {
     /// Dense f16 cache (engine's [`FullKv`]).
     Full,
-    /// SPEC.md section 12 Quest (optimized `QuestF16Cache`).
-    Quest { token_rate: f64 },
+    /// SPEC.md section 12 Quest as Quest's code runs it (optimized `QuestF16Cache`): the first
+    /// `dense_layers` layers dense ([`FullKv`]), pages of 16, the last page always attended.
+    Quest {
+        token_rate: f64,
+        dense_layers: usize,
+    },
+    /// SPEC.md section 12 Quest-sink (reference `QuestSinkCache`): Quest's pages under
+    /// MosaicKV's sink, update buffer and token budget (the default configuration's, with
+    /// `token_rate` and `sink_tokens` overridable), every layer.
+    QuestSink { token_rate: f64, sink_tokens: usize },
+    /// SPEC.md section 12 kvq8 / kvq4: llama.cpp's `q8_0` / `q4_0` KV cache (optimized
+    /// `KvqCache`), every token attended, every layer.
+    Kvq { format: KvqFormat },
     /// SPEC.md section 12 naive 2-D (reference `Naive2dCache`).
     Naive2d { retention: f64, token_rate: f64 },
     /// MosaicKV with a configuration (SPEC.md section 2).
@@ -142,6 +165,10 @@ pub enum Method {
         config: CompressConfig,
     },
 }
+
+/// Layers Quest's code keeps dense (`layer_id < 2` in `evaluation/quest_attention.py`; the
+/// kernel path skips them the same way, `quest/utils/controller.py`'s `set_page_budget`).
+pub const QUEST_DENSE_LAYERS: usize = 2;
 
 /// Default channel retention of `naive2d` when none is given: 50 %, the setting that kept the
 /// needle on this model's KV in the foundation measurements (SPEC.md section 2).
@@ -166,6 +193,13 @@ impl Method {
                 EngineError::Invalid(format!("method {spec:?}: {k}={v} is not a number"))
             })
         };
+        let count = |k: &str, v: &str| -> Result<usize> {
+            v.parse::<usize>().map_err(|_| {
+                EngineError::Invalid(format!(
+                    "method {spec:?}: {k}={v} is not a non-negative integer"
+                ))
+            })
+        };
         let list =
             |k: &str, v: &str| -> Result<Vec<f64>> { v.split('/').map(|x| num(k, x)).collect() };
         let default_rate = CompressConfig::default().token_rate;
@@ -182,14 +216,45 @@ impl Method {
                 Method::Full
             }
             "quest" => {
-                let mut token_rate = default_rate;
+                let (mut token_rate, mut dense_layers) = (default_rate, QUEST_DENSE_LAYERS);
                 for (k, v) in &kv {
                     match k.as_str() {
                         "rate" => token_rate = num(k, v)?,
+                        "dense" => dense_layers = count(k, v)?,
                         _ => return Err(unknown(k)),
                     }
                 }
-                Method::Quest { token_rate }
+                Method::Quest {
+                    token_rate,
+                    dense_layers,
+                }
+            }
+            "quest-sink" => {
+                let d = CompressConfig::default();
+                let (mut token_rate, mut sink_tokens) = (d.token_rate, d.sink_tokens);
+                for (k, v) in &kv {
+                    match k.as_str() {
+                        "rate" => token_rate = num(k, v)?,
+                        "sink" => sink_tokens = count(k, v)?,
+                        _ => return Err(unknown(k)),
+                    }
+                }
+                Method::QuestSink {
+                    token_rate,
+                    sink_tokens,
+                }
+            }
+            "kvq8" | "kvq4" => {
+                if let Some((k, _)) = kv.first() {
+                    return Err(unknown(k));
+                }
+                Method::Kvq {
+                    format: if name == "kvq8" {
+                        KvqFormat::Q8_0
+                    } else {
+                        KvqFormat::Q4_0
+                    },
+                }
             }
             "naive2d" => {
                 let (mut retention, mut token_rate) = (NAIVE2D_DEFAULT_RETENTION, default_rate);
@@ -258,7 +323,7 @@ impl Method {
             }
             _ => {
                 return Err(EngineError::Invalid(format!(
-                    "unknown method {name:?}; known: full, quest, naive2d, mosaic, mosaic-ref"
+                    "unknown method {name:?}; known: full, quest, quest-sink, naive2d, kvq8, kvq4, mosaic, mosaic-ref"
                 )))
             }
         };
@@ -278,8 +343,12 @@ impl Method {
             }
         };
         match self {
-            Method::Full => Ok(()),
-            Method::Quest { token_rate } => rate("token_rate", *token_rate),
+            Method::Full | Method::Kvq { .. } => Ok(()),
+            Method::Quest { token_rate, .. } => rate("token_rate", *token_rate),
+            Method::QuestSink { .. } => self.quest_sink_config().and_then(|c| {
+                c.validate(64)
+                    .map_err(|e| EngineError::Invalid(e.to_string()))
+            }),
             Method::Naive2d {
                 retention,
                 token_rate,
@@ -315,6 +384,21 @@ impl Method {
         }
     }
 
+    /// The MosaicKV configuration whose sink, buffer and token budget `quest-sink` runs under.
+    fn quest_sink_config(&self) -> Result<CompressConfig> {
+        match self {
+            Method::QuestSink {
+                token_rate,
+                sink_tokens,
+            } => Ok(CompressConfig {
+                token_rate: *token_rate,
+                sink_tokens: *sink_tokens,
+                ..CompressConfig::default()
+            }),
+            _ => Err(EngineError::Invalid(format!("{self} is not quest-sink"))),
+        }
+    }
+
     /// A short label: the canonical name plus the overrides that differ from the defaults.
     pub fn label(&self) -> String {
         self.to_string()
@@ -324,13 +408,34 @@ impl Method {
     /// against its head_dim first, [`Method::validate_for`]).
     pub fn new_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn LayerKv>>> {
         self.validate_for(cfg.head_dim)?;
-        let shape = shape_of(cfg)?;
-        (0..cfg.n_layers)
-            .map(|_| -> Result<Box<dyn LayerKv>> {
+        self.layer_caches(cfg.n_layers, shape_of(cfg)?)
+    }
+
+    /// One empty cache per layer of `n_layers` layers of KV shape `shape` (the method's
+    /// layer rule, e.g. Quest's dense first layers, applied).
+    fn layer_caches(&self, n_layers: usize, shape: KvShape) -> Result<Vec<Box<dyn LayerKv>>> {
+        (0..n_layers)
+            .map(|layer| -> Result<Box<dyn LayerKv>> {
                 Ok(match self {
-                    Method::Full => Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim)),
-                    Method::Quest { token_rate } => Box::new(KvAdapter(
+                    Method::Full => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
+                    Method::Quest { dense_layers, .. } if layer < *dense_layers => {
+                        Box::new(FullKv::new(shape.kv_heads, shape.head_dim))
+                    }
+                    Method::Quest { token_rate, .. } => Box::new(KvAdapter(
                         QuestF16Cache::new(shape, *token_rate).map_err(inv)?,
+                    )),
+                    Method::QuestSink { .. } => Box::new(KvAdapter(
+                        QuestSinkCache::new(shape, &self.quest_sink_config()?).map_err(inv)?,
+                    )),
+                    Method::Kvq { format } => Box::new(KvAdapter(
+                        OptKvqCache::new(
+                            shape,
+                            match format {
+                                KvqFormat::Q8_0 => OptKvqFormat::Q8_0,
+                                KvqFormat::Q4_0 => OptKvqFormat::Q4_0,
+                            },
+                        )
+                        .map_err(inv)?,
                     )),
                     Method::Naive2d {
                         retention,
@@ -359,16 +464,26 @@ impl Method {
     }
 
     /// As [`Method::new_caches`], with caches that can report their attended tokens (for
-    /// `fidelity`). Quest runs on the reference `QuestCache` here (same SPEC.md section 12 rule).
+    /// `fidelity`). Quest runs on the reference `QuestCache` here (same SPEC.md section 12 rule),
+    /// kvq8 / kvq4 on the reference `KvqCache` (the same output bits, conformance/tests/kvq.rs).
     pub fn new_probe_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn ProbeKv>>> {
         self.validate_for(cfg.head_dim)?;
         let shape = shape_of(cfg)?;
         (0..cfg.n_layers)
-            .map(|_| -> Result<Box<dyn ProbeKv>> {
+            .map(|layer| -> Result<Box<dyn ProbeKv>> {
                 Ok(match self {
                     Method::Full => Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim)),
-                    Method::Quest { token_rate } => {
+                    Method::Quest { dense_layers, .. } if layer < *dense_layers => {
+                        Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim))
+                    }
+                    Method::Quest { token_rate, .. } => {
                         Box::new(KvAdapter(QuestCache::new(shape, *token_rate).map_err(inv)?))
+                    }
+                    Method::QuestSink { .. } => Box::new(KvAdapter(
+                        QuestSinkCache::new(shape, &self.quest_sink_config()?).map_err(inv)?,
+                    )),
+                    Method::Kvq { format } => {
+                        Box::new(KvAdapter(KvqCache::new(shape, *format).map_err(inv)?))
                     }
                     Method::Naive2d {
                         retention,
@@ -432,13 +547,33 @@ impl fmt::Display for Method {
         let d = CompressConfig::default();
         match self {
             Method::Full => write!(f, "full"),
-            Method::Quest { token_rate } => {
+            Method::Quest {
+                token_rate,
+                dense_layers,
+            } => {
                 write!(f, "quest")?;
                 if *token_rate != d.token_rate {
                     write!(f, ":rate={token_rate}")?;
                 }
+                if *dense_layers != QUEST_DENSE_LAYERS {
+                    write!(f, ":dense={dense_layers}")?;
+                }
                 Ok(())
             }
+            Method::QuestSink {
+                token_rate,
+                sink_tokens,
+            } => {
+                write!(f, "quest-sink")?;
+                if *token_rate != d.token_rate {
+                    write!(f, ":rate={token_rate}")?;
+                }
+                if *sink_tokens != d.sink_tokens {
+                    write!(f, ":sink={sink_tokens}")?;
+                }
+                Ok(())
+            }
+            Method::Kvq { format } => f.write_str(format.name()),
             Method::Naive2d {
                 retention,
                 token_rate,
@@ -551,6 +686,11 @@ mod tests {
             "mosaic:rate=1:trunc=0.25",
             "mosaic:kloss=0.02:vloss=0.05",
             "quest:rate=0.3",
+            "quest:dense=0",
+            "quest-sink",
+            "quest-sink:rate=0.1:sink=0",
+            "kvq8",
+            "kvq4",
         ] {
             let m = Method::parse(s).unwrap();
             assert_eq!(m.to_string(), s);
@@ -585,9 +725,43 @@ mod tests {
             "mosaic:g=0:ret=0.5",
             "mosaic:rate=0:g=3:ret=0.5",
             "mosaic:rate",
+            "quest:dense=1.5",
+            "quest-sink:ret=0.5",
+            "quest-sink:rate=0",
+            "kvq8:rate=0.5",
         ] {
             assert!(Method::parse(s).is_err(), "{s} should not parse");
         }
+    }
+
+    #[test]
+    fn quest_keeps_its_first_two_layers_dense_and_the_others_compressed() {
+        let shape = KvShape::new(2, 6, 64).unwrap();
+        let kv = ndarray::Array3::from_shape_fn((100, 2, 64), |(t, h, i)| {
+            ((t * 7 + h * 3 + i) % 11) as f32 / 11.0 - 0.5
+        });
+        let bytes = |m: &str| -> Vec<usize> {
+            let method = Method::parse(m).unwrap();
+            method.validate_for(64).unwrap();
+            let mut caches = method.layer_caches(4, shape).unwrap();
+            caches
+                .iter_mut()
+                .map(|c| {
+                    c.prefill(kv.view(), kv.view()).unwrap();
+                    c.bytes()
+                })
+                .collect()
+        };
+        let dense = 100 * 4 * 2 * 64;
+        let pages = 7 * 4 * 2 * 64; // f16 min and max per 16-token page
+        assert_eq!(
+            bytes("quest"),
+            vec![dense, dense, dense + pages, dense + pages]
+        );
+        assert_eq!(bytes("quest:dense=0"), vec![dense + pages; 4]);
+        assert_eq!(bytes("full"), vec![dense; 4]);
+        assert_eq!(bytes("kvq8"), vec![100 * 2 * 2 * 2 * 34; 4]);
+        assert_eq!(bytes("kvq4"), vec![100 * 2 * 2 * 2 * 18; 4]);
     }
 
     #[test]

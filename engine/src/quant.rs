@@ -11,12 +11,18 @@
 //!   `sum(w * x) ~= d_w * d_x * sum(q * q_x) + m_w * s_x`;
 //! * Q8_0 weight `w = d_w * q`: `sum(w * x) ~= d_w * d_x * sum(q * q_x)`.
 //!
-//! Weights in any other format are quantized to Q8_0 at load. Rows are split over rayon.
+//! Weights in the other ggml block formats (Q4_K, Q6_K, ...) keep their blocks and go through
+//! candle's quantized matmul (`QMatMul`: the activation quantized to the format's dot-product
+//! type, Q8_K for the k-quants, then ggml's `vec_dot`, AVX2 where candle has it). Weights
+//! stored as f32/f16 are quantized to Q8_0 at load. Rows are split over rayon.
 //! The AVX2 kernels are chosen at run time; a portable scalar kernel is the fallback and the
 //! oracle of the tests.
 
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
 use half::f16;
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// Elements per block (all formats here).
 pub(crate) const QK: usize = 32;
@@ -39,6 +45,13 @@ pub(crate) enum QMatrix {
         qs: Vec<i8>,
         d: Vec<f32>,
     },
+    /// Another ggml block format, multiplied by candle's `QMatMul` (see the module doc).
+    Ggml {
+        rows: usize,
+        cols: usize,
+        q: Arc<QTensor>,
+        mm: QMatMul,
+    },
 }
 
 /// Size of one ggml block in bytes.
@@ -48,13 +61,13 @@ const Q8_0_BYTES: usize = 34;
 impl QMatrix {
     pub(crate) fn rows(&self) -> usize {
         match self {
-            Self::Q4_1 { rows, .. } | Self::Q8_0 { rows, .. } => *rows,
+            Self::Q4_1 { rows, .. } | Self::Q8_0 { rows, .. } | Self::Ggml { rows, .. } => *rows,
         }
     }
 
     pub(crate) fn cols(&self) -> usize {
         match self {
-            Self::Q4_1 { cols, .. } | Self::Q8_0 { cols, .. } => *cols,
+            Self::Q4_1 { cols, .. } | Self::Q8_0 { cols, .. } | Self::Ggml { cols, .. } => *cols,
         }
     }
 
@@ -63,7 +76,20 @@ impl QMatrix {
         match self {
             Self::Q4_1 { qs, dm, .. } => qs.len() + dm.len() * 8,
             Self::Q8_0 { qs, d, .. } => qs.len() + d.len() * 4,
+            Self::Ggml { q, .. } => q.storage_size_in_bytes(),
         }
+    }
+
+    /// A 2-D block-quantized tensor `[rows, cols]` kept in its own blocks, for candle's
+    /// `QMatMul`. `None` for f32/f16 tensors (not block formats) or another rank.
+    pub(crate) fn ggml(q: Arc<QTensor>) -> Option<Self> {
+        use candle_core::quantized::GgmlDType;
+        if matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+            return None;
+        }
+        let (rows, cols) = q.shape().dims2().ok()?;
+        let mm = QMatMul::from_arc(q.clone()).ok()?;
+        Some(Self::Ggml { rows, cols, q, mm })
     }
 
     /// Parses raw ggml Q4_1 blocks (`d: f16, m: f16, qs: [u8; 16]`) of a `[rows, cols]` matrix.
@@ -117,53 +143,76 @@ impl QMatrix {
     }
 
     /// Stacks matrices with the same format and column count along the rows.
+    #[cfg(test)]
     pub(crate) fn vstack(parts: Vec<QMatrix>) -> Option<Self> {
         let mut it = parts.into_iter();
         let mut acc = it.next()?;
         for p in it {
-            match (&mut acc, p) {
-                (
-                    Self::Q4_1 { rows, cols, qs, dm },
-                    Self::Q4_1 {
-                        rows: r2,
-                        cols: c2,
-                        qs: q2,
-                        dm: d2,
-                    },
-                ) if *cols == c2 => {
-                    *rows += r2;
-                    qs.extend_from_slice(&q2);
-                    dm.extend_from_slice(&d2);
-                }
-                (
-                    Self::Q8_0 { rows, cols, qs, d },
-                    Self::Q8_0 {
-                        rows: r2,
-                        cols: c2,
-                        qs: q2,
-                        d: d2,
-                    },
-                ) if *cols == c2 => {
-                    *rows += r2;
-                    qs.extend_from_slice(&q2);
-                    d.extend_from_slice(&d2);
-                }
-                _ => return None,
+            if acc.append(p).is_some() {
+                return None;
             }
         }
         Some(acc)
+    }
+
+    /// Appends `p`'s rows when it has the same own format (Q4_1 or Q8_0) and width; otherwise
+    /// hands `p` back unchanged.
+    fn append(&mut self, p: QMatrix) -> Option<QMatrix> {
+        match (self, p) {
+            (
+                Self::Q4_1 { rows, cols, qs, dm },
+                Self::Q4_1 {
+                    rows: r2,
+                    cols: c2,
+                    qs: q2,
+                    dm: d2,
+                },
+            ) if *cols == c2 => {
+                *rows += r2;
+                qs.extend_from_slice(&q2);
+                dm.extend_from_slice(&d2);
+                None
+            }
+            (
+                Self::Q8_0 { rows, cols, qs, d },
+                Self::Q8_0 {
+                    rows: r2,
+                    cols: c2,
+                    qs: q2,
+                    d: d2,
+                },
+            ) if *cols == c2 => {
+                *rows += r2;
+                qs.extend_from_slice(&q2);
+                d.extend_from_slice(&d2);
+                None
+            }
+            (_, p) => Some(p),
+        }
     }
 
     fn blocks(rows: usize, cols: usize) -> Option<usize> {
         (cols % QK == 0 && cols > 0 && rows > 0).then_some(rows * cols / QK)
     }
 
-    /// `out[r] = sum_c self[r, c] * x[c]` with `x` as quantized by [`QVec::quantize`].
+    /// `out[r] = sum_c self[r, c] * x[c]`; `xq` is `x` as quantized by [`QVec::quantize`]
+    /// (used by the Q4_1/Q8_0 kernels; `Ggml` quantizes `x` itself).
     /// Panics if the shapes differ (callers build both from the model's config).
-    pub(crate) fn matvec(&self, x: &QVec, out: &mut [f32]) {
-        self.matvec_with(x, out, Kernel::detect());
+    pub(crate) fn matvec(&self, x: &[f32], xq: &QVec, out: &mut [f32]) -> candle_core::Result<()> {
+        if let Self::Ggml { cols, mm, .. } = self {
+            assert_eq!(x.len(), *cols, "activation length");
+            let y = mm
+                .forward(&Tensor::from_slice(x, (1, *cols), &Device::Cpu)?)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            out.copy_from_slice(&y);
+            return Ok(());
+        }
+        self.matvec_with(xq, out, Kernel::detect());
+        Ok(())
     }
 
+    /// The Q4_1/Q8_0 product with a chosen kernel. Panics on `Ggml` (see [`QMatrix::matvec`]).
     pub(crate) fn matvec_with(&self, x: &QVec, out: &mut [f32], kernel: Kernel) {
         let (rows, cols) = (self.rows(), self.cols());
         assert_eq!(x.len(), cols, "activation length");
@@ -187,24 +236,42 @@ impl QMatrix {
                         let (q, s) = (&qs[r * cols..(r + 1) * cols], &d[r * nb..(r + 1) * nb]);
                         kernel.dot_q8_0(q, s, x)
                     }
+                    Self::Ggml { .. } => unreachable!("Ggml matrices multiply in matvec"),
                 };
             }
         });
     }
 
     /// The batched product of a decode step over many sequences (`[batch, cols]` times the
-    /// transposed weight): `out[b * rows + r] = sum_c self[r, c] * xs[b][c]`. Each weight row is
-    /// read once for the whole batch (it stays in cache while every activation is dotted with
-    /// it), so the weight bytes a step reads do not grow with the batch. Every entry is the same
-    /// kernel call [`QMatrix::matvec`] makes, so row `b` equals `matvec(xs[b])` bit for bit.
+    /// transposed weight): `out[b * rows + r] = sum_c self[r, c] * x[b * cols + c]`; `xq[b]` is
+    /// row `b` of `x` as quantized by [`QVec::quantize`]. For Q4_1/Q8_0 each weight row is read
+    /// once for the whole batch (it stays in cache while every activation is dotted with it), so
+    /// the weight bytes a step reads do not grow with the batch; every entry is the kernel call
+    /// [`QMatrix::matvec`] makes. `Ggml` runs candle's QMatMul once on the `[batch, cols]`
+    /// tensor (it quantizes each row on its own and runs the same `vec_dot` per row and weight
+    /// row as for one row). So row `b` equals `matvec(x[b])` bit for bit in every format.
     /// Panics if the shapes differ (callers build both from the model's config).
-    pub(crate) fn matmul_batch(&self, xs: &[QVec], out: &mut [f32]) {
+    pub(crate) fn matmul_batch(
+        &self,
+        x: &[f32],
+        xq: &[QVec],
+        out: &mut [f32],
+    ) -> candle_core::Result<()> {
         let (rows, cols) = (self.rows(), self.cols());
-        let batch = xs.len();
-        assert!(xs.iter().all(|x| x.len() == cols), "activation length");
+        let batch = xq.len();
+        assert_eq!(x.len(), batch * cols, "activation length");
+        assert!(xq.iter().all(|x| x.len() == cols), "activation length");
         assert_eq!(out.len(), batch * rows, "output length");
         if batch == 0 {
-            return;
+            return Ok(());
+        }
+        if let Self::Ggml { mm, .. } = self {
+            let y = mm
+                .forward(&Tensor::from_slice(x, (batch, cols), &Device::Cpu)?)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            out.copy_from_slice(&y);
+            return Ok(());
         }
         let kernel = Kernel::detect();
         let nb = cols / QK;
@@ -218,7 +285,7 @@ impl QMatrix {
                 let r0 = ci * chunk;
                 for (i, ys) in o.chunks_exact_mut(batch).enumerate() {
                     let r = r0 + i;
-                    for (y, x) in ys.iter_mut().zip(xs) {
+                    for (y, x) in ys.iter_mut().zip(xq) {
                         *y = match self {
                             Self::Q4_1 { qs, dm, .. } => kernel.dot_q4_1(
                                 &qs[r * nb * 16..(r + 1) * nb * 16],
@@ -230,6 +297,7 @@ impl QMatrix {
                                 &d[r * nb..(r + 1) * nb],
                                 x,
                             ),
+                            Self::Ggml { .. } => unreachable!("Ggml returned above"),
                         };
                     }
                 }
@@ -239,6 +307,80 @@ impl QMatrix {
                 out[b * rows + r] = y;
             }
         }
+        Ok(())
+    }
+}
+
+/// Matrices stacked along the rows (Q, K, V; gate, up), one product writing each part's rows
+/// in turn. Adjacent parts in the same own format are merged into one matrix.
+#[derive(Debug, Clone)]
+pub(crate) struct RowStack(Vec<QMatrix>);
+
+impl RowStack {
+    pub(crate) fn new(parts: Vec<QMatrix>) -> Option<Self> {
+        let cols = parts.first()?.cols();
+        let mut out: Vec<QMatrix> = Vec::with_capacity(parts.len());
+        for p in parts {
+            if p.cols() != cols {
+                return None;
+            }
+            match out.last_mut() {
+                Some(last) => {
+                    if let Some(p) = last.append(p) {
+                        out.push(p);
+                    }
+                }
+                None => out.push(p),
+            }
+        }
+        Some(Self(out))
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.0.iter().map(QMatrix::rows).sum()
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.iter().map(QMatrix::bytes).sum()
+    }
+
+    /// As [`QMatrix::matvec`], `out` of length [`RowStack::rows`].
+    pub(crate) fn matvec(&self, x: &[f32], xq: &QVec, out: &mut [f32]) -> candle_core::Result<()> {
+        assert_eq!(out.len(), self.rows(), "output length");
+        let mut rest = out;
+        for m in &self.0 {
+            let (o, r) = rest.split_at_mut(m.rows());
+            m.matvec(x, xq, o)?;
+            rest = r;
+        }
+        Ok(())
+    }
+
+    /// As [`QMatrix::matmul_batch`], `out` `[batch, RowStack::rows]`: each part's product is
+    /// written into its columns of every output row.
+    pub(crate) fn matmul_batch(
+        &self,
+        x: &[f32],
+        xq: &[QVec],
+        out: &mut [f32],
+    ) -> candle_core::Result<()> {
+        let (rows, batch) = (self.rows(), xq.len());
+        assert_eq!(out.len(), batch * rows, "output length");
+        if let [m] = self.0.as_slice() {
+            return m.matmul_batch(x, xq, out);
+        }
+        let mut off = 0;
+        let mut part = Vec::new();
+        for m in &self.0 {
+            let pr = m.rows();
+            part.resize(batch * pr, 0.0);
+            m.matmul_batch(x, xq, &mut part)?;
+            for (o, p) in out.chunks_exact_mut(rows).zip(part.chunks_exact(pr)) {
+                o[off..off + pr].copy_from_slice(p);
+            }
+            off += pr;
+        }
+        Ok(())
     }
 }
 
@@ -500,6 +642,13 @@ mod tests {
                 .enumerate()
                 .map(|(i, &q)| d[i / QK] * q as f32)
                 .collect(),
+            QMatrix::Ggml { q, .. } => q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap(),
         }
     }
 
@@ -599,30 +748,97 @@ mod tests {
         }
     }
 
+    /// A k-quant matrix ([rows, cols], cols a multiple of 256) from random weights.
+    fn kquant(
+        rows: usize,
+        cols: usize,
+        dtype: candle_core::quantized::GgmlDType,
+        seed: &mut u64,
+    ) -> QMatrix {
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng(seed) * 0.1).collect();
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+        QMatrix::ggml(Arc::new(QTensor::quantize(&t, dtype).unwrap())).unwrap()
+    }
+
+    /// Q4_K and Q6_K through candle's QMatMul against the f64 product of their dequantized
+    /// weights: the activation is rounded to 8 bits per block of 256 (Q8_K), so each element is
+    /// off by at most max|x| over its block / 127 / 2.
+    #[test]
+    fn kquant_matvec_matches_dequantized_product() {
+        use candle_core::quantized::GgmlDType;
+        let mut seed = 11;
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+            for (rows, cols) in [(1, 256), (37, 512), (300, 1536)] {
+                let m = kquant(rows, cols, dtype, &mut seed);
+                assert_eq!((m.rows(), m.cols()), (rows, cols));
+                let w = dequant(&m);
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| rng(&mut seed) * if i % 7 == 0 { 8.0 } else { 1.0 })
+                    .collect();
+                let mut xq = QVec::default();
+                xq.quantize(&x);
+                let mut out = vec![0f32; rows];
+                m.matvec(&x, &xq, &mut out).unwrap();
+                for r in 0..rows {
+                    let row = &w[r * cols..(r + 1) * cols];
+                    let exact: f64 = row.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let bound: f64 = row
+                        .iter()
+                        .enumerate()
+                        .map(|(c, &a)| {
+                            let blk = &x[c / 256 * 256..(c / 256 + 1) * 256];
+                            let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            a.abs() as f64 * amax as f64 / 127.0 * 0.5
+                        })
+                        .sum::<f64>()
+                        * 1.01
+                        + 1e-4;
+                    assert!(
+                        (out[r] as f64 - exact).abs() <= bound,
+                        "{dtype:?} row {r}: {} vs {exact} (bound {bound})",
+                        out[r]
+                    );
+                }
+            }
+        }
+    }
+
     /// Every row of the batched product equals the single-vector product bit for bit (the batch
-    /// decode's equality with single decode rests on it), for both formats and awkward batches.
+    /// decode's equality with single decode rests on it), for Q4_1, Q8_0, the k-quants through
+    /// candle's QMatMul and a mixed [`RowStack`], and awkward batches.
     #[test]
     fn matmul_batch_equals_matvec_per_row() {
+        use candle_core::quantized::GgmlDType;
         let mut seed = 77u64;
-        let (rows, cols) = (37, 96);
+        let (rows, cols) = (37, 512);
         let q41 = QMatrix::from_q4_1_bytes(&q4_1_bytes(rows, cols, &mut seed), rows, cols).unwrap();
         let w: Vec<f32> = (0..rows * cols).map(|_| rng(&mut seed)).collect();
         let q80 = QMatrix::q8_0_from_f32(&w, rows, cols).unwrap();
-        for m in [&q41, &q80] {
+        let q4k = kquant(rows, cols, GgmlDType::Q4K, &mut seed);
+        let q6k = kquant(rows, cols, GgmlDType::Q6K, &mut seed);
+        let stack = RowStack::new(vec![q41.clone(), q6k.clone(), q80.clone()]).unwrap();
+        let singles: Vec<RowStack> = [&q41, &q80, &q4k, &q6k]
+            .into_iter()
+            .map(|m| RowStack::new(vec![m.clone()]).unwrap())
+            .collect();
+        for m in singles.iter().chain([&stack]) {
+            let rows = m.rows();
             for batch in [1usize, 2, 5] {
-                let xs: Vec<QVec> = (0..batch)
-                    .map(|_| {
-                        let x: Vec<f32> = (0..cols).map(|_| 3.0 * rng(&mut seed)).collect();
+                let x: Vec<f32> = (0..batch * cols).map(|_| 3.0 * rng(&mut seed)).collect();
+                let xs: Vec<QVec> = x
+                    .chunks_exact(cols)
+                    .map(|x| {
                         let mut q = QVec::default();
-                        q.quantize(&x);
+                        q.quantize(x);
                         q
                     })
                     .collect();
                 let mut out = vec![0f32; batch * rows];
-                m.matmul_batch(&xs, &mut out);
-                for (b, x) in xs.iter().enumerate() {
+                m.matmul_batch(&x, &xs, &mut out).unwrap();
+                for (b, xq) in xs.iter().enumerate() {
                     let mut one = vec![0f32; rows];
-                    m.matvec(x, &mut one);
+                    m.matvec(&x[b * cols..(b + 1) * cols], xq, &mut one)
+                        .unwrap();
                     let got = &out[b * rows..(b + 1) * rows];
                     assert!(
                         got.iter()
@@ -633,6 +849,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A stack of mixed formats writes each part's rows where the parts alone would.
+    #[test]
+    fn row_stack_concatenates_parts() {
+        use candle_core::quantized::GgmlDType;
+        let mut seed = 13;
+        let cols = 512;
+        let a = QMatrix::from_q4_1_bytes(&q4_1_bytes(5, cols, &mut seed), 5, cols).unwrap();
+        let b = QMatrix::from_q4_1_bytes(&q4_1_bytes(3, cols, &mut seed), 3, cols).unwrap();
+        let c = kquant(7, cols, GgmlDType::Q6K, &mut seed);
+        let d = QMatrix::from_q4_1_bytes(&q4_1_bytes(2, cols, &mut seed), 2, cols).unwrap();
+        let x: Vec<f32> = (0..cols).map(|_| rng(&mut seed)).collect();
+        let mut xq = QVec::default();
+        xq.quantize(&x);
+        let mut want = Vec::new();
+        for m in [&a, &b, &c, &d] {
+            let mut o = vec![0f32; m.rows()];
+            m.matvec(&x, &xq, &mut o).unwrap();
+            want.extend(o);
+        }
+        let s = RowStack::new(vec![a.clone(), b.clone(), c.clone(), d.clone()]).unwrap();
+        // a and b merge; c (another format) and d stay apart
+        assert_eq!(s.0.len(), 3);
+        assert_eq!(s.rows(), 17);
+        assert_eq!(s.bytes(), a.bytes() + b.bytes() + c.bytes() + d.bytes());
+        let mut got = vec![0f32; 17];
+        s.matvec(&x, &xq, &mut got).unwrap();
+        assert_eq!(got, want);
+        let narrow = QMatrix::from_q4_1_bytes(&q4_1_bytes(1, 256, &mut seed), 1, 256).unwrap();
+        assert!(RowStack::new(vec![a, narrow]).is_none());
     }
 
     #[test]

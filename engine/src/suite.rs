@@ -65,3 +65,89 @@ pub fn task_sample(
         size -= 1;
     }
 }
+
+/// A model's default accuracy suite (`mosaickv eval` without `--tasks/--lengths/--samples`)
+/// and its teacher-forced KL run, sized for 2 CPU cores (docs/ACCURACY.md has the measured run
+/// times).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DefaultSuite {
+    /// The model's name (as `--model` names it).
+    pub model: &'static str,
+    pub tasks: &'static [Task],
+    pub lengths: &'static [usize],
+    pub samples: usize,
+    /// Tokens of natural text in the teacher-forced KL run (0: no KL run).
+    pub kl_length: usize,
+    /// Teacher-forced positions scored at the end of that text.
+    pub kl_positions: usize,
+}
+
+/// SmolLM2-135M-Instruct (30 layers, 9 query heads, 3 KV heads, head_dim 64): the four niah
+/// tasks at 1K and 2K tokens, 3 samples each (`vt` and `cwe` left out: full attention scores 0
+/// on them, so they cannot tell methods apart), KL over the last 64 of 2,048 tokens.
+pub const SMOLLM2_SUITE: DefaultSuite = DefaultSuite {
+    model: "smollm2-135m",
+    tasks: &[
+        Task::NiahSingle1,
+        Task::NiahMultikey,
+        Task::NiahMultivalue,
+        Task::NiahMultiquery,
+    ],
+    lengths: &[1024, 2048],
+    samples: 3,
+    kl_length: 2048,
+    kl_positions: 64,
+};
+
+/// Qwen2.5-Coder-1.5B-Instruct (28 layers, 12 query heads, 2 KV heads, head_dim 128):
+/// niah_single_1, niah_multikey, niah_multivalue at 4,096 tokens, 10 samples each, KL over the
+/// last 64 of 4,096 tokens (issue 14's sizing: about an hour on 2 cores).
+pub const QWEN25_SUITE: DefaultSuite = DefaultSuite {
+    model: "qwen2.5-1.5b",
+    tasks: &[Task::NiahSingle1, Task::NiahMultikey, Task::NiahMultivalue],
+    lengths: &[4096],
+    samples: 10,
+    kl_length: 4096,
+    kl_positions: 64,
+};
+
+/// Every model with its own default suite, with the shape that identifies it
+/// `(layers, query heads, KV heads, head_dim)`; a model loaded from a local file gets its
+/// suite by shape too.
+pub const DEFAULT_SUITES: [((usize, usize, usize, usize), DefaultSuite); 2] = [
+    ((30, 9, 3, 64), SMOLLM2_SUITE),
+    ((28, 12, 2, 128), QWEN25_SUITE),
+];
+
+/// The default suite of the model named `name` (a known model name, or `None`/a file path),
+/// else the one whose shape matches `(layers, query heads, KV heads, head_dim)`, else
+/// SmolLM2's.
+pub fn default_suite(
+    name: Option<&str>,
+    shape: (usize, usize, usize, usize),
+) -> &'static DefaultSuite {
+    DEFAULT_SUITES
+        .iter()
+        .find(|(_, s)| Some(s.model) == name)
+        .or_else(|| DEFAULT_SUITES.iter().find(|(sh, _)| *sh == shape))
+        .map_or(&DEFAULT_SUITES[0].1, |(_, s)| s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_model_gets_its_own_default_suite() {
+        let q = default_suite(Some("qwen2.5-1.5b"), (0, 0, 0, 0));
+        assert_eq!(q.lengths, &[4096]);
+        assert_eq!((q.samples, q.tasks.len()), (10, 3));
+        // by shape, when loaded from a file
+        assert_eq!(
+            default_suite(Some("/tmp/x.gguf"), (28, 12, 2, 128)).model,
+            "qwen2.5-1.5b"
+        );
+        assert_eq!(default_suite(None, (30, 9, 3, 64)).model, "smollm2-135m");
+        assert_eq!(default_suite(None, (1, 1, 1, 32)).model, "smollm2-135m");
+    }
+}

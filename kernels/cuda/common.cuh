@@ -22,6 +22,16 @@ typedef long long i64;
 #define MKV_MAX_WORDS 4
 #define MKV_FULL_MASK 0xffffffffu
 
+#ifdef MKV_EMULATED
+// Host versions for the CPU emulation (kernels/emu/cuda_emu.h): the same roundings.
+__device__ __forceinline__ float mkv_h2f(u16 h) { return ::mkv_emu::h2f(h); }
+__device__ __forceinline__ u16 mkv_f2h(float f) { return ::mkv_emu::d2h((double)f); }
+__device__ __forceinline__ u16 mkv_d2h(double d) { return ::mkv_emu::d2h(d); }
+#else
+// Dynamic shared memory of a kernel: `MKV_EXTERN_SMEM(smem);` (the emulation gives
+// each launch its own buffer).
+#define MKV_EXTERN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+
 __device__ __forceinline__ float mkv_h2f(u16 h) {
     float f;
     asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
@@ -40,6 +50,8 @@ __device__ __forceinline__ u16 mkv_d2h(double d) {
     asm("{ .reg .b16 t; cvt.rn.f16.f64 t, %1; mov.b16 %0, t; }" : "=h"(h) : "d"(d));
     return h;
 }
+
+#endif
 
 __device__ __forceinline__ bool mkv_h_is_finite(u16 h) { return (h & 0x7c00u) != 0x7c00u; }
 

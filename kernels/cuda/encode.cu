@@ -13,7 +13,7 @@
 extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64 row_stride,
                                       const float* __restrict__ R, int D, int Dt, int r, int g,
                                       int rb, u8* __restrict__ out, int* __restrict__ status) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    MKV_EXTERN_SMEM(smem);
     float* x = reinterpret_cast<float*>(smem);           // [D]
     float* imp = x + D;                                 // [groups]
     int* keep = reinterpret_cast<int*>(imp + Dt / g);   // [groups]

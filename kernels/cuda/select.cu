@@ -17,7 +17,7 @@
 extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const SegHead* __restrict__ sh,
                                               const int* __restrict__ seg_batch, const float* __restrict__ rot,
                                               int kv_heads, int q_heads, int D, float* __restrict__ qrot) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    MKV_EXTERN_SMEM(smem);
     float* qs = reinterpret_cast<float*>(smem);  // [D]
     const int gseg = blockIdx.x;
     const int h = blockIdx.y;
@@ -93,8 +93,10 @@ extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks,
 }
 
 // Orderable key: a larger score gives a larger key (NaN never occurs: inputs are finite).
+// -0 and +0 get the same key, so they tie (SPEC.md 8.3) even in scores the host passes in
+// (select_blocks); before issue 17 -0 ranked below +0 (found by the emulated stamp).
 __device__ __forceinline__ u32 mkv_score_key(float s) {
-    u32 u = __float_as_uint(s);
+    u32 u = s == 0.0f ? 0u : __float_as_uint(s);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

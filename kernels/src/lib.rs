@@ -13,8 +13,12 @@
 //!
 //! Every `.cu` includes `common.cuh` (f16 conversions, bitmap helpers, the
 //! `SegHead` / `BlockRef` structs), passed to NVRTC as a named header.
-//! [`nvrtc`] loads `libnvrtc` from a given path and compiles a source to PTX.
+//! [`nvrtc`] loads `libnvrtc` from a given path and compiles a source to PTX (or
+//! CUBIN). Feature `emulated` adds [`emu`]: every kernel compiled as host C++ and run
+//! on a CPU emulation of the CUDA execution model (testing infrastructure).
 
+#[cfg(feature = "emulated")]
+pub mod emu;
 pub mod nvrtc;
 
 /// Helpers and shared structs, `#include "common.cuh"` in every kernel file.

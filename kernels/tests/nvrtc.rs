@@ -74,3 +74,24 @@ fn a_broken_kernel_is_an_error_with_its_log() {
         .unwrap_err();
     assert!(err.contains("undefined_fn"), "{err}");
 }
+
+#[test]
+fn every_kernel_compiles_to_an_sm90_cubin() {
+    // What the backend loads first on a device (Nvrtc::compile_for_device): device code for
+    // the real architecture, so the driver never JIT-compiles PTX of a newer ISA than it reads.
+    let Some(nv) = nvrtc() else { return };
+    for (file, src, _) in KERNELS {
+        let out = nv
+            .compile_kernel(file, src, "sm_90")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let cubin = out.cubin.as_deref().expect("sm_90 gives a CUBIN");
+        assert_eq!(&cubin[..4], b"\x7fELF", "{file}: CUBIN is an ELF image");
+        assert!(out.log.is_empty(), "{file}: NVRTC warnings:\n{}", out.log);
+        // A driver of the same CUDA version as NVRTC also takes the PTX fallback.
+        let (a, b) = nv.version().unwrap();
+        let same = nv
+            .compile_for_device(file, src, (9, 0), 1000 * a + 10 * b)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(same.cubin.is_some(), "{file}: {}", same.what);
+    }
+}

@@ -177,8 +177,22 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
+/// The device stream (this benchmark runs on a GPU only, never on the emulation).
+fn stream(gpu: &Gpu) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+    gpu.stream()
+        .unwrap_or_else(|| fail("gpu_compare needs a CUDA device, not the emulation"))
+}
+
+/// The device allocation of a buffer of this (device) executor.
+fn dev<T: mosaickv_optimized::cuda::device::Elem>(
+    b: &mut mosaickv_optimized::cuda::device::Buf<T>,
+) -> &mut cudarc::driver::CudaSlice<T> {
+    b.cuda_mut()
+        .unwrap_or_else(|| fail("gpu_compare needs a CUDA device buffer"))
+}
+
 fn event(gpu: &Gpu) -> cudarc::driver::CudaEvent {
-    gpu.stream
+    stream(gpu)
         .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
         .or_fail_dbg("record event")
 }
@@ -196,13 +210,14 @@ impl<T, E: std::fmt::Debug> OrFailDbg<T> for Result<T, E> {
 /// device-to-device copy of `mib` MiB, best of 10 after 2 warm-up copies.
 fn copy_bandwidth(gpu: &Gpu, mib: usize) -> f64 {
     let n = mib << 20;
-    let src = gpu.zeros::<u8>(n).or_fail("bandwidth buffer");
+    let mut src = gpu.zeros::<u8>(n).or_fail("bandwidth buffer");
     let mut dst = gpu.zeros::<u8>(n).or_fail("bandwidth buffer");
+    let (src, dst) = (dev(&mut src).clone(), dev(&mut dst));
     let mut best = f64::INFINITY;
     for i in 0..12 {
         let s = event(gpu);
-        gpu.stream
-            .memcpy_dtod(&src, &mut dst)
+        stream(gpu)
+            .memcpy_dtod(&src, dst)
             .or_fail_dbg("device-to-device copy");
         let e = event(gpu);
         let ms = f64::from(s.elapsed_ms(&e).or_fail_dbg("event time"));
@@ -218,7 +233,7 @@ fn time_steps(
     gpu: &Gpu,
     warmup: usize,
     steps: usize,
-    mut step: impl FnMut(usize) -> mosaickv_spec::Result<cudarc::driver::CudaSlice<f32>>,
+    mut step: impl FnMut(usize) -> mosaickv_spec::Result<mosaickv_optimized::cuda::device::Buf<f32>>,
 ) -> (f64, f64) {
     for i in 0..warmup {
         drop(step(i).or_fail("decode step"));
@@ -456,19 +471,19 @@ fn run_batch(
     // Dense f16 caches [batch][n][kv][d]: sequence 0 uploaded, then copied on the device.
     let mut dk = gpu.zeros::<u16>(batch * seq).or_fail("dense K allocation");
     let mut dv = gpu.zeros::<u16>(batch * seq).or_fail("dense V allocation");
-    gpu.stream
-        .memcpy_htod(&h.k16, &mut dk.slice_mut(0..seq))
+    stream(gpu)
+        .memcpy_htod(&h.k16, &mut dev(&mut dk).slice_mut(0..seq))
         .or_fail_dbg("dense K upload");
-    gpu.stream
-        .memcpy_htod(&h.v16, &mut dv.slice_mut(0..seq))
+    stream(gpu)
+        .memcpy_htod(&h.v16, &mut dev(&mut dv).slice_mut(0..seq))
         .or_fail_dbg("dense V upload");
     for b in 1..batch {
-        let (src, mut dst) = dk.split_at_mut(b * seq);
-        gpu.stream
+        let (src, mut dst) = dev(&mut dk).split_at_mut(b * seq);
+        stream(gpu)
             .memcpy_dtod(&src.slice(0..seq), &mut dst.slice_mut(0..seq))
             .or_fail_dbg("dense K copy");
-        let (src, mut dst) = dv.split_at_mut(b * seq);
-        gpu.stream
+        let (src, mut dst) = dev(&mut dv).split_at_mut(b * seq);
+        stream(gpu)
             .memcpy_dtod(&src.slice(0..seq), &mut dst.slice_mut(0..seq))
             .or_fail_dbg("dense V copy");
     }
@@ -484,7 +499,7 @@ fn run_batch(
     let quest = QuestDevice::new(gpu, &dense, args.token_rate).or_fail("Quest page metadata");
     let caches: Vec<&mosaickv_spec::CompressedCache> = vec![h.mosaic.compressed(); batch];
     let dc: DeviceCache = backend.upload(&caches).or_fail("MosaicKV upload");
-    let qs: Vec<cudarc::driver::CudaSlice<f32>> = (0..QUERY_SETS)
+    let qs: Vec<mosaickv_optimized::cuda::device::Buf<f32>> = (0..QUERY_SETS)
         .map(|set| {
             let flat: Vec<f32> = h.queries[set][..batch]
                 .iter()
@@ -503,9 +518,8 @@ fn run_batch(
     });
     let (mosaic_us, mosaic_wall) = time_steps(gpu, w, s, |i| dc.attend(gpu, &qs[i % QUERY_SETS]));
 
-    let down = |r: mosaickv_spec::Result<cudarc::driver::CudaSlice<f32>>, what: &str| {
-        gpu.down(&r.or_fail(what)).or_fail(what)
-    };
+    let down = |r: mosaickv_spec::Result<mosaickv_optimized::cuda::device::Buf<f32>>,
+                what: &str| { gpu.down(&r.or_fail(what)).or_fail(what) };
     let full_out = down(dense.attend_full(gpu, &qs[0]), "full attention");
     let quest_out = down(quest.attend(gpu, &dense, &qs[0]), "Quest attention");
     let mosaic_out = down(dc.attend(gpu, &qs[0]), "MosaicKV attention");
@@ -605,7 +619,7 @@ fn main() {
     };
     let (name, bw) = match &device {
         Some(b) => {
-            let gpu = b.gpu().or_fail("GPU");
+            let gpu = &*b.gpu().or_fail("GPU");
             let bw = copy_bandwidth(gpu, args.bandwidth_mib);
             eprintln!(
                 "device {} ({}, {} SMs); copy bandwidth {bw:.0} GB/s (read + write, {} MiB dtod)",
@@ -642,7 +656,7 @@ fn main() {
         let t_ctx = Instant::now();
         let h = build_context(&keys, &values, ctx, max_batch, args.exact_max);
         if let Some(b) = &device {
-            let gpu = b.gpu().or_fail("GPU");
+            let gpu = &*b.gpu().or_fail("GPU");
             for (bi, &batch) in args.batches.iter().enumerate() {
                 let dump_dir = (ci == 0 && bi == 0 && batch == 1)
                     .then_some(args.dump_dir.as_deref())
@@ -699,7 +713,7 @@ fn main() {
         last_cost = Some((ctx, t_ctx.elapsed().as_secs_f64()));
     }
     let bw_end = match &device {
-        Some(b) => copy_bandwidth(b.gpu().or_fail("GPU"), args.bandwidth_mib),
+        Some(b) => copy_bandwidth(&b.gpu().or_fail("GPU"), args.bandwidth_mib),
         None => f64::NAN,
     };
     // The table (bw_frac against the first probe, as in the JSON).

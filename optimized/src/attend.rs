@@ -735,9 +735,13 @@ pub fn packed_attention(
                 partial_init(&mut st[..partial_len(g, gm.dpv)], g);
                 // Values expanded in registers straight into the accumulators where the path can.
                 let mut corr = [0f32; 64];
-                let fused_v =
-                    g <= corr.len() && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
-                let half_keys = path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
+                // The fused and f16-tile kernels read f16 values; int8/int4 records are
+                // expanded to f32 tiles of decoded values (`Path::expand_records_q`).
+                let fused_v = g <= corr.len()
+                    && !vl.dtype.is_quantized()
+                    && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
+                let half_keys = !kl.dtype.is_quantized()
+                    && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
                 with_tiles(dpmax, g, |kt, vt, lg| {
                     let blocks = &sel[u.head][u.s0..u.s1];
                     // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
@@ -769,6 +773,9 @@ pub fn packed_attention(
                                 let kr = (kb, krb, kl.bitmap_bytes());
                                 path.expand_records_h(kr, n, kl.kept_dims, kl.r, gm.dpk, kh);
                                 path.tile_logits_h(q, g, gm.dpk, kh, n, scale, lg);
+                            } else if kl.dtype.is_quantized() {
+                                path.expand_records_q(kb, n, kl, gm.dpk, kt);
+                                path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
                             } else {
                                 path.expand_records(
                                     kb,
@@ -812,6 +819,10 @@ pub fn packed_attention(
                                     corr,
                                     acc,
                                 );
+                            } else if vl.dtype.is_quantized() {
+                                let vb = &hs.values.bytes[t * vrb..];
+                                path.expand_records_q(vb, n, vl, gm.dpv, vt);
+                                online_update(path, st, g, gm.dpv, lg, n, vt);
                             } else {
                                 let vb = &hs.values.bytes[t * vrb..];
                                 path.expand_records(

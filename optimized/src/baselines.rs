@@ -511,3 +511,371 @@ impl KvCache for QuestF16Cache {
         m
     }
 }
+
+/// ggml's block length for `q8_0` / `q4_0`.
+pub const KVQ_BLOCK: usize = 32;
+
+/// llama.cpp's quantized KV formats (SPEC 12, kvq8 / kvq4); the bytes are ggml's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvqFormat {
+    /// `q8_0`: f16 scale, 32 int8; 34 bytes per block.
+    Q8_0,
+    /// `q4_0`: f16 scale, 16 bytes of nibbles (element j low, j + 16 high); 18 bytes per block.
+    Q4_0,
+}
+
+impl KvqFormat {
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            KvqFormat::Q8_0 => 2 + KVQ_BLOCK,
+            KvqFormat::Q4_0 => 2 + KVQ_BLOCK / 2,
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvqFormat::Q8_0 => "kvq8",
+            KvqFormat::Q4_0 => "kvq4",
+        }
+    }
+
+    /// Largest |x| whose block scale rounds to a finite f16 (SPEC 12).
+    fn max_block_abs(self) -> f32 {
+        match self {
+            KvqFormat::Q8_0 => 65519.0 * 127.0,
+            KvqFormat::Q4_0 => 65519.0 * 8.0,
+        }
+    }
+
+    /// One block as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` writes it (f32
+    /// arithmetic; the same bytes as the reference, written into `out[..block_bytes]`).
+    fn quantize_block(self, x: &[f32], out: &mut [u8]) {
+        match self {
+            KvqFormat::Q8_0 => {
+                let amax = x.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                for (o, &v) in out[2..2 + KVQ_BLOCK].iter_mut().zip(x) {
+                    *o = ((v * id).round() as i8) as u8;
+                }
+            }
+            KvqFormat::Q4_0 => {
+                let (mut amax, mut max) = (0.0f32, 0.0f32);
+                for &v in x {
+                    if amax < v.abs() {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                let (lo, hi) = x.split_at(KVQ_BLOCK / 2);
+                for ((o, &a), &b) in out[2..2 + KVQ_BLOCK / 2].iter_mut().zip(lo).zip(hi) {
+                    let qa = ((a * id + 8.5) as i8).min(15) as u8;
+                    let qb = ((b * id + 8.5) as i8).min(15) as u8;
+                    *o = qa | (qb << 4);
+                }
+            }
+        }
+    }
+}
+
+/// SPEC 12 (kvq8 / kvq4): every block's scale must be a finite f16; `NonFinite` at the flat
+/// index of the first element of the first block that breaks it.
+fn kvq_scales_ok<'a>(
+    format: KvqFormat,
+    what: &'static str,
+    values: impl Iterator<Item = &'a f32>,
+) -> Result<()> {
+    let limit = format.max_block_abs();
+    match values.enumerate().find(|(_, v)| v.abs() > limit) {
+        Some((i, _)) => Err(MosaicError::NonFinite {
+            what,
+            index: i - i % KVQ_BLOCK,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// llama.cpp's quantized KV cache (SPEC 12 kvq8 / kvq4), the same bytes as
+/// `mosaickv_reference::baselines::KvqCache`, stored per KV head (`[tokens][blocks]`) so a
+/// head's rows stream; attention is the reference's ggml one-row loop, one query head per rayon
+/// task, with the same f32 operations in the same order (integer block sums vectorize freely:
+/// they are exact), so its output equals the reference's bit for bit.
+#[derive(Debug, Clone)]
+pub struct KvqCache {
+    shape: KvShape,
+    format: KvqFormat,
+    tokens: usize,
+    keys: Vec<Vec<u8>>,
+    values: Vec<Vec<u8>>,
+}
+
+impl KvqCache {
+    /// `head_dim` must be a multiple of 32.
+    pub fn new(shape: KvShape, format: KvqFormat) -> Result<Self> {
+        let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        if shape.head_dim % KVQ_BLOCK != 0 {
+            return Err(MosaicError::InvalidConfig(format!(
+                "{}: head_dim {} is not a multiple of the block length {KVQ_BLOCK}",
+                format.name(),
+                shape.head_dim
+            )));
+        }
+        Ok(Self {
+            shape,
+            format,
+            tokens: 0,
+            keys: vec![Vec::new(); shape.kv_heads],
+            values: vec![Vec::new(); shape.kv_heads],
+        })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.shape.head_dim / KVQ_BLOCK * self.format.block_bytes()
+    }
+
+    /// The key blocks in llama.cpp's order (token, KV head, block), as the reference stores them.
+    pub fn key_bytes(&self) -> Vec<u8> {
+        self.interleave(&self.keys)
+    }
+
+    /// The value blocks in the order of [`KvqCache::key_bytes`].
+    pub fn value_bytes(&self) -> Vec<u8> {
+        self.interleave(&self.values)
+    }
+
+    fn interleave(&self, per_head: &[Vec<u8>]) -> Vec<u8> {
+        let rb = self.row_bytes();
+        let mut out = Vec::with_capacity(self.tokens * rb * self.shape.kv_heads);
+        for t in 0..self.tokens {
+            for h in per_head {
+                out.extend_from_slice(&h[t * rb..(t + 1) * rb]);
+            }
+        }
+        out
+    }
+
+    /// Quantizes rows `[n][kv_heads][d]` (validated) onto the per-head stores.
+    fn push(&mut self, keys: &[f32], values: &[f32], n: usize) {
+        let (d, rb, f) = (self.shape.head_dim, self.row_bytes(), self.format);
+        let kvh = self.shape.kv_heads;
+        let bb = f.block_bytes();
+        let fill = |src: &[f32], h: usize, dst: &mut Vec<u8>| {
+            let start = dst.len();
+            dst.resize(start + n * rb, 0);
+            for t in 0..n {
+                let row = &src[(t * kvh + h) * d..(t * kvh + h + 1) * d];
+                let out = &mut dst[start + t * rb..start + (t + 1) * rb];
+                for (x, o) in row.chunks_exact(KVQ_BLOCK).zip(out.chunks_exact_mut(bb)) {
+                    f.quantize_block(x, o);
+                }
+            }
+        };
+        self.keys
+            .par_iter_mut()
+            .zip(self.values.par_iter_mut())
+            .enumerate()
+            .for_each(|(h, (k, v))| {
+                fill(keys, h, k);
+                fill(values, h, v);
+            });
+        self.tokens += n;
+    }
+
+    /// The online-softmax partial `(m, s, o[d])` of query row `q` (q8_0 quants and scales per
+    /// block) over tokens `t0..t1` of KV head `h`, in ggml's order and arithmetic.
+    fn partial(
+        &self,
+        qq: &[i8],
+        qd: &[f32],
+        h: usize,
+        t0: usize,
+        t1: usize,
+        o: &mut [f32],
+    ) -> (f32, f32) {
+        let d = self.shape.head_dim;
+        let (bb, rb, f) = (self.format.block_bytes(), self.row_bytes(), self.format);
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (k, v) = (&self.keys[h], &self.values[h]);
+        let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+        o.fill(0.0);
+        let mut v32 = vec![0.0f32; d];
+        for t in t0..t1 {
+            let krow = &k[t * rb..(t + 1) * rb];
+            let mut dot = 0.0f32;
+            for (b, kb) in krow.chunks_exact(bb).enumerate() {
+                let dk = f16::from_le_bytes([kb[0], kb[1]]).to_f32();
+                let q = &qq[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK];
+                let sumi: i32 = match f {
+                    KvqFormat::Q8_0 => kb[2..]
+                        .iter()
+                        .zip(q)
+                        .map(|(&a, &b)| i32::from(a as i8) * i32::from(b))
+                        .sum(),
+                    KvqFormat::Q4_0 => {
+                        let (qlo, qhi) = q.split_at(KVQ_BLOCK / 2);
+                        kb[2..]
+                            .iter()
+                            .zip(qlo.iter().zip(qhi))
+                            .map(|(&x, (&a, &b))| {
+                                (i32::from(x & 0x0f) - 8) * i32::from(a)
+                                    + (i32::from(x >> 4) - 8) * i32::from(b)
+                            })
+                            .sum()
+                    }
+                };
+                dot += sumi as f32 * (dk * qd[b]);
+            }
+            let z = dot * scale;
+            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+            if z > m {
+                ms = (m - z).exp();
+                m = z;
+                for x in o.iter_mut() {
+                    *x *= ms;
+                }
+            } else {
+                vs = (z - m).exp();
+            }
+            let vrow = &v[t * rb..(t + 1) * rb];
+            for (vb, out) in vrow.chunks_exact(bb).zip(v32.chunks_exact_mut(KVQ_BLOCK)) {
+                let dv = f16::from_le_bytes([vb[0], vb[1]]).to_f32();
+                match f {
+                    KvqFormat::Q8_0 => {
+                        for (y, &x) in out.iter_mut().zip(&vb[2..]) {
+                            *y = f32::from(x as i8) * dv;
+                        }
+                    }
+                    KvqFormat::Q4_0 => {
+                        let (lo, hi) = out.split_at_mut(KVQ_BLOCK / 2);
+                        for ((a, b), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(&vb[2..]) {
+                            *a = (i32::from(x & 0x0f) - 8) as f32 * dv;
+                            *b = (i32::from(x >> 4) - 8) as f32 * dv;
+                        }
+                    }
+                }
+            }
+            for (x, &y) in o.iter_mut().zip(&v32) {
+                *x += y * vs;
+            }
+            s = s * ms + vs;
+        }
+        (m, s)
+    }
+}
+
+impl KvCache for KvqCache {
+    fn shape(&self) -> KvShape {
+        self.shape
+    }
+    fn len(&self) -> usize {
+        self.tokens
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        if self.tokens != 0 {
+            return Err(MosaicError::AlreadyPrefilled(self.tokens));
+        }
+        validate::prompt_kv(&self.shape, &keys, &values)?;
+        let (k, v) = (contig3(&keys), contig3(&values));
+        kvq_scales_ok(self.format, "keys (block scale beyond f16 range)", k.iter())?;
+        kvq_scales_ok(
+            self.format,
+            "values (block scale beyond f16 range)",
+            v.iter(),
+        )?;
+        self.push(&k, &v, keys.shape()[0]);
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        validate::token_kv(&self.shape, &key, &value)?;
+        let (k, v) = (contig(&key), contig(&value));
+        kvq_scales_ok(self.format, "key (block scale beyond f16 range)", k.iter())?;
+        kvq_scales_ok(
+            self.format,
+            "value (block scale beyond f16 range)",
+            v.iter(),
+        )?;
+        self.push(&k, &v, 1);
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        let s = self.shape;
+        validate::queries(&s, &queries, out.shape())?;
+        if self.tokens == 0 {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        kvq_scales_ok(
+            KvqFormat::Q8_0,
+            "queries (block scale beyond f16 range)",
+            q.iter(),
+        )?;
+        let (d, g) = (s.head_dim, s.group());
+        // the queries as q8_0 (ggml's vec_dot_type of both formats): quants and f32 scales
+        let blocks = d / KVQ_BLOCK;
+        let mut qq = vec![0i8; s.q_heads * d];
+        let mut qd = vec![0.0f32; s.q_heads * blocks];
+        let mut buf = [0u8; 2 + KVQ_BLOCK];
+        for (b, x) in q.chunks_exact(KVQ_BLOCK).enumerate() {
+            KvqFormat::Q8_0.quantize_block(x, &mut buf);
+            qd[b] = f16::from_le_bytes([buf[0], buf[1]]).to_f32();
+            for (o, &y) in qq[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK]
+                .iter_mut()
+                .zip(&buf[2..])
+            {
+                *o = y as i8;
+            }
+        }
+        // one work unit per query head: the same operations in the same order as the
+        // reference's loop, so the output is the reference's bit for bit
+        let rows: Vec<Vec<f32>> = (0..s.q_heads)
+            .into_par_iter()
+            .map(|qh| {
+                let mut o = vec![0.0f32; d];
+                let (_, l) = self.partial(
+                    &qq[qh * d..(qh + 1) * d],
+                    &qd[qh * blocks..(qh + 1) * blocks],
+                    qh / g,
+                    0,
+                    self.tokens,
+                    &mut o,
+                );
+                let inv = if l == 0.0 { 0.0 } else { 1.0 / l };
+                o.iter_mut().for_each(|x| *x *= inv);
+                o
+            })
+            .collect();
+        for (qh, o) in rows.into_iter().enumerate() {
+            for (i, x) in o.into_iter().enumerate() {
+                out[[qh, i]] = x;
+            }
+        }
+        Ok(())
+    }
+    /// The quants as `values`, the f16 block scales as `block_meta` (as the reference).
+    fn memory(&self) -> MemoryReport {
+        let bytes: usize = self.keys.iter().chain(&self.values).map(Vec::len).sum();
+        let blocks = bytes / self.format.block_bytes();
+        MemoryReport {
+            tokens: self.tokens,
+            values: blocks * (self.format.block_bytes() - 2),
+            block_meta: blocks * 2,
+            ..MemoryReport::default()
+        }
+    }
+}
+
+/// A contiguous row-major copy of a 3-D view.
+fn contig3(a: &ArrayView3<f32>) -> Vec<f32> {
+    a.iter().copied().collect()
+}

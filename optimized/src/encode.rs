@@ -4,6 +4,9 @@
 //! definition, with separate multiply and add (Rust never contracts to FMA).
 
 use half::f16;
+use mosaickv_spec::layout::{
+    dequantize, quantize_values, read_code, record_quant, write_quantized,
+};
 use mosaickv_spec::{
     rules, BlockMeta, CompressConfig, MosaicError, PackedRows, RecordLayout, Result, Side,
     SideStrategy,
@@ -203,40 +206,74 @@ fn select_groups(
     }
 }
 
-/// Packs one record (SPEC.md section 6) from a row's rotated f64 coordinates (at least Dt of them).
+/// Packs one record (SPEC.md section 6) from a row's rotated coordinates (at least Dt of them).
 /// Returns the first rotated dim whose kept value overflows f16 (SPEC.md section 14), if any;
-/// the record's bytes are then meaningless and the caller reports the error.
+/// the record's bytes are then meaningless and the caller reports the error. Int8/int4 records
+/// get their scale and codes from [`mosaickv_spec::layout::quantize_values`] (the one host
+/// implementation of the rounding) over the kept f16 values.
 fn pack_record(
     x: &[f64],
     layout: &RecordLayout,
     out: &mut [u8],
-    y: &mut [f16],
-    imp: &mut [f32],
-    order: &mut [u16],
-    keep: &mut [bool],
+    b: &mut PackBufs,
 ) -> Option<usize> {
     let dt = layout.kept_dims;
     let g = layout.group_size;
     for j in 0..dt {
-        y[j] = f16_from_f64(x[j]);
+        b.y[j] = f16_from_f64(x[j]);
     }
-    select_groups(&y[..dt], g, layout.kept_groups(), imp, order, keep);
+    select_groups(
+        &b.y[..dt],
+        g,
+        layout.kept_groups(),
+        &mut b.imp,
+        &mut b.order,
+        &mut b.keep,
+    );
     out.fill(0);
-    let mut o = layout.bitmap_bytes();
     let mut overflow = None;
+    b.kv.clear();
     for k in 0..layout.groups() {
-        if keep[k] {
+        if b.keep[k] {
             out[k / 8] |= 1 << (k % 8);
-            for (j, &v) in (k * g..).zip(&y[k * g..(k + 1) * g]) {
+            for (j, &v) in (k * g..).zip(&b.y[k * g..(k + 1) * g]) {
                 if !v.is_finite() && overflow.is_none() {
                     overflow = Some(j);
                 }
-                out[o..o + 2].copy_from_slice(&v.to_le_bytes());
-                o += 2;
+                b.kv.push(v);
             }
         }
     }
+    let bb = layout.bitmap_bytes();
+    if layout.dtype.is_quantized() {
+        if overflow.is_none() {
+            let codes = &mut b.codes[..layout.r];
+            let params = quantize_values(&b.kv, layout.dtype, codes);
+            write_quantized(layout.dtype, params, codes, &mut out[bb..]);
+        }
+    } else {
+        for (o, v) in out[bb..bb + 2 * layout.r].chunks_exact_mut(2).zip(&b.kv) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+    }
     overflow
+}
+
+/// SPEC 6: the decoded values of a row's kept f16 values `kv` (ascending dims) under an
+/// int8/int4 layout, `m + code * s` (one f32 rounding), into `out`; the codes go to `codes`.
+pub fn dequantize_kept(kv: &[f16], layout: &RecordLayout, codes: &mut [u8], out: &mut Vec<f32>) {
+    let codes = &mut codes[..kv.len()];
+    let p = quantize_values(kv, layout.dtype, codes);
+    out.clear();
+    out.extend(codes.iter().map(|&c| dequantize(p, c)));
+}
+
+/// SPEC 6: the decoded kept values of a (valid) int8/int4 record, ascending dims, into `out`.
+pub fn record_dequantized(rec: &[u8], layout: &RecordLayout, out: &mut Vec<f32>) {
+    let p = record_quant(layout, rec);
+    let v = &rec[layout.values_offset()..];
+    out.clear();
+    out.extend((0..layout.r).map(|i| dequantize(p, read_code(layout.dtype, v, i))));
 }
 
 /// The first overflow of rows packed in chunks of [`ROWS_PER_TASK`]: `(row in chunk, dim)`
@@ -259,6 +296,12 @@ struct PackBufs {
     imp: Vec<f32>,
     order: Vec<u16>,
     keep: Vec<bool>,
+    /// The kept f16 values of the row, ascending dims.
+    kv: Vec<f16>,
+    /// Their int8/int4 codes.
+    codes: Vec<u8>,
+    /// Their decoded values (the loss of a quantized layout).
+    deq: Vec<f32>,
 }
 
 impl PackBufs {
@@ -268,6 +311,9 @@ impl PackBufs {
             imp: vec![0.0; d],
             order: vec![0; d],
             keep: vec![false; d],
+            kv: Vec::with_capacity(d),
+            codes: vec![0; d],
+            deq: Vec::with_capacity(d),
         }
     }
 }
@@ -290,15 +336,7 @@ pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> R
                 .zip(x.chunks_exact(stride))
                 .enumerate()
             {
-                let bad = pack_record(
-                    row,
-                    layout,
-                    o,
-                    &mut b.y,
-                    &mut b.imp,
-                    &mut b.order,
-                    &mut b.keep,
-                );
+                let bad = pack_record(row, layout, o, &mut b);
                 if let (None, Some(j)) = (first, bad) {
                     first = Some((i, j));
                 }
@@ -332,15 +370,7 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
                 .zip(xr.chunks_exact(dt))
                 .enumerate()
             {
-                let bad = pack_record(
-                    row,
-                    &layout,
-                    o,
-                    &mut b.y,
-                    &mut b.imp,
-                    &mut b.order,
-                    &mut b.keep,
-                );
+                let bad = pack_record(row, &layout, o, &mut b);
                 if let (None, Some(j)) = (first, bad) {
                     first = Some((i, j));
                 }
@@ -355,20 +385,29 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
 /// SPEC 11.1 terms `(dropped, total)` of one row `x` (`[d]`) with rotated coordinates `xr`
 /// (at least `Dt` of them, f64), group `k` kept iff `kept(k)`: energies over `j < Dt`, plus the
 /// truncated dims' energy `max(0, ||x||^2 - sum_{j<Dt} xr_j^2)` when `Dt < D` (as dropped).
+/// For an int8/int4 layout `deq` holds the decoded kept values (ascending dims) and a kept
+/// dim adds its quantization error `(xr_j - deq)^2` to `dropped`; for f16 `deq` is unused.
 #[inline]
 pub fn row_loss_terms(
     x: &[f32],
     xr: &[f64],
     layout: &RecordLayout,
     kept: impl Fn(usize) -> bool,
+    deq: &[f32],
 ) -> (f64, f64) {
     let (dt, g) = (layout.kept_dims, layout.group_size);
+    let quantized = layout.dtype.is_quantized();
     let (mut dropped, mut total) = (0f64, 0f64);
+    let mut next = 0;
     for (j, &v) in xr[..dt].iter().enumerate() {
         let e = v * v;
         total += e;
         if !kept(j / g) {
             dropped += e;
+        } else if quantized {
+            let err = v - f64::from(deq[next]);
+            dropped += err * err;
+            next += 1;
         }
     }
     if dt < layout.head_dim {
@@ -411,7 +450,16 @@ pub fn loss_sums_rotated(
                         &mut b.order,
                         &mut b.keep,
                     );
-                    row_loss_terms(xrow, row, layout, |k| b.keep[k])
+                    if layout.dtype.is_quantized() {
+                        b.kv.clear();
+                        for k in 0..layout.groups() {
+                            if b.keep[k] {
+                                b.kv.extend_from_slice(&b.y[k * g..(k + 1) * g]);
+                            }
+                        }
+                        dequantize_kept(&b.kv, layout, &mut b.codes, &mut b.deq);
+                    }
+                    row_loss_terms(xrow, row, layout, |k| b.keep[k], &b.deq)
                 })
                 .collect()
         })
@@ -509,18 +557,28 @@ pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
     let dt = layout.kept_dims;
     let dp = dt.div_ceil(8) * 8;
     let mut tmp = vec![0f32; packed.count * dp];
-    crate::simd::Path::Portable.expand_records(
-        &packed.bytes,
-        0,
-        packed.count,
-        layout.record_bytes(),
-        layout.bitmap_bytes(),
-        layout.group_size,
-        dt,
-        layout.r,
-        dp,
-        &mut tmp,
-    );
+    if layout.dtype.is_quantized() {
+        crate::simd::Path::Portable.expand_records_q(
+            &packed.bytes,
+            packed.count,
+            layout,
+            dp,
+            &mut tmp,
+        );
+    } else {
+        crate::simd::Path::Portable.expand_records(
+            &packed.bytes,
+            0,
+            packed.count,
+            layout.record_bytes(),
+            layout.bitmap_bytes(),
+            layout.group_size,
+            dt,
+            layout.r,
+            dp,
+            &mut tmp,
+        );
+    }
     let mut out = vec![0f32; packed.count * dt];
     for (o, t) in out
         .chunks_exact_mut(dt.max(1))

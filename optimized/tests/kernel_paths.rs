@@ -6,6 +6,8 @@
 use half::f16;
 use mosaickv_optimized::attend::online_softmax;
 use mosaickv_optimized::simd::{avx2_available, avx512_available, Path};
+use mosaickv_spec::layout::{write_quantized, QuantParams};
+use mosaickv_spec::{PackedRows, RecordLayout, ValueDtype};
 
 fn paths() -> Vec<Path> {
     let mut p = Vec::new();
@@ -84,6 +86,92 @@ fn expansion_is_bit_identical_on_every_path() {
                     .zip(&got)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{path:?} dt {dt} r {r} n {n}: expansion differs");
+            }
+        }
+    }
+}
+
+/// Valid g = 1 int8/int4 records of `layout` (SPEC.md section 6): r bits set, a random
+/// minimum and scale (zero sometimes), random codes, zero padding.
+fn quant_records(rng: &mut Rng, n: usize, layout: &RecordLayout) -> Vec<u8> {
+    let (dt, r, rb, bb) = (
+        layout.kept_dims,
+        layout.r,
+        layout.record_bytes(),
+        layout.bitmap_bytes(),
+    );
+    let mut bytes = vec![0u8; n * rb];
+    for rec in bytes.chunks_exact_mut(rb) {
+        let mut kept = vec![false; dt];
+        let mut set = 0;
+        while set < r {
+            let d = rng.below(dt);
+            if !kept[d] {
+                kept[d] = true;
+                set += 1;
+            }
+        }
+        for (d, _) in kept.iter().enumerate().filter(|(_, &k)| k) {
+            rec[d / 8] |= 1 << (d % 8);
+        }
+        let zero = rng.below(8) == 0;
+        let p = QuantParams {
+            min: f16::from_f32(30.0 * rng.unit()),
+            scale: if zero {
+                f16::ZERO
+            } else {
+                f16::from_f32(rng.unit().abs() + 1e-3)
+            },
+        };
+        let q = layout.dtype.qmax() as usize + 1;
+        let codes: Vec<u8> = (0..r)
+            .map(|_| if zero { 0 } else { rng.below(q) as u8 })
+            .collect();
+        write_quantized(layout.dtype, p, &codes, &mut rec[bb..]);
+    }
+    bytes
+}
+
+#[test]
+fn quantized_expansion_is_bit_identical_on_every_path() {
+    let mut rng = Rng(0x0123_4567_89ab_cdef);
+    for path in paths() {
+        for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+            for dt in [
+                8usize, 24, 40, 48, 60, 64, 72, 96, 100, 128, 160, 192, 250, 256,
+            ] {
+                for r in [1, 2, dt / 4, dt / 2 + 1, dt - 1, dt] {
+                    let r = r.max(1);
+                    let layout = RecordLayout {
+                        head_dim: dt,
+                        kept_dims: dt,
+                        r,
+                        group_size: 1,
+                        dtype,
+                    };
+                    let n = 1 + rng.below(16);
+                    let bytes = quant_records(&mut rng, n, &layout);
+                    PackedRows {
+                        count: n,
+                        bytes: bytes.clone(),
+                    }
+                    .validate(&layout)
+                    .unwrap();
+                    for dp in [dt.div_ceil(8) * 8, dt.div_ceil(8) * 8 + 8] {
+                        let mut want = vec![f32::NAN; n * dp];
+                        let mut got = vec![f32::NAN; n * dp];
+                        Path::Portable.expand_records_q(&bytes, n, &layout, dp, &mut want);
+                        path.expand_records_q(&bytes, n, &layout, dp, &mut got);
+                        let same = want
+                            .iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{path:?} {dtype:?} dt {dt} r {r} n {n} dp {dp}: expansion differs"
+                        );
+                    }
+                }
             }
         }
     }

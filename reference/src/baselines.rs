@@ -543,3 +543,862 @@ impl KvCache for Naive2dCache {
         }
     }
 }
+
+/// SPEC.md section 12, Quest-sink: Quest's pages and page score under MosaicKV's attend rules
+/// (SPEC.md sections 8.3, 9, 10), so that it differs from MosaicKV only by channel compression
+/// (no rotation, no per-vector top-r: dense f16 rows, f16 page min/max instead of int8 block
+/// metadata, fixed 16-token pages instead of the variance rule's block size).
+/// - the first `sink_tokens` tokens are the sink (f16, always attended);
+/// - the other prompt tokens are paged in 16s from the first token after the sink (the last
+///   prompt page may be partial);
+/// - generated tokens join the update buffer (f16, always attended); when it reaches
+///   `buffer_capacity` its tokens become pages (16 each) and it empties (10.2);
+/// - per KV head, pages are scored `sum_c max(q_c M_c, q_c m_c)` (f64, max over the GQA
+///   group) and taken by score descending (ties: lower page) while the tokens taken are fewer
+///   than `B = min(n_paged, ceil(token_rate * n_paged))` (8.3);
+/// - softmax attention (f64) over sink, chosen pages and buffer.
+#[derive(Debug, Clone)]
+pub struct QuestSinkCache {
+    shape: KvShape,
+    token_rate: f64,
+    sink_tokens: usize,
+    buffer_capacity: usize,
+    /// f16 rows of every token `[t][h][D]` (sink, paged tokens, buffer, in token order).
+    keys: Vec<Vec<Vec<f16>>>,
+    values: Vec<Vec<Vec<f16>>>,
+    /// Tokens in the sink.
+    sink: usize,
+    /// Pages `(first token, tokens)`, in token order, covering `sink .. sink + paged`.
+    pages: Vec<(usize, usize)>,
+    /// `page_min[p][h][c]`, `page_max[p][h][c]`.
+    page_min: Vec<Vec<Vec<f16>>>,
+    page_max: Vec<Vec<Vec<f16>>>,
+    paged: usize,
+}
+
+impl QuestSinkCache {
+    /// Takes `token_rate`, `sink_tokens` and `buffer_capacity` from MosaicKV's configuration
+    /// (validated at `head_dim`, so that both run under the same rules).
+    pub fn new(shape: KvShape, config: &mosaickv_spec::CompressConfig) -> Result<Self> {
+        let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        config.validate(shape.head_dim)?;
+        Ok(Self {
+            shape,
+            token_rate: config.token_rate,
+            sink_tokens: config.sink_tokens,
+            buffer_capacity: config.buffer_capacity,
+            keys: Vec::new(),
+            values: Vec::new(),
+            sink: 0,
+            pages: Vec::new(),
+            page_min: Vec::new(),
+            page_max: Vec::new(),
+            paged: 0,
+        })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
+    fn tokens(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Tokens in the update buffer.
+    pub fn buffer_len(&self) -> usize {
+        self.tokens() - self.sink - self.paged
+    }
+
+    fn push_row(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) {
+        let row = |x: &ArrayView2<f32>| -> Vec<Vec<f16>> {
+            x.outer_iter()
+                .map(|r| r.iter().map(|&v| f16::from_f32(v)).collect())
+                .collect()
+        };
+        self.keys.push(row(&key));
+        self.values.push(row(&value));
+    }
+
+    /// Pages the tokens `from .. tokens()` in 16s (the last one may be partial).
+    fn page_from(&mut self, from: usize) {
+        let n = self.tokens();
+        let mut a = from;
+        while a < n {
+            let len = PAGE.min(n - a);
+            let (mut lo, mut hi) = (self.keys[a].clone(), self.keys[a].clone());
+            for t in a + 1..a + len {
+                for h in 0..self.shape.kv_heads {
+                    for c in 0..self.shape.head_dim {
+                        let x = self.keys[t][h][c];
+                        if x < lo[h][c] {
+                            lo[h][c] = x;
+                        }
+                        if x > hi[h][c] {
+                            hi[h][c] = x;
+                        }
+                    }
+                }
+            }
+            self.pages.push((a, len));
+            self.page_min.push(lo);
+            self.page_max.push(hi);
+            a += len;
+        }
+        self.paged += n - from;
+    }
+
+    /// SPEC.md section 12 (Quest-sink): the pages KV head `h` attends, ascending.
+    fn select_pages(&self, queries: &ArrayView2<f32>, h: usize) -> Vec<usize> {
+        let n = self.paged;
+        let budget = ((self.token_rate * n as f64).ceil() as usize).min(n);
+        let g = self.shape.group();
+        let scores: Vec<f64> = (0..self.pages.len())
+            .map(|p| {
+                let mut best = f64::NEG_INFINITY;
+                for qh in h * g..(h + 1) * g {
+                    let mut s = 0.0;
+                    for c in 0..self.shape.head_dim {
+                        let q = f64::from(queries[[qh, c]]);
+                        let hi = f64::from(self.page_max[p][h][c].to_f32());
+                        let lo = f64::from(self.page_min[p][h][c].to_f32());
+                        s += (q * hi).max(q * lo);
+                    }
+                    best = best.max(s);
+                }
+                best
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..self.pages.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a])); // stable: ties keep the lower page
+        let mut chosen = Vec::new();
+        let mut taken = 0;
+        for p in order {
+            if taken >= budget {
+                break;
+            }
+            chosen.push(p);
+            taken += self.pages[p].1;
+        }
+        chosen.sort_unstable();
+        chosen
+    }
+
+    /// Token indices attended per KV head: sink, chosen pages, buffer.
+    fn attended_per_kv(&self, queries: &ArrayView2<f32>) -> Vec<Vec<usize>> {
+        let end = self.sink + self.paged;
+        (0..self.shape.kv_heads)
+            .map(|h| {
+                let mut ts: Vec<usize> = (0..self.sink).collect();
+                for p in self.select_pages(queries, h) {
+                    let (a, len) = self.pages[p];
+                    ts.extend(a..a + len);
+                }
+                ts.extend(end..self.tokens());
+                ts
+            })
+            .collect()
+    }
+
+    /// Token indices attended per query head.
+    pub fn attended_tokens(&self, queries: ArrayView2<f32>) -> Result<Vec<Vec<usize>>> {
+        let shape = self.shape;
+        validate_attend(
+            &shape,
+            &queries,
+            &[shape.q_heads, shape.head_dim],
+            self.len(),
+        )?;
+        let per_kv = self.attended_per_kv(&queries);
+        Ok((0..shape.q_heads)
+            .map(|qh| per_kv[qh / shape.group()].clone())
+            .collect())
+    }
+}
+
+impl KvCache for QuestSinkCache {
+    fn shape(&self) -> KvShape {
+        self.shape
+    }
+    fn len(&self) -> usize {
+        self.tokens()
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        validate_prompt(&self.shape, &keys, &values, self.len())?;
+        let n = keys.shape()[0];
+        for t in 0..n {
+            self.push_row(
+                keys.index_axis(ndarray::Axis(0), t),
+                values.index_axis(ndarray::Axis(0), t),
+            );
+        }
+        self.sink = self.sink_tokens.min(n);
+        self.page_from(self.sink);
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        validate_token(&self.shape, &key, &value)?;
+        let in_sink = self.tokens() < self.sink_tokens;
+        self.push_row(key, value);
+        if in_sink {
+            self.sink += 1;
+        } else if self.buffer_len() == self.buffer_capacity {
+            self.page_from(self.sink + self.paged);
+        }
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        validate_attend(&self.shape, &queries, out.shape(), self.len())?;
+        let (d, g) = (self.shape.head_dim, self.shape.group());
+        let per_kv = self.attended_per_kv(&queries);
+        for qh in 0..self.shape.q_heads {
+            let h = qh / g;
+            let o = softmax_attend(
+                d,
+                &per_kv[h],
+                |t| {
+                    (0..d)
+                        .map(|i| {
+                            f64::from(queries[[qh, i]]) * f64::from(self.keys[t][h][i].to_f32())
+                        })
+                        .sum()
+                },
+                |t, p, o| {
+                    for (i, oi) in o.iter_mut().enumerate() {
+                        *oi += p * f64::from(self.values[t][h][i].to_f32());
+                    }
+                },
+            );
+            for (i, x) in o.into_iter().enumerate() {
+                out[[qh, i]] = x as f32;
+            }
+        }
+        Ok(())
+    }
+    /// Paged rows (f16) as `values`, sink and buffer rows (f16) as `dense`, page min/max (f16)
+    /// as `block_meta`.
+    fn memory(&self) -> MemoryReport {
+        let row = 2 * 2 * self.shape.kv_heads * self.shape.head_dim;
+        MemoryReport {
+            tokens: self.tokens(),
+            values: row * self.paged,
+            dense: row * (self.sink + self.buffer_len()),
+            block_meta: row * self.pages.len(),
+            ..MemoryReport::default()
+        }
+    }
+}
+
+/// llama.cpp's block length for `q8_0` and `q4_0` (ggml's `QK8_0` / `QK4_0`).
+pub const KVQ_BLOCK: usize = 32;
+
+/// A llama.cpp quantized KV format (SPEC.md section 12, kvq8 / kvq4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvqFormat {
+    /// ggml `q8_0`: f16 scale `d`, then 32 int8 `q`; `x = q * d`. 34 bytes per block.
+    Q8_0,
+    /// ggml `q4_0`: f16 scale `d`, then 16 bytes of nibbles (element `j` in the low nibble of
+    /// byte `j`, element `j + 16` in its high nibble); `x = (q - 8) * d`. 18 bytes per block.
+    Q4_0,
+}
+
+impl KvqFormat {
+    /// Bytes of one block of [`KVQ_BLOCK`] values: the f16 scale plus the quants.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            KvqFormat::Q8_0 => 2 + KVQ_BLOCK,
+            KvqFormat::Q4_0 => 2 + KVQ_BLOCK / 2,
+        }
+    }
+
+    /// The method name (`kvq8`, `kvq4`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvqFormat::Q8_0 => "kvq8",
+            KvqFormat::Q4_0 => "kvq4",
+        }
+    }
+
+    /// SPEC.md section 12: one block of 32 f32 values as ggml's `quantize_row_q8_0_ref` /
+    /// `quantize_row_q4_0_ref` write it, all arithmetic f32 as there:
+    /// - q8_0: `amax = max |x|`, `d = amax / 127`, `id = 1 / d` (0 when d = 0),
+    ///   `q_j = round(x_j * id)` (half away from zero, C's `roundf`);
+    /// - q4_0: `max` = the element of largest |x| (the first one on ties), `d = max / -8`,
+    ///   `id = 1 / d` (0 when d = 0), `q_j = min(15, trunc(x_j * id + 8.5))`.
+    ///
+    /// `d` is stored as f16 (round to nearest even); the quants are computed with the f32 `d`.
+    pub fn quantize_block(self, x: &[f32], out: &mut Vec<u8>) {
+        assert_eq!(x.len(), KVQ_BLOCK, "one block is {KVQ_BLOCK} values");
+        match self {
+            KvqFormat::Q8_0 => {
+                let mut amax = 0.0f32;
+                for &v in x {
+                    amax = amax.max(v.abs());
+                }
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                for &v in x {
+                    out.push(((v * id).round() as i8) as u8);
+                }
+            }
+            KvqFormat::Q4_0 => {
+                let (mut amax, mut max) = (0.0f32, 0.0f32);
+                for &v in x {
+                    if amax < v.abs() {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                let quant = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+                for j in 0..KVQ_BLOCK / 2 {
+                    out.push(quant(x[j]) | (quant(x[j + KVQ_BLOCK / 2]) << 4));
+                }
+            }
+        }
+    }
+
+    /// The f16 scale of a block, as f32.
+    pub fn scale(block: &[u8]) -> f32 {
+        f16::from_le_bytes([block[0], block[1]]).to_f32()
+    }
+
+    /// The 32 signed integer quants of a block (`q` for q8_0, `q - 8` for q4_0).
+    pub fn quants(self, block: &[u8]) -> [i32; KVQ_BLOCK] {
+        let mut q = [0i32; KVQ_BLOCK];
+        match self {
+            KvqFormat::Q8_0 => {
+                for (j, qj) in q.iter_mut().enumerate() {
+                    *qj = i32::from(block[2 + j] as i8);
+                }
+            }
+            KvqFormat::Q4_0 => {
+                for j in 0..KVQ_BLOCK / 2 {
+                    q[j] = i32::from(block[2 + j] & 0x0f) - 8;
+                    q[j + KVQ_BLOCK / 2] = i32::from(block[2 + j] >> 4) - 8;
+                }
+            }
+        }
+        q
+    }
+
+    /// ggml's `dequantize_row_*`: `x_j = q_j * d` in f32.
+    pub fn dequantize_block(self, block: &[u8], out: &mut [f32]) {
+        let d = Self::scale(block);
+        for (o, q) in out.iter_mut().zip(self.quants(block)) {
+            *o = q as f32 * d;
+        }
+    }
+
+    /// The largest finite f32 magnitude whose block scale still rounds to a finite f16:
+    /// `d = amax / 127` (q8_0) or `|max| / 8` (q4_0) must stay below 65520.
+    fn max_block_abs(self) -> f32 {
+        match self {
+            KvqFormat::Q8_0 => 65519.0 * 127.0,
+            KvqFormat::Q4_0 => 65519.0 * 8.0,
+        }
+    }
+}
+
+/// SPEC.md section 12 (kvq8 / kvq4): every block of a row set must have a scale that is a finite
+/// f16, else `NonFinite` at the flat index of the block's first element.
+fn check_kvq_scales<'a>(
+    format: KvqFormat,
+    what: &'static str,
+    values: impl Iterator<Item = &'a f32>,
+) -> Result<()> {
+    let limit = format.max_block_abs();
+    let mut block_start = 0;
+    let mut block_bad = false;
+    for (i, &v) in values.enumerate() {
+        if i % KVQ_BLOCK == 0 {
+            if block_bad {
+                break;
+            }
+            block_start = i;
+        }
+        if v.abs() > limit {
+            block_bad = true;
+        }
+    }
+    if block_bad {
+        Err(MosaicError::NonFinite {
+            what,
+            index: block_start,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// SPEC.md section 12, kvq8 / kvq4: llama.cpp's quantized KV cache (`--cache-type-k/-v q8_0`
+/// or `q4_0`). Every K and V row `[kv_heads * head_dim]` is stored as ggml blocks of 32 values
+/// ([`KvqFormat::quantize_block`]), in llama.cpp's order: token, KV head, block. Attention
+/// emulates ggml's CPU flash-attention decode row (`ggml_compute_forward_flash_attn_ext_f16`,
+/// one query row): the query is quantized to q8_0 (ggml's `vec_dot_type` of both formats),
+/// `s_t = (sum_b d_k d_q sum_j qk_j qq_j) * (1 / sqrt(D))` (integer block sums, f32 across
+/// blocks in order), an online softmax over the tokens in order in f32
+/// (`M`, `S`, `ms = exp(M_old - M)`, `vs = exp(s - M)`), values dequantized to f32 and
+/// accumulated `o = o * ms + v * vs`, then `o / S`. Every token is attended.
+#[derive(Debug, Clone)]
+pub struct KvqCache {
+    shape: KvShape,
+    format: KvqFormat,
+    tokens: usize,
+    /// Blocks of every key row, token-major (llama.cpp's K cache layout for one layer).
+    keys: Vec<u8>,
+    values: Vec<u8>,
+}
+
+impl KvqCache {
+    /// An empty cache; `head_dim` must be a multiple of 32 (blocks never span heads).
+    pub fn new(shape: KvShape, format: KvqFormat) -> Result<Self> {
+        let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
+        if shape.head_dim % KVQ_BLOCK != 0 {
+            return Err(MosaicError::InvalidConfig(format!(
+                "{}: head_dim {} is not a multiple of the block length {KVQ_BLOCK}",
+                format.name(),
+                shape.head_dim
+            )));
+        }
+        Ok(Self {
+            shape,
+            format,
+            tokens: 0,
+            keys: Vec::new(),
+            values: Vec::new(),
+        })
+    }
+
+    /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
+    pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.shape;
+        self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+
+    pub fn format(&self) -> KvqFormat {
+        self.format
+    }
+
+    /// The stored key blocks, token-major, then KV head, then block.
+    pub fn key_bytes(&self) -> &[u8] {
+        &self.keys
+    }
+
+    /// The stored value blocks, in the order of [`KvqCache::key_bytes`].
+    pub fn value_bytes(&self) -> &[u8] {
+        &self.values
+    }
+
+    fn blocks_per_row(&self) -> usize {
+        self.shape.kv_heads * self.shape.head_dim / KVQ_BLOCK
+    }
+
+    fn push_rows<'a>(
+        &mut self,
+        keys: impl Iterator<Item = &'a f32>,
+        values: impl Iterator<Item = &'a f32>,
+    ) {
+        let quantize = |src: Vec<f32>, dst: &mut Vec<u8>| {
+            for block in src.chunks(KVQ_BLOCK) {
+                self.format.quantize_block(block, dst);
+            }
+        };
+        quantize(keys.copied().collect(), &mut self.keys);
+        quantize(values.copied().collect(), &mut self.values);
+    }
+
+    fn validate_rows(&self, keys: &[f32], values: &[f32], plural: bool) -> Result<()> {
+        let (k, v) = if plural {
+            (
+                "keys (block scale beyond f16 range)",
+                "values (block scale beyond f16 range)",
+            )
+        } else {
+            (
+                "key (block scale beyond f16 range)",
+                "value (block scale beyond f16 range)",
+            )
+        };
+        check_kvq_scales(self.format, k, keys.iter())?;
+        check_kvq_scales(self.format, v, values.iter())
+    }
+
+    /// The f32 attention of query row `q` (`[D]`) over KV head `h`, as ggml's one-row loop.
+    fn attend_row(&self, q: &[f32], h: usize) -> Vec<f32> {
+        let d = self.shape.head_dim;
+        let (bpr, bb) = (self.blocks_per_row(), self.format.block_bytes());
+        let blocks = d / KVQ_BLOCK;
+        // the query as q8_0 blocks (ggml converts Q to K's vec_dot_type, q8_0 for both formats)
+        let mut qb = Vec::with_capacity(blocks * KvqFormat::Q8_0.block_bytes());
+        for block in q.chunks(KVQ_BLOCK) {
+            KvqFormat::Q8_0.quantize_block(block, &mut qb);
+        }
+        let q_quants: Vec<([i32; KVQ_BLOCK], f32)> = qb
+            .chunks(KvqFormat::Q8_0.block_bytes())
+            .map(|b| (KvqFormat::Q8_0.quants(b), KvqFormat::scale(b)))
+            .collect();
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+        let mut o = vec![0.0f32; d];
+        let mut v32 = vec![0.0f32; d];
+        for t in 0..self.tokens {
+            let row = (t * bpr + h * blocks) * bb;
+            let mut dot = 0.0f32;
+            for (b, (qq, dq)) in q_quants.iter().enumerate() {
+                let kb = &self.keys[row + b * bb..row + (b + 1) * bb];
+                let kq = self.format.quants(kb);
+                let sumi: i32 = kq.iter().zip(qq).map(|(a, b)| a * b).sum();
+                dot += sumi as f32 * (KvqFormat::scale(kb) * dq);
+            }
+            let z = dot * scale;
+            let m_old = m;
+            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+            if z > m {
+                m = z;
+                ms = (m_old - m).exp();
+                for x in o.iter_mut() {
+                    *x *= ms;
+                }
+            } else {
+                vs = (z - m).exp();
+            }
+            for b in 0..blocks {
+                let vb = &self.values[row + b * bb..row + (b + 1) * bb];
+                self.format
+                    .dequantize_block(vb, &mut v32[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK]);
+            }
+            for (x, &v) in o.iter_mut().zip(&v32) {
+                *x += v * vs;
+            }
+            s = s * ms + vs;
+        }
+        let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+        o.iter().map(|x| x * inv).collect()
+    }
+}
+
+impl KvCache for KvqCache {
+    fn shape(&self) -> KvShape {
+        self.shape
+    }
+    fn len(&self) -> usize {
+        self.tokens
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        if self.tokens > 0 {
+            return Err(MosaicError::AlreadyPrefilled(self.tokens));
+        }
+        prompt_kv(&self.shape, &keys, &values)?;
+        let (k, v): (Vec<f32>, Vec<f32>) = (
+            keys.iter().copied().collect(),
+            values.iter().copied().collect(),
+        );
+        self.validate_rows(&k, &v, true)?;
+        self.push_rows(k.iter(), v.iter());
+        self.tokens = keys.shape()[0];
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        token_kv(&self.shape, &key, &value)?;
+        let (k, v): (Vec<f32>, Vec<f32>) = (
+            key.iter().copied().collect(),
+            value.iter().copied().collect(),
+        );
+        self.validate_rows(&k, &v, false)?;
+        self.push_rows(k.iter(), v.iter());
+        self.tokens += 1;
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        validate_attend(&self.shape, &queries, out.shape(), self.len())?;
+        check_kvq_scales(
+            KvqFormat::Q8_0,
+            "queries (block scale beyond f16 range)",
+            queries.iter(),
+        )?;
+        let g = self.shape.group();
+        for qh in 0..self.shape.q_heads {
+            let q: Vec<f32> = queries.row(qh).to_vec();
+            let o = self.attend_row(&q, qh / g);
+            for (i, x) in o.into_iter().enumerate() {
+                out[[qh, i]] = x;
+            }
+        }
+        Ok(())
+    }
+    /// The quants as `values` (32 or 16 bytes per block), the f16 block scales as `block_meta`
+    /// (2 bytes per block): 34 / 18 bytes per 32 values, K and V, nothing else.
+    fn memory(&self) -> MemoryReport {
+        let blocks = (self.keys.len() + self.values.len()) / self.format.block_bytes();
+        MemoryReport {
+            tokens: self.tokens,
+            values: blocks * (self.format.block_bytes() - 2),
+            block_meta: blocks * 2,
+            ..MemoryReport::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod kvq_tests {
+    use super::*;
+    use ndarray::{Array2, Array3};
+
+    fn block(f: impl Fn(usize) -> f32) -> Vec<f32> {
+        (0..KVQ_BLOCK).map(f).collect()
+    }
+
+    #[test]
+    fn q4_0_rounding_and_the_signed_max_by_hand() {
+        // max element -8 (the first of largest |x|): d = -8 / -8 = 1, id = 1, q = trunc(x + 8.5)
+        let mut x = block(|_| 0.0);
+        x[0] = -8.0;
+        x[1] = 7.4; // 15.9 -> 15
+        x[2] = 0.49; // 8.99 -> 8
+        x[3] = -0.5; // 8.0 -> 8
+        x[4] = -0.51; // 7.99 -> 7
+        x[16] = 8.0; // |8| ties |-8|: the first stays the max; 16.5 -> 16 -> min 15
+        let mut out = Vec::new();
+        KvqFormat::Q4_0.quantize_block(&x, &mut out);
+        assert_eq!(out.len(), 18);
+        assert_eq!(KvqFormat::scale(&out), 1.0);
+        let q = KvqFormat::Q4_0.quants(&out);
+        assert_eq!(&q[..5], &[-8, 7, 0, 0, -1]);
+        assert_eq!(q[16], 7);
+        assert_eq!(
+            out[2],
+            0x0f << 4,
+            "element 0 low nibble 0, element 16 high nibble 15"
+        );
+        // a positive max: d = 8 / -8 = -1; -7.9 * -1 + 8.5 = 16.4 -> 15 -> (15 - 8) * -1 = -7
+        let mut x = block(|_| 0.0);
+        x[5] = 8.0;
+        x[6] = -7.9;
+        let mut out = Vec::new();
+        KvqFormat::Q4_0.quantize_block(&x, &mut out);
+        let mut y = [0.0f32; KVQ_BLOCK];
+        KvqFormat::Q4_0.dequantize_block(&out, &mut y);
+        assert_eq!((y[5], y[6], y[0]), (8.0, -7.0, 0.0));
+    }
+
+    #[test]
+    fn q8_0_scale_and_round_half_away_by_hand() {
+        // amax 127: d = 1, id = 1; roundf(2.5) = 3, roundf(-2.5) = -3 (half away from zero)
+        let mut x = block(|_| 0.0);
+        x[0] = 127.0;
+        x[1] = 2.5;
+        x[2] = -2.5;
+        x[3] = -126.4;
+        let mut out = Vec::new();
+        KvqFormat::Q8_0.quantize_block(&x, &mut out);
+        assert_eq!(out.len(), 34);
+        assert_eq!(KvqFormat::scale(&out), 1.0);
+        assert_eq!(&KvqFormat::Q8_0.quants(&out)[..4], &[127, 3, -3, -126]);
+        // all zeros: d = 0, id = 0, every quant 0
+        let mut out = Vec::new();
+        KvqFormat::Q8_0.quantize_block(&block(|_| 0.0), &mut out);
+        assert!(out.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn memory_is_34_or_18_bytes_per_32_values_for_k_and_v() {
+        let shape = KvShape::new(3, 9, 64).unwrap();
+        let kv = Array3::from_shape_fn((10, 3, 64), |(t, h, i)| (t + h + i) as f32 * 0.01);
+        for (f, per_token) in [(KvqFormat::Q8_0, 408), (KvqFormat::Q4_0, 216)] {
+            let mut c = KvqCache::new(shape, f).unwrap();
+            c.prefill(kv.view(), kv.view()).unwrap();
+            let m = c.memory();
+            assert_eq!(m.device_bytes(), 10 * per_token);
+            assert_eq!(m.bytes_per_token(), per_token as f64);
+            assert_eq!(c.key_bytes().len() + c.value_bytes().len(), 10 * per_token);
+        }
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error_and_changes_nothing() {
+        assert!(matches!(
+            KvqCache::new(KvShape::new(1, 1, 48).unwrap(), KvqFormat::Q8_0),
+            Err(MosaicError::InvalidConfig(_))
+        ));
+        let shape = KvShape::new(1, 2, 32).unwrap();
+        let mut c = KvqCache::new(shape, KvqFormat::Q4_0).unwrap();
+        let ok = Array3::from_elem((2, 1, 32), 0.5f32);
+        c.prefill(ok.view(), ok.view()).unwrap();
+        let before = (c.key_bytes().to_vec(), c.value_bytes().to_vec());
+        let mut big = Array2::from_elem((1, 32), 1.0f32);
+        big[[0, 7]] = 1e7; // |max| / 8 > 65519: the f16 scale would overflow
+        let e = c.append(big.view(), Array2::from_elem((1, 32), 1.0f32).view());
+        assert_eq!(
+            e,
+            Err(MosaicError::NonFinite {
+                what: "key (block scale beyond f16 range)",
+                index: 0
+            })
+        );
+        assert_eq!(c.len(), 2);
+        assert_eq!((c.key_bytes().to_vec(), c.value_bytes().to_vec()), before);
+        let mut out = Array2::zeros((2, 32));
+        let q = Array2::from_elem((2, 32), f32::NAN);
+        assert!(matches!(
+            c.attend(q.view(), out.view_mut()),
+            Err(MosaicError::NonFinite { .. })
+        ));
+        assert!(matches!(
+            c.prefill(ok.view(), ok.view()),
+            Err(MosaicError::AlreadyPrefilled(2))
+        ));
+    }
+
+    #[test]
+    fn attention_over_exactly_representable_rows_is_full_attention() {
+        // rows whose blocks quantize exactly: q8_0 with a block max of 127 * 2^-6 (d = 2^-6)
+        // and small integer multiples of 2^-6; q4_0 with a block max of -8 * 2^-3 (d = 2^-3)
+        // and multiples of 2^-3 in [-1, 0.875]. The query is exact under q8_0 (block max
+        // 127 * 2^-6), so only f32 rounding separates the result from full attention.
+        let (n, d) = (40, 64);
+        let shape = KvShape::new(1, 1, d).unwrap();
+        let q8 = |t: usize, i: usize| -> f32 {
+            let m = if i % KVQ_BLOCK == 0 {
+                -127
+            } else {
+                ((t * 7 + i * 3) % 41) as i32 - 20
+            };
+            m as f32 / 64.0
+        };
+        let q4 = |t: usize, i: usize| -> f32 {
+            let m = if i % KVQ_BLOCK == 0 {
+                -8
+            } else {
+                ((t * 7 + i * 3) % 16) as i32 - 8
+            };
+            m as f32 / 8.0
+        };
+        let q = Array2::from_shape_fn((1, d), |(_, i)| {
+            let m = if i % KVQ_BLOCK == 0 {
+                127
+            } else {
+                ((i * 5) % 21) as i32 - 10
+            };
+            m as f32 / 64.0
+        });
+        for (f, val) in [
+            (KvqFormat::Q8_0, &q8 as &dyn Fn(usize, usize) -> f32),
+            (KvqFormat::Q4_0, &q4),
+        ] {
+            let kv = Array3::from_shape_fn((n, 1, d), |(t, _, i)| val(t, i));
+            let mut full = FullCache::new(shape);
+            full.prefill(kv.view(), kv.view()).unwrap();
+            let mut want = Array2::zeros((1, d));
+            full.attend(q.view(), want.view_mut()).unwrap();
+            let mut c = KvqCache::new(shape, f).unwrap();
+            c.prefill(kv.view(), kv.view()).unwrap();
+            let mut got = Array2::zeros((1, d));
+            c.attend(q.view(), got.view_mut()).unwrap();
+            for i in 0..d {
+                assert!(
+                    (got[[0, i]] - want[[0, i]]).abs() < 1e-5,
+                    "{f:?} dim {i}: {} vs {}",
+                    got[[0, i]],
+                    want[[0, i]]
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod quest_sink_tests {
+    use super::*;
+    use mosaickv_spec::CompressConfig;
+    use ndarray::{Array2, Array3};
+
+    fn kv(n: usize, d: usize) -> Array3<f32> {
+        Array3::from_shape_fn((n, 1, d), |(t, _, i)| {
+            (((t * 31 + i * 7) % 23) as f32 - 11.0) / 8.0
+        })
+    }
+
+    #[test]
+    fn sink_pages_and_buffer_follow_mosaics_rules() {
+        let d = 16;
+        let shape = KvShape::new(1, 2, d).unwrap();
+        let cfg = CompressConfig {
+            token_rate: 0.25,
+            ..CompressConfig::default()
+        };
+        let mut c = QuestSinkCache::new(shape, &cfg).unwrap();
+        let x = kv(4 + 40 + 64 + 3, d);
+        c.prefill(
+            x.slice(ndarray::s![..44, .., ..]),
+            x.slice(ndarray::s![..44, .., ..]),
+        )
+        .unwrap();
+        // sink 0..4; prompt pages 4..20, 20..36, 36..44 (partial)
+        assert_eq!(c.pages, vec![(4, 16), (20, 16), (36, 8)]);
+        assert_eq!(c.buffer_len(), 0);
+        for t in 44..44 + 63 {
+            c.append(
+                x.slice(ndarray::s![t, .., ..]),
+                x.slice(ndarray::s![t, .., ..]),
+            )
+            .unwrap();
+        }
+        assert_eq!((c.buffer_len(), c.pages.len()), (63, 3));
+        c.append(
+            x.slice(ndarray::s![107, .., ..]),
+            x.slice(ndarray::s![107, .., ..]),
+        )
+        .unwrap();
+        // the 64th buffered token flushes the buffer into four whole pages
+        assert_eq!(c.buffer_len(), 0);
+        assert_eq!(&c.pages[3..], &[(44, 16), (60, 16), (76, 16), (92, 16)]);
+        for t in 108..111 {
+            c.append(
+                x.slice(ndarray::s![t, .., ..]),
+                x.slice(ndarray::s![t, .., ..]),
+            )
+            .unwrap();
+        }
+        let q = Array2::from_shape_fn((2, d), |(h, i)| (h as f32 - 0.5) * (i as f32 - 7.0) / 4.0);
+        let att = c.attended_tokens(q.view()).unwrap();
+        // budget ceil(0.25 * 104) = 26 tokens of pages: two pages (16 + 16 or 16 + 8 ...)
+        let set = &att[0];
+        assert_eq!(&set[..4], &[0, 1, 2, 3]);
+        assert_eq!(&set[set.len() - 3..], &[108, 109, 110]);
+        let paged = set.len() - 7;
+        assert!((26..26 + 16).contains(&paged), "{paged}");
+        assert_eq!(att[0], att[1], "one selection per KV head");
+        // memory: every row f16 K and V, page min/max per page
+        let m = c.memory();
+        assert_eq!(m.device_bytes(), 111 * 4 * d + 7 * 4 * d);
+        assert_eq!(m.dense, 7 * 4 * d);
+    }
+
+    #[test]
+    fn at_full_rate_it_is_full_attention() {
+        let d = 32;
+        let shape = KvShape::new(1, 1, d).unwrap();
+        let cfg = CompressConfig {
+            token_rate: 1.0,
+            ..CompressConfig::default()
+        };
+        let x = kv(100, d);
+        let mut c = QuestSinkCache::new(shape, &cfg).unwrap();
+        let mut f = FullCache::new(shape);
+        c.prefill(x.view(), x.view()).unwrap();
+        f.prefill(x.view(), x.view()).unwrap();
+        let q = Array2::from_shape_fn((1, d), |(_, i)| i as f32 / 16.0 - 1.0);
+        let (mut a, mut b) = (Array2::zeros((1, d)), Array2::zeros((1, d)));
+        c.attend(q.view(), a.view_mut()).unwrap();
+        f.attend(q.view(), b.view_mut()).unwrap();
+        assert_eq!(a, b);
+    }
+}

@@ -1,7 +1,10 @@
 //! SPEC.md section 6: the packed record (encode and decode).
 
 use crate::topr::{rotate_row_f64, select_row};
-use mosaickv_spec::layout::{bitmap_bit, record_value};
+use half::f16;
+use mosaickv_spec::layout::{
+    bitmap_bit, dequantize, quantize_values, read_code, record_quant, record_value, write_quantized,
+};
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, SideStrategy};
@@ -23,6 +26,9 @@ pub fn check_rows(rows: &ArrayView2<f32>, side: &SideStrategy, what: &'static st
 /// SPEC.md sections 5 and 6: one row's record, appended to `out`.
 ///
 /// `| bitmap: W little-endian u32 words | r kept values, f16 LE, ascending dim | zero pad to 4 |`
+/// for f16; int8/int4: `| bitmap | f16 minimum, f16 scale | r codes (1 byte / half a byte
+/// each) | pad |`
+/// ([`mosaickv_spec::layout::quantize_values`] from the kept f16 values).
 ///
 /// A kept value that overflows f16 (|x'| >= 65520) is `NonFinite`: it could
 /// not be stored, and SPEC.md section 14 forbids non-finite decoded values.
@@ -46,20 +52,55 @@ pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result
     for w in words {
         out.extend_from_slice(&w.to_le_bytes());
     }
-    let g = layout.group_size;
-    for (k, &is_kept) in kept.iter().enumerate() {
-        if is_kept {
-            for j in k * g..(k + 1) * g {
-                if !y[j].is_finite() {
-                    out.truncate(start);
-                    return Err(rules::rotated_overflow(0, j, layout.kept_dims));
-                }
-                out.extend_from_slice(&y[j].to_le_bytes());
-            }
-        }
+    let kept_values = kept_values(&y, &kept, layout.group_size);
+    if let Some(j) = kept_dims_of(&kept, layout.group_size)
+        .zip(&kept_values)
+        .find_map(|(j, v)| (!v.is_finite()).then_some(j))
+    {
+        out.truncate(start);
+        return Err(rules::rotated_overflow(0, j, layout.kept_dims));
     }
-    out.resize(start + layout.record_bytes(), 0);
+    if layout.dtype.is_quantized() {
+        let mut codes = vec![0u8; layout.r];
+        let params = quantize_values(&kept_values, layout.dtype, &mut codes);
+        out.resize(start + layout.record_bytes(), 0);
+        write_quantized(
+            layout.dtype,
+            params,
+            &codes,
+            &mut out[start + layout.bitmap_bytes()..],
+        );
+    } else {
+        for v in kept_values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.resize(start + layout.record_bytes(), 0);
+    }
     Ok(())
+}
+
+/// The kept rotated dims in ascending order (group by group).
+pub fn kept_dims_of(kept: &[bool], g: usize) -> impl Iterator<Item = usize> + '_ {
+    kept.iter()
+        .enumerate()
+        .filter(|(_, &k)| k)
+        .flat_map(move |(k, _)| k * g..(k + 1) * g)
+}
+
+/// The f16 values `y` of the kept dims, ascending (what section 6 stores, or quantizes).
+pub fn kept_values(y: &[f16], kept: &[bool], g: usize) -> Vec<f16> {
+    kept_dims_of(kept, g).map(|j| y[j]).collect()
+}
+
+/// SPEC.md section 6: the decoded kept values of a row as attention reads them: the f16
+/// values themselves, or `m + code * s` (one f32 rounding) for int8/int4.
+pub fn dequantized_kept(kept_values: &[f16], layout: &RecordLayout) -> Vec<f32> {
+    if !layout.dtype.is_quantized() {
+        return kept_values.iter().map(|v| v.to_f32()).collect();
+    }
+    let mut codes = vec![0u8; kept_values.len()];
+    let params = quantize_values(kept_values, layout.dtype, &mut codes);
+    codes.iter().map(|&c| dequantize(params, c)).collect()
 }
 
 /// SPEC.md sections 5 and 6: every row of `[n, D]` packed, record i at `i * record_bytes`.
@@ -82,15 +123,27 @@ pub fn encode_rows(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedR
 }
 
 /// SPEC.md section 6, decode of one (already validated) record: the dense
-/// rotated row `k^` of length Dt, the stored value at kept dims, 0 elsewhere.
+/// rotated row `k^` of length Dt, the stored value at kept dims, 0 elsewhere
+/// (for int8/int4 the stored value is `m + code * s`, rounded once to f32).
 pub fn decode_record(layout: &RecordLayout, record: &[u8]) -> Result<Vec<f32>> {
     let g = layout.group_size;
     let mut out = vec![0.0f32; layout.kept_dims];
+    let value = |i: usize| -> f32 {
+        if layout.dtype.is_quantized() {
+            let codes = &record[layout.values_offset()..];
+            dequantize(
+                record_quant(layout, record),
+                read_code(layout.dtype, codes, i),
+            )
+        } else {
+            record_value(layout, record, i).to_f32()
+        }
+    };
     let mut next = 0; // index of the next stored value
     for k in 0..layout.groups() {
         if bitmap_bit(record, k) {
             for j in k * g..(k + 1) * g {
-                let v = record_value(layout, record, next).to_f32();
+                let v = value(next);
                 if !v.is_finite() {
                     return Err(MosaicError::NonFinite {
                         what: "decoded value",

@@ -1,6 +1,6 @@
 //! SPEC.md section 11: strategy generation (loss, `(r, g)`, block size).
 
-use crate::packed::{decode_rows, encode_rows};
+use crate::packed::{decode_rows, dequantized_kept, encode_rows, kept_values};
 use crate::rotation::fit_rotation;
 use crate::topr::{rotate_row_f64, select_row};
 use mosaickv_spec::layout::trim_rotation;
@@ -42,14 +42,23 @@ impl LossSums {
 }
 
 /// SPEC.md section 11.1 for one row `x` and its rotation `x'` (f64, at least
-/// `Dt` dims): `(sum_{j < Dt, not kept} x'_j^2 + T, sum_{j < Dt} x'_j^2 + T)`,
-/// where `T` is the energy of the truncated dims, `max(0, ||x||^2 - sum_{j <
+/// `Dt` dims): `(sum_{j < Dt} e_j + T, sum_{j < Dt} x'_j^2 + T)`, ascending j,
+/// where `e_j = x'_j^2` for a dropped dim, `(x'_j - deq_j)^2` for a kept dim of an
+/// int8/int4 layout (`deq_j` the decoded value, section 6) and 0 for a kept f16 dim,
+/// and `T` is the energy of the truncated dims, `max(0, ||x||^2 - sum_{j <
 /// Dt} x'_j^2)` (R is orthogonal), and 0 when `Dt = D`. The kept set is
 /// section 5's, chosen on the f16-rounded values; the energies use the f64
 /// values before rounding.
 pub fn row_loss_terms(row: &[f32], rotated: &[f64], layout: &RecordLayout) -> (f64, f64) {
-    let (_, kept) = select_row(rotated, layout);
+    let (y, kept) = select_row(rotated, layout);
     let g = layout.group_size;
+    // Decoded kept values in ascending dim order (only quantized layouts use them).
+    let deq = if layout.dtype.is_quantized() {
+        dequantized_kept(&kept_values(&y, &kept, g), layout)
+    } else {
+        Vec::new()
+    };
+    let mut next = 0;
     let mut dropped = 0.0;
     let mut total = 0.0;
     for (j, &v) in rotated[..layout.kept_dims].iter().enumerate() {
@@ -57,6 +66,10 @@ pub fn row_loss_terms(row: &[f32], rotated: &[f64], layout: &RecordLayout) -> (f
         total += e;
         if !kept[j / g] {
             dropped += e;
+        } else if layout.dtype.is_quantized() {
+            let err = v - f64::from(deq[next]);
+            dropped += err * err;
+            next += 1;
         }
     }
     if layout.kept_dims < layout.head_dim {

@@ -127,6 +127,7 @@ impl CompressedCache {
                 for (side, rows) in [(&h.strategy.key, &h.keys), (&h.strategy.value, &h.values)] {
                     let l = &side.layout;
                     m.values += rows.count * l.value_bytes();
+                    m.scales += rows.count * l.scale_bytes();
                     m.bitmaps += rows.count * l.bitmap_bytes();
                     m.padding += rows.count * l.padding_bytes();
                     m.rotations += 4 * side.rotation.len();
@@ -153,6 +154,9 @@ pub struct MemoryReport {
     /// Retained K/V elements (or the dense f16 rows of an uncompressed cache).
     pub values: usize,
     pub bitmaps: usize,
+    /// Per-record value scales of int8/int4 sides (f16, 2 B per record; SPEC.md section 6).
+    #[serde(default)]
+    pub scales: usize,
     /// Record padding: zero bytes up to a multiple of 4 bytes per record (SPEC.md section 6).
     pub padding: usize,
     /// Block min/max metadata.
@@ -168,6 +172,7 @@ pub struct MemoryReport {
 impl MemoryReport {
     pub fn device_bytes(&self) -> usize {
         self.values
+            + self.scales
             + self.bitmaps
             + self.padding
             + self.block_meta

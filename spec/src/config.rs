@@ -1,6 +1,7 @@
 //! Shapes and the compression configuration (SPEC.md sections 1 and 2).
 
 use crate::error::{MosaicError, Result};
+use crate::layout::ValueDtype;
 use serde::{Deserialize, Serialize};
 
 /// Shape of one layer's cache and of the queries that read it.
@@ -106,6 +107,10 @@ pub struct CompressConfig {
     /// A generated segment at least `min_segment_len` long closes when its loss
     /// under the previous strategy exceeds that strategy's fit loss by more than this.
     pub segment_loss_margin: f64,
+    /// Element types the strategy may store retained values in (SPEC.md sections 6, 11.2):
+    /// `f16`, `int8`, `int4`. The loss-threshold policy tries every listed dtype; the fixed
+    /// policy uses the first.
+    pub value_dtypes: Vec<ValueDtype>,
 }
 
 impl Default for CompressConfig {
@@ -122,6 +127,7 @@ impl Default for CompressConfig {
             min_segment_len: 4_096,
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
+            value_dtypes: vec![ValueDtype::F16],
         }
     }
 }
@@ -209,6 +215,15 @@ impl CompressConfig {
             return bad(format!(
                 "segment_loss_margin {} must be >= 0",
                 self.segment_loss_margin
+            ));
+        }
+        if self.value_dtypes.is_empty()
+            || (1..self.value_dtypes.len())
+                .any(|i| self.value_dtypes[..i].contains(&self.value_dtypes[i]))
+        {
+            return bad(format!(
+                "value_dtypes {:?} must be non-empty without repeats",
+                self.value_dtypes
             ));
         }
         let check_g = |g: usize| -> Result<()> {
@@ -300,5 +315,35 @@ mod tests {
             CompressConfig::from_json("{}").unwrap().min_segment_len,
             4_096
         );
+    }
+
+    #[test]
+    fn value_dtypes_parse_default_and_validate() {
+        assert_eq!(
+            CompressConfig::default().value_dtypes,
+            vec![ValueDtype::F16]
+        );
+        assert_eq!(
+            CompressConfig::paper_fixed().value_dtypes,
+            vec![ValueDtype::F16]
+        );
+        let cfg =
+            CompressConfig::from_json(r#"{"value_dtypes": ["int4", "int8", "f16"]}"#).unwrap();
+        assert_eq!(
+            cfg.value_dtypes,
+            vec![ValueDtype::Int4, ValueDtype::Int8, ValueDtype::F16]
+        );
+        cfg.validate(64).unwrap();
+        assert!(CompressConfig::from_json(r#"{"value_dtypes": ["int3"]}"#).is_err());
+        for bad in [vec![], vec![ValueDtype::Int8, ValueDtype::Int8]] {
+            let cfg = CompressConfig {
+                value_dtypes: bad,
+                ..CompressConfig::default()
+            };
+            assert!(matches!(
+                cfg.validate(64),
+                Err(MosaicError::InvalidConfig(_))
+            ));
+        }
     }
 }

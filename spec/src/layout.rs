@@ -4,26 +4,70 @@ use crate::error::{MosaicError, Result};
 use half::f16;
 use serde::{Deserialize, Serialize};
 
-/// Element type of the retained values in a packed record.
+/// Element type of the retained values in a packed record (SPEC.md section 6).
 ///
-/// Only `F16` exists today; the tag is stored so quantized values can come later
-/// without a format break.
+/// `F16` stores each kept value as IEEE binary16. `Int8` and `Int4` store per record the
+/// smallest kept value `m` and a scale `s` (both f16) and per kept value an unsigned code
+/// (`[0, 255]`, `[0, 15]`), written by [`quantize_values`]; the decoded value is
+/// `m + code * s` rounded once to f32 ([`dequantize`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[repr(u8)]
 pub enum ValueDtype {
     F16 = 1,
+    Int8 = 2,
+    Int4 = 3,
 }
 
 impl ValueDtype {
-    pub const fn size_bytes(self) -> usize {
+    /// Every dtype, in tag order.
+    pub const ALL: [ValueDtype; 3] = [ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4];
+
+    /// Bytes of `r` stored values (SPEC.md section 6): `2 r` (f16), `r` (int8),
+    /// `ceil(r / 2)` (int4, two codes per byte).
+    pub const fn values_bytes(self, r: usize) -> usize {
         match self {
-            ValueDtype::F16 => 2,
+            ValueDtype::F16 => 2 * r,
+            ValueDtype::Int8 => r,
+            ValueDtype::Int4 => r.div_ceil(2),
+        }
+    }
+
+    /// Bytes of the per-record minimum and scale: 0 (f16), 4 (two f16, int8 and int4).
+    pub const fn scale_bytes(self) -> usize {
+        match self {
+            ValueDtype::F16 => 0,
+            ValueDtype::Int8 | ValueDtype::Int4 => 4,
+        }
+    }
+
+    /// Largest code: 255 (int8), 15 (int4); 0 for f16 (not quantized).
+    pub const fn qmax(self) -> u32 {
+        match self {
+            ValueDtype::F16 => 0,
+            ValueDtype::Int8 => 255,
+            ValueDtype::Int4 => 15,
+        }
+    }
+
+    pub const fn is_quantized(self) -> bool {
+        !matches!(self, ValueDtype::F16)
+    }
+
+    /// The name used in configuration files and reports: `f16`, `int8`, `int4`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ValueDtype::F16 => "f16",
+            ValueDtype::Int8 => "int8",
+            ValueDtype::Int4 => "int4",
         }
     }
 
     pub fn from_tag(tag: u8) -> Result<Self> {
         match tag {
             1 => Ok(ValueDtype::F16),
+            2 => Ok(ValueDtype::Int8),
+            3 => Ok(ValueDtype::Int4),
             t => Err(MosaicError::CorruptPacked(format!(
                 "unknown value dtype tag {t}"
             ))),
@@ -31,9 +75,115 @@ impl ValueDtype {
     }
 }
 
+/// SPEC.md section 6: the scale of a quantized record from the range `a = M - m` of its kept
+/// f16 values (exact in f64): the smallest f16 `s > 0` with `qmax * s >= a` (exact: `qmax * s`
+/// of an f16 is exact in f64), found from the nearest f16 to `a / qmax` and corrected by whole
+/// f16 steps; `a = 0` gives 0. `a <= 2 * 65504` (the values are finite f16), so
+/// `s <= 131008 / 15` never overflows.
+pub fn quant_scale(a: f64, qmax: u32) -> f16 {
+    if a <= 0.0 {
+        return f16::ZERO;
+    }
+    let q = f64::from(qmax);
+    let mut s = f16::from_f64(a / q);
+    // `from_f64` may round twice (through f32); either way it is within a step or two of
+    // the answer, and these loops make it exactly the smallest f16 with `qmax * s >= a`.
+    while q * s.to_f64() < a {
+        s = f16::from_bits(s.to_bits() + 1);
+    }
+    while s.to_bits() > 0 && q * f16::from_bits(s.to_bits() - 1).to_f64() >= a {
+        s = f16::from_bits(s.to_bits() - 1);
+    }
+    s
+}
+
+/// A quantized record's offset and step (SPEC.md section 6): decoded value `m + code * s`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuantParams {
+    /// The smallest kept f16 value of the record.
+    pub min: f16,
+    /// The step, [`quant_scale`] of the record's range.
+    pub scale: f16,
+}
+
+/// SPEC.md section 6: the decoded value of `code`: `m + code * s` in f32, rounded once
+/// (`code * s` is exact in f32: at most 8 + 11 significant bits), so a fused multiply-add
+/// gives the same float.
+#[inline]
+pub fn dequantize(p: QuantParams, code: u8) -> f32 {
+    p.min.to_f32() + f32::from(code) * p.scale.to_f32()
+}
+
+/// SPEC.md section 6: the quantized form of a record's kept f16 values `y` (finite):
+/// `m = min_i y_i`, `M = max_i y_i`, the scale `s` of [`quant_scale`] for `a = M - m`
+/// (f64, exact), and the codes `c_i = round_half_even((y_i - m) / s)` (f64; `y_i - m` is
+/// exact), clamped to `[0, qmax]` (never needed: `0 <= y_i - m <= a <= qmax * s`); all codes 0
+/// when `s = 0`. `qmax` from the dtype (int8 or int4). This is the one implementation every
+/// host backend calls, like [`BlockMeta::push_block`].
+pub fn quantize_values(y: &[f16], dtype: ValueDtype, codes: &mut [u8]) -> QuantParams {
+    debug_assert!(dtype.is_quantized() && codes.len() == y.len());
+    let qmax = dtype.qmax();
+    let lo = y.iter().fold(f64::INFINITY, |a, v| a.min(v.to_f64()));
+    let hi = y.iter().fold(f64::NEG_INFINITY, |a, v| a.max(v.to_f64()));
+    if y.is_empty() {
+        return QuantParams {
+            min: f16::ZERO,
+            scale: f16::ZERO,
+        };
+    }
+    // `lo` is one of the f16 values (exact); +0 for a zero minimum, so a record never stores -0.
+    let min = f16::from_f64(lo + 0.0);
+    let scale = quant_scale(hi - lo, qmax);
+    if scale.to_bits() == 0 {
+        codes.fill(0);
+    } else {
+        let sd = scale.to_f64();
+        let q = f64::from(qmax);
+        for (c, v) in codes.iter_mut().zip(y) {
+            *c = ((v.to_f64() - lo) / sd).round_ties_even().clamp(0.0, q) as u8;
+        }
+    }
+    QuantParams { min, scale }
+}
+
+/// SPEC.md section 6: writes a quantized record's minimum, scale and codes at `out[0..]`:
+/// `m` and `s` as f16 little-endian, then the codes: int8 one byte each, int4 two per byte
+/// (code `i` in byte `i / 2`, the low nibble for even `i`, the high nibble for odd `i`; an odd
+/// `r` leaves the last high nibble 0).
+pub fn write_quantized(dtype: ValueDtype, p: QuantParams, codes: &[u8], out: &mut [u8]) {
+    out[..2].copy_from_slice(&p.min.to_le_bytes());
+    out[2..4].copy_from_slice(&p.scale.to_le_bytes());
+    let v = &mut out[4..];
+    match dtype {
+        ValueDtype::Int8 => v[..codes.len()].copy_from_slice(codes),
+        ValueDtype::Int4 => {
+            for (i, &c) in codes.iter().enumerate() {
+                let nib = c & 0x0f;
+                if i % 2 == 0 {
+                    v[i / 2] = nib;
+                } else {
+                    v[i / 2] |= nib << 4;
+                }
+            }
+        }
+        ValueDtype::F16 => unreachable!("f16 records have no scale"),
+    }
+}
+
+/// Reads code `i` of a quantized record's code bytes `v` (after the minimum and scale).
+#[inline]
+pub fn read_code(dtype: ValueDtype, v: &[u8], i: usize) -> u8 {
+    match dtype {
+        ValueDtype::Int8 => v[i],
+        ValueDtype::Int4 => (v[i / 2] >> (4 * (i % 2))) & 0x0f,
+        ValueDtype::F16 => unreachable!("f16 records have no codes"),
+    }
+}
+
 /// Byte layout of one packed K or V record (SPEC.md section 6): a bitmap of
-/// `ceil(groups / 32)` little-endian `u32` words, then `r` values in ascending
-/// channel order, then zero padding up to a multiple of 4 bytes.
+/// `ceil(groups / 32)` little-endian `u32` words, then (int8 and int4) the f16 minimum and
+/// scale, then
+/// `r` values in ascending channel order, then zero padding up to a multiple of 4 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RecordLayout {
     /// Full head dimension D.
@@ -58,26 +208,33 @@ pub const fn bitmap_words_for(groups: usize) -> usize {
     groups.div_ceil(64)
 }
 
-/// Size in bytes of one record: bitmap, values, padding to 4 bytes.
+/// Size in bytes of one record: bitmap, scale, values, padding to 4 bytes.
 pub const fn record_bytes_for(
     kept_dims: usize,
     r: usize,
     group_size: usize,
-    value_size: usize,
+    dtype: ValueDtype,
 ) -> usize {
-    let raw = bitmap_bytes_for(kept_dims / group_size) + r * value_size;
+    let raw =
+        bitmap_bytes_for(kept_dims / group_size) + dtype.scale_bytes() + dtype.values_bytes(r);
     raw.div_ceil(4) * 4
 }
 
 // The paper's example (SPEC.md section 6): D = 128 with the bottom 25 % truncated
 // (96 eligible channels), g = 1, r = 32, f16: 12 B bitmap + 64 B values = 76 B.
-const _: () = assert!(record_bytes_for(96, 32, 1, 2) == 76);
+const _: () = assert!(record_bytes_for(96, 32, 1, ValueDtype::F16) == 76);
 // No truncation: 128 channels, r = 32: 16 + 64 = 80 B.
-const _: () = assert!(record_bytes_for(128, 32, 1, 2) == 80);
+const _: () = assert!(record_bytes_for(128, 32, 1, ValueDtype::F16) == 80);
 // D = 64, 48 eligible, r = 16: 8 B bitmap + 32 B values.
-const _: () = assert!(record_bytes_for(48, 16, 1, 2) == 40);
+const _: () = assert!(record_bytes_for(48, 16, 1, ValueDtype::F16) == 40);
 // Odd sizes pad: D = 80, 60 eligible, r = 9 -> 8 + 18 = 26 -> 28.
-const _: () = assert!(record_bytes_for(60, 9, 1, 2) == 28);
+const _: () = assert!(record_bytes_for(60, 9, 1, ValueDtype::F16) == 28);
+// int8, D = 128, r = 64: 16 B bitmap + 4 B minimum and scale + 64 B codes = 84 B (f16: 144 B).
+const _: () = assert!(record_bytes_for(128, 64, 1, ValueDtype::Int8) == 84);
+// int4, D = 64, r = 48: 8 B bitmap + 4 B + 24 B codes = 36 B (f16: 104 B).
+const _: () = assert!(record_bytes_for(64, 48, 1, ValueDtype::Int4) == 36);
+// int4 with an odd r: D = 64, r = 9: 8 + 4 + 5 = 17 -> 20 B.
+const _: () = assert!(record_bytes_for(64, 9, 1, ValueDtype::Int4) == 20);
 
 impl RecordLayout {
     /// Checks the layout's invariants (SPEC.md section 6).
@@ -118,19 +275,23 @@ impl RecordLayout {
     pub fn bitmap_bytes(&self) -> usize {
         bitmap_bytes_for(self.groups())
     }
+    /// Bytes of the stored values (codes for int8/int4, without the scale).
     pub fn value_bytes(&self) -> usize {
-        self.r * self.dtype.size_bytes()
+        self.dtype.values_bytes(self.r)
+    }
+    /// Bytes of the per-record minimum and scale (0 for f16, 4 for int8/int4).
+    pub fn scale_bytes(&self) -> usize {
+        self.dtype.scale_bytes()
+    }
+    /// Offset of the first stored value: after the bitmap, the minimum and the scale.
+    pub fn values_offset(&self) -> usize {
+        self.bitmap_bytes() + self.scale_bytes()
     }
     pub fn record_bytes(&self) -> usize {
-        record_bytes_for(
-            self.kept_dims,
-            self.r,
-            self.group_size,
-            self.dtype.size_bytes(),
-        )
+        record_bytes_for(self.kept_dims, self.r, self.group_size, self.dtype)
     }
     pub fn padding_bytes(&self) -> usize {
-        self.record_bytes() - self.bitmap_bytes() - self.value_bytes()
+        self.record_bytes() - self.bitmap_bytes() - self.scale_bytes() - self.value_bytes()
     }
 }
 
@@ -143,7 +304,8 @@ pub struct SideStrategy {
     /// direction; a row x is stored as `x'_j = (R^T x)_j`, `j < Dt`. The truncated columns
     /// are never used after the fit, so they are not stored.
     pub rotation: Vec<f32>,
-    /// Relative dropped energy of the rows this strategy was fitted on (SPEC.md section 10).
+    /// Relative dropped energy (with the quantization error of an int8/int4 layout) of the
+    /// rows this strategy was fitted on (SPEC.md sections 10, 11.1).
     pub fit_loss: f64,
 }
 
@@ -196,8 +358,10 @@ impl PackedRows {
     }
 
     /// Checks the byte length and, for every record, the bitmap invariants
-    /// (popcount = r/g, no bit past the last group, zero padding). Values are
-    /// not checked here: a non-finite value is caught where it is decoded.
+    /// (popcount = r/g, no bit past the last group, zero padding) and, for int8/int4, the
+    /// minimum and scale (finite, not -0, scale >= 0), zero codes under a zero scale and a
+    /// zero unused nibble. f16 values are not checked here: a non-finite value is caught
+    /// where it is decoded.
     pub fn validate(&self, layout: &RecordLayout) -> Result<()> {
         let rb = layout.record_bytes();
         if self.bytes.len() != self.count * rb {
@@ -248,6 +412,16 @@ pub fn record_value(layout: &RecordLayout, record: &[u8], i: usize) -> f16 {
     f16::from_le_bytes([record[o], record[o + 1]])
 }
 
+/// The minimum and scale of a quantized record (int8/int4 layout): the two f16 after the bitmap.
+#[inline]
+pub fn record_quant(layout: &RecordLayout, record: &[u8]) -> QuantParams {
+    let o = layout.bitmap_bytes();
+    QuantParams {
+        min: f16::from_le_bytes([record[o], record[o + 1]]),
+        scale: f16::from_le_bytes([record[o + 2], record[o + 3]]),
+    }
+}
+
 fn check_record(layout: &RecordLayout, rec: &[u8]) -> std::result::Result<(), String> {
     let groups = layout.groups();
     let mut ones = 0usize;
@@ -265,7 +439,25 @@ fn check_record(layout: &RecordLayout, rec: &[u8]) -> std::result::Result<(), St
             layout.kept_groups()
         ));
     }
-    let pad_start = layout.bitmap_bytes() + layout.value_bytes();
+    if layout.dtype.is_quantized() {
+        let p = record_quant(layout, rec);
+        if !(p.scale.is_finite() && p.scale.to_bits() & 0x8000 == 0) {
+            return Err(format!("scale {} is not finite and >= +0", p.scale));
+        }
+        if !p.min.is_finite() || p.min.to_bits() == 0x8000 {
+            return Err(format!("minimum {} is not finite (or is -0)", p.min));
+        }
+        let v = &rec[layout.values_offset()..];
+        for i in 0..layout.r {
+            if p.scale.to_bits() == 0 && read_code(layout.dtype, v, i) != 0 {
+                return Err(format!("code {i} is non-zero under a zero scale"));
+            }
+        }
+        if layout.dtype == ValueDtype::Int4 && layout.r % 2 == 1 && v[layout.r / 2] >> 4 != 0 {
+            return Err("non-zero unused nibble".into());
+        }
+    }
+    let pad_start = layout.values_offset() + layout.value_bytes();
     if rec[pad_start..].iter().any(|&b| b != 0) {
         return Err("non-zero padding".into());
     }
@@ -499,5 +691,133 @@ mod tests {
         let mut m = BlockMeta::empty(4, 2);
         m.push_block(&[-2.0, 0.5], &[1.0, 0.5], 4);
         assert_eq!((m.min[0], m.max[1]), (-127, 32));
+    }
+
+    /// SPEC.md section 6 quantization: `m` is the smallest value, the scale the smallest f16
+    /// with `qmax * s >= M - m`, every code the nearest (ties to even) to `(y - m) / s`, so the
+    /// decoded `m + code * s` is within `s / 2` (plus its one f32 rounding) of the f16 value;
+    /// the bytes read back and pass the record check.
+    #[test]
+    fn quantized_values_round_trip_within_half_a_step() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for case in 0..3000 {
+            let dtype = [ValueDtype::Int8, ValueDtype::Int4][case % 2];
+            let r = 1 + (next() % 40) as usize;
+            let mag = [6e-8f32, 1e-4, 0.3, 7.0, 900.0, 65504.0][case % 6];
+            let shift = if case % 3 == 0 { mag * 0.5 } else { 0.0 };
+            let y: Vec<f16> = (0..r)
+                .map(|_| {
+                    let n = next();
+                    let x = ((n % 20001) as f32 / 10000.0 - 1.0) * mag + shift;
+                    f16::from_f32(if n % 11 == 0 {
+                        0.0
+                    } else {
+                        x.clamp(-65504.0, 65504.0)
+                    })
+                })
+                .collect();
+            let mut codes = vec![0u8; r];
+            let p = quantize_values(&y, dtype, &mut codes);
+            let q = f64::from(dtype.qmax());
+            let lo = y.iter().fold(f64::INFINITY, |a, v| a.min(v.to_f64()));
+            let hi = y.iter().fold(f64::NEG_INFINITY, |a, v| a.max(v.to_f64()));
+            assert_eq!(p.min.to_f64(), lo);
+            let sd = p.scale.to_f64();
+            assert!(q * sd >= hi - lo, "case {case}");
+            if hi > lo {
+                let below = f16::from_bits(p.scale.to_bits() - 1).to_f64();
+                assert!(q * below < hi - lo, "case {case}: scale not the smallest");
+            } else {
+                assert_eq!(p.scale.to_bits(), 0);
+            }
+            for (&c, v) in codes.iter().zip(&y) {
+                assert!(u32::from(c) <= dtype.qmax());
+                let deq = f64::from(dequantize(p, c));
+                let exact = lo + f64::from(c) * sd;
+                assert!(
+                    (deq - exact).abs() <= exact.abs() * 2f64.powi(-24),
+                    "one f32 rounding"
+                );
+                assert!(
+                    (deq - v.to_f64()).abs() <= sd / 2.0 + exact.abs() * 2f64.powi(-24),
+                    "case {case}"
+                );
+            }
+            let layout = RecordLayout {
+                head_dim: 64,
+                kept_dims: 64,
+                r,
+                group_size: 1,
+                dtype,
+            };
+            let mut rec = vec![0u8; layout.record_bytes()];
+            for k in 0..r {
+                rec[k / 8] |= 1 << (k % 8);
+            }
+            write_quantized(dtype, p, &codes, &mut rec[layout.bitmap_bytes()..]);
+            check_record(&layout, &rec).unwrap();
+            assert_eq!(record_quant(&layout, &rec), p);
+            let v = &rec[layout.values_offset()..];
+            for (i, &c) in codes.iter().enumerate() {
+                assert_eq!(read_code(dtype, v, i), c);
+            }
+        }
+        // Ties go to even: with m = 0 and s = 1 (int4, M = 15), 2.5 -> 2 and 3.5 -> 4.
+        let y = [15.0f32, 2.5, 3.5, 0.0].map(f16::from_f32);
+        let mut c = [0u8; 4];
+        let p = quantize_values(&y, ValueDtype::Int4, &mut c);
+        assert_eq!((p.min.to_f32(), p.scale.to_f32()), (0.0, 1.0));
+        assert_eq!(c, [15, 2, 4, 0]);
+        // A -0 minimum is stored as +0.
+        let p = quantize_values(&[f16::NEG_ZERO, f16::ONE], ValueDtype::Int8, &mut [0; 2]);
+        assert_eq!(p.min.to_bits(), 0);
+    }
+
+    /// A quantized record with a code under a zero scale, a negative or non-finite scale, a
+    /// non-finite or -0 minimum, or a set unused nibble is rejected.
+    #[test]
+    fn bad_quantized_records_are_rejected() {
+        let layout = |dtype, r| RecordLayout {
+            head_dim: 8,
+            kept_dims: 8,
+            r,
+            group_size: 1,
+            dtype,
+        };
+        let good = |l: &RecordLayout| {
+            let mut rec = vec![0u8; l.record_bytes()];
+            rec[0] = (1u16 << l.r).wrapping_sub(1) as u8;
+            rec[6..8].copy_from_slice(&f16::ONE.to_le_bytes());
+            rec
+        };
+        let i8l = layout(ValueDtype::Int8, 3);
+        let i4l = layout(ValueDtype::Int4, 3);
+        check_record(&i8l, &good(&i8l)).unwrap();
+        check_record(&i4l, &good(&i4l)).unwrap();
+        let mut r = good(&i4l);
+        r[9] = 0xff; // any code is valid, but the unused high nibble of code 3's byte is not
+        assert!(check_record(&i4l, &r).is_err());
+        r[9] = 0x0f;
+        check_record(&i4l, &r).unwrap();
+        let mut r = good(&i8l);
+        r[6..8].copy_from_slice(&f16::ZERO.to_le_bytes());
+        r[9] = 1; // a code under a zero scale
+        assert!(check_record(&i8l, &r).is_err());
+        for bad in [f16::NEG_ONE, f16::INFINITY, f16::NAN, f16::NEG_ZERO] {
+            let mut r = good(&i8l);
+            r[6..8].copy_from_slice(&bad.to_le_bytes());
+            assert!(check_record(&i8l, &r).is_err(), "scale {bad}");
+        }
+        for bad in [f16::INFINITY, f16::NAN, f16::NEG_ZERO] {
+            let mut r = good(&i8l);
+            r[4..6].copy_from_slice(&bad.to_le_bytes());
+            assert!(check_record(&i8l, &r).is_err(), "min {bad}");
+        }
     }
 }

@@ -134,10 +134,12 @@ pub fn prompt_segments(
 }
 
 /// SPEC.md section 11.2: the candidate record layouts of a policy for
-/// `head_dim`, in policy order (group sizes outer, retentions inner) with
-/// duplicates removed: `r = min(Dt_g, ceil_g(f * D))`, `Dt_g` from section 4.
+/// `head_dim`, in policy order (value dtypes outer, then group sizes, then
+/// retentions) with duplicates removed: `r = min(Dt_g, ceil_g(f * D))`, `Dt_g`
+/// from section 4. The fixed policy has one candidate, in the first of
+/// `value_dtypes`.
 pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout> {
-    let layout = |f: f64, g: usize| {
+    let layout = |f: f64, g: usize, dtype: ValueDtype| {
         let kept_dims = config.kept_dims(head_dim, g);
         let r = ceil_to((f * head_dim as f64).ceil() as usize, g).min(kept_dims);
         RecordLayout {
@@ -145,7 +147,7 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
             kept_dims,
             r,
             group_size: g,
-            dtype: ValueDtype::F16,
+            dtype,
         }
     };
     let mut out: Vec<RecordLayout> = Vec::new();
@@ -158,15 +160,25 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
         ChannelPolicy::Fixed {
             retention,
             group_size,
-        } => push(layout(*retention, *group_size)),
+        } => push(layout(
+            *retention,
+            *group_size,
+            config
+                .value_dtypes
+                .first()
+                .copied()
+                .unwrap_or(ValueDtype::F16),
+        )),
         ChannelPolicy::LossThreshold {
             retentions,
             group_sizes,
             ..
         } => {
-            for &g in group_sizes {
-                for &f in retentions {
-                    push(layout(f, g));
+            for &dtype in &config.value_dtypes {
+                for &g in group_sizes {
+                    for &f in retentions {
+                        push(layout(f, g, dtype));
+                    }
                 }
             }
         }
@@ -393,5 +405,42 @@ mod tests {
     fn signed_zero_scores_tie() {
         assert_eq!(score_order(0.0, -0.0), std::cmp::Ordering::Equal);
         assert_eq!(score_order(1.0, 0.0), std::cmp::Ordering::Less);
+    }
+
+    /// SPEC.md section 11.2: value dtypes are the outer loop of the candidates (config
+    /// order), the fixed policy takes the first dtype, and byte order prefers a quantized
+    /// layout whose loss passes.
+    #[test]
+    fn candidates_per_dtype() {
+        let cfg = CompressConfig {
+            value_dtypes: vec![ValueDtype::Int4, ValueDtype::F16],
+            ..CompressConfig::default()
+        };
+        let c = candidates(&cfg, 64);
+        let plain = candidates(&CompressConfig::default(), 64);
+        assert_eq!(c.len(), 2 * plain.len());
+        for (i, l) in c.iter().enumerate() {
+            let want = if i < plain.len() {
+                ValueDtype::Int4
+            } else {
+                ValueDtype::F16
+            };
+            assert_eq!(l.dtype, want);
+            let p = &plain[i % plain.len()];
+            assert_eq!(
+                (l.r, l.group_size, l.kept_dims),
+                (p.r, p.group_size, p.kept_dims)
+            );
+        }
+        // Equal losses: the int4 layout of the same (r, g) has fewer bytes and wins.
+        let losses = vec![0.001; c.len()];
+        let k = choose_candidate(&c, &losses, Side::Key, &cfg);
+        assert_eq!(c[k].dtype, ValueDtype::Int4);
+        let fixed = CompressConfig {
+            value_dtypes: vec![ValueDtype::Int8, ValueDtype::F16],
+            ..CompressConfig::paper_fixed()
+        };
+        let f = candidates(&fixed, 64);
+        assert_eq!((f.len(), f[0].dtype), (1, ValueDtype::Int8));
     }
 }

@@ -57,22 +57,34 @@ fn packed(rng: &mut Rng, layout: &RecordLayout, count: usize) -> PackedRows {
         }
         let bb = layout.bitmap_bytes();
         rec[..bb].copy_from_slice(&word.to_le_bytes()[..bb]);
-        for i in 0..layout.r {
-            let v = f16::from_f32(rng.f32()).to_le_bytes();
-            rec[bb + 2 * i..bb + 2 + 2 * i].copy_from_slice(&v);
+        if layout.dtype.is_quantized() {
+            let q = layout.dtype.qmax() as usize;
+            let codes: Vec<u8> = (0..layout.r).map(|_| rng.below(q + 1) as u8).collect();
+            let p = mosaickv_spec::layout::QuantParams {
+                min: f16::from_f32(rng.f32()),
+                scale: f16::from_f32(rng.f32().abs() + 0.01),
+            };
+            mosaickv_spec::layout::write_quantized(layout.dtype, p, &codes, &mut rec[bb..]);
+        } else {
+            for i in 0..layout.r {
+                let v = f16::from_f32(rng.f32()).to_le_bytes();
+                rec[bb + 2 * i..bb + 2 + 2 * i].copy_from_slice(&v);
+            }
         }
     }
     PackedRows { count, bytes }
 }
 
 fn side(rng: &mut Rng, kept_dims: usize, r: usize, g: usize) -> SideStrategy {
+    // Every dtype occurs in the sample (SPEC.md section 6).
+    let dtype = ValueDtype::ALL[rng.below(3)];
     SideStrategy {
         layout: RecordLayout {
             head_dim: D,
             kept_dims,
             r,
             group_size: g,
-            dtype: ValueDtype::F16,
+            dtype,
         },
         rotation: (0..D * kept_dims).map(|_| rng.f32()).collect(),
         fit_loss: rng.f32().abs() as f64 / 7.0,
@@ -338,9 +350,34 @@ fn resigned_mutations_never_panic() {
 }
 
 #[test]
+fn sample_covers_every_dtype() {
+    let (cache, _, _) = sample();
+    for dtype in ValueDtype::ALL {
+        assert!(
+            cache.segments.iter().flat_map(|s| &s.heads).any(|h| {
+                h.strategy.key.layout.dtype == dtype || h.strategy.value.layout.dtype == dtype
+            }),
+            "{dtype:?} missing from the sample"
+        );
+    }
+    let m = cache.memory();
+    assert!(m.scales > 0 && m.scales % 2 == 0);
+}
+
+#[test]
 fn other_version_is_named() {
     let (cache, hk, hv) = sample();
     let mut b = save(&cache, &hk, &hv);
+    // Version 3 (no quantized dtypes): the file today's f16 caches would have been with the
+    // old code differs only in the version field, and it is refused by name, not misread.
+    assert_eq!(FORMAT_VERSION, 4);
+    b[8..12].copy_from_slice(&3u32.to_le_bytes());
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("unsupported format version 3")),
+        "{e}"
+    );
     // Version 2 (u64 bitmap words, D x D rotations) is refused by name.
     b[8..12].copy_from_slice(&2u32.to_le_bytes());
     resign(&mut b);

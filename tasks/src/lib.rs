@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod stats;
 pub mod words;
 
 use std::collections::BTreeSet;

@@ -43,7 +43,8 @@ struct Args {
     error_samples: usize,
     /// Methods to run (full,quest,mosaic; also mosaic-vblocks: the same 10 % tokens and 25 %
     /// channels with the default block-size rule, blocks of 16/32/64 by key variance, SPEC
-    /// 11.3); the speedup columns need full and quest.
+    /// 11.3; mosaic-int8 and mosaic-int4: paper_fixed() with int8 / int4 retained values, SPEC
+    /// 6); the speedup columns need full and quest.
     #[arg(long, value_delimiter = ',', default_value = "full,quest,mosaic")]
     methods: Vec<String>,
     /// Bytes of the bandwidth probe buffer.
@@ -241,6 +242,21 @@ fn main() {
             let (mut m, build) = build_mosaic("mosaic-vblocks", cfg);
             let b = mosaic_bytes(&m, &base[0]);
             run("mosaic-vblocks", &mut m, build, b, &mut rows);
+        }
+        // paper_fixed() with its retained values stored as int8 / int4 (SPEC.md section 6).
+        for (name, dtype) in [
+            ("mosaic-int8", mosaickv_spec::ValueDtype::Int8),
+            ("mosaic-int4", mosaickv_spec::ValueDtype::Int4),
+        ] {
+            if want(name) {
+                let cfg = CompressConfig {
+                    value_dtypes: vec![dtype],
+                    ..CompressConfig::paper_fixed()
+                };
+                let (mut m, build) = build_mosaic(name, cfg);
+                let b = mosaic_bytes(&m, &base[0]);
+                run(name, &mut m, build, b, &mut rows);
+            }
         }
         if !want("mosaic") {
             continue;

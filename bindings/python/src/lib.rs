@@ -332,6 +332,8 @@ fn side_dict<'py>(py: Python<'py>, s: &SideStrategy) -> PyResult<Bound<'py, PyDi
         "dtype",
         match l.dtype {
             ValueDtype::F16 => "float16",
+            ValueDtype::Int8 => "int8",
+            ValueDtype::Int4 => "int4",
         },
     )?;
     d.set_item("kept_dims", l.kept_dims)?;

@@ -2,19 +2,21 @@
 //!
 //! Each sequence brings its own token, RoPE position and per-layer caches (so its own method and
 //! length). Per layer, the weight products run once for the whole batch
-//! ([`crate::quant::QMatrix::matmul_batch`]: each weight row is read once per step, not once per
-//! sequence), and the attention of every sequence runs in one rayon pass over the sequences, each
+//! ([`crate::quant::RowStack::matmul_batch`]: each Q4_1/Q8_0 weight row is read once per step,
+//! not once per sequence; Q4_K/Q6_K matrices go through candle's QMatMul once on the
+//! `[batch, cols]` activations), with the model's own rules as in single decode (Q/K/V biases
+//! when the architecture has them, its RoPE pairing), and the attention of every sequence runs in one rayon pass over the sequences, each
 //! cache splitting its own work over (KV head, token span) items as in single decode. Every
 //! per-sequence operation is the one [`Model::decode_step`] runs, in the same order, so a
 //! sequence's logits in a batch equal its logits decoded alone bit for bit.
 
 use super::decode::rms_norm_into;
-use super::Model;
+use super::{rotate_head, Model};
 use crate::kv::LayerKv;
 use crate::quant::QVec;
 use crate::{EngineError, Result};
 use candle_core::Tensor;
-use ndarray::{Array2, ArrayView2};
+use ndarray::{ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
 /// One sequence of a batched decode step: the token to run at RoPE position `pos` against
@@ -32,7 +34,6 @@ impl Model {
     /// K/V in some layers; the caller drops them), the others go on.
     pub fn decode_batch(&self, batch: &mut [BatchSeq<'_>]) -> Vec<Result<Vec<f32>>> {
         let c = &self.cfg;
-        let n = batch.len();
         let mut errors: Vec<Option<EngineError>> = batch
             .iter()
             .map(|s| {
@@ -52,6 +53,55 @@ impl Model {
                 }
             })
             .collect();
+        // residual streams [n, hidden]; a failed sequence runs token 0 (its rows are discarded)
+        let tokens: Vec<u32> = batch
+            .iter()
+            .zip(&errors)
+            .map(|(s, e)| if e.is_some() { 0 } else { s.token })
+            .collect();
+        let mut xs = match self
+            .embed_tokens(&tokens)
+            .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+        {
+            Ok(v) => v,
+            Err(err) => {
+                let msg = err.to_string();
+                return batch
+                    .iter()
+                    .map(|_| Err(EngineError::Invalid(format!("embedding: {msg}"))))
+                    .collect();
+            }
+        };
+        match self.decode_batch_layers(batch, &mut errors, &mut xs) {
+            Ok(logits) => errors
+                .into_iter()
+                .zip(logits.chunks_exact(c.vocab))
+                .map(|(e, l)| match e {
+                    Some(e) => Err(e),
+                    None => Ok(l.to_vec()),
+                })
+                .collect(),
+            Err(err) => {
+                let msg = err.to_string();
+                batch
+                    .iter()
+                    .map(|_| Err(EngineError::Invalid(format!("batched product: {msg}"))))
+                    .collect()
+            }
+        }
+    }
+
+    /// The layers and the LM head of [`Model::decode_batch`] on the residual streams `xs`
+    /// (`[n, hidden]`); records per-sequence cache errors in `errors`. Returns the logits
+    /// `[n, vocab]`; an error of a weight product (candle's) fails the whole step.
+    fn decode_batch_layers(
+        &self,
+        batch: &mut [BatchSeq<'_>],
+        errors: &mut [Option<EngineError>],
+        xs: &mut [f32],
+    ) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let n = batch.len();
         let (qd, kvd, hd, d) = (
             c.q_heads * c.head_dim,
             c.kv_heads * c.head_dim,
@@ -59,26 +109,6 @@ impl Model {
             c.head_dim,
         );
         let eps = c.rms_eps as f32;
-        // residual streams [n][hidden]; a failed sequence runs token 0 (its rows are discarded)
-        let mut xs: Vec<Vec<f32>> = Vec::with_capacity(n);
-        for (s, e) in batch.iter().zip(&errors) {
-            let token = if e.is_some() { 0 } else { s.token as usize };
-            match self
-                .embed
-                .narrow(0, token, 1)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-            {
-                Ok(v) => xs.push(v),
-                Err(err) => {
-                    let msg = err.to_string();
-                    return batch
-                        .iter()
-                        .map(|_| Err(EngineError::Invalid(format!("embedding: {msg}"))))
-                        .collect();
-                }
-            }
-        }
         // RoPE angles per sequence, as in the single step
         let angles: Vec<Vec<(f32, f32)>> = batch
             .iter()
@@ -94,32 +124,37 @@ impl Model {
             .collect();
         let rope = |v: &mut [f32], cs: &[(f32, f32)]| {
             for head in v.chunks_exact_mut(d) {
-                for (i, &(co, si)) in cs.iter().enumerate() {
-                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = x0 * co - x1 * si;
-                    head[2 * i + 1] = x0 * si + x1 * co;
-                }
+                rotate_head(head, cs, c.rope);
             }
         };
-        let mut h = vec![0f32; hd];
+        let mut h = vec![0f32; n * hd];
         let mut xq: Vec<QVec> = vec![QVec::default(); n];
         let mut qkv = vec![0f32; n * (qd + 2 * kvd)];
         let mut tmp = vec![0f32; n * hd];
         let mut gu = vec![0f32; n * 2 * c.ffn];
-        let mut act = vec![0f32; c.ffn];
-        let mut outs: Vec<Array2<f32>> = (0..n).map(|_| Array2::zeros((c.q_heads, d))).collect();
+        let mut act = vec![0f32; n * c.ffn];
+        let mut att = vec![0f32; n * qd];
+        // rms_norm of every row of `xs` into `h`, each row quantized into `xq`
+        let norm = |xs: &[f32], w: &[f32], h: &mut [f32], xq: &mut [QVec]| {
+            for ((x, h), q) in xs.chunks_exact(hd).zip(h.chunks_exact_mut(hd)).zip(xq) {
+                rms_norm_into(x, w, eps, h);
+                q.quantize(h);
+            }
+        };
         for (layer, l) in self.layers.iter().enumerate() {
             let ql = &l.q;
-            for (x, q) in xs.iter().zip(xq.iter_mut()) {
-                rms_norm_into(x, &ql.attn_norm, eps, &mut h);
-                q.quantize(&h);
+            norm(xs, &ql.attn_norm, &mut h, &mut xq);
+            ql.wqkv.matmul_batch(&h, &xq, &mut qkv)?;
+            if let Some(b) = &ql.bqkv {
+                for row in qkv.chunks_exact_mut(qd + 2 * kvd) {
+                    row.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                }
             }
-            ql.wqkv.matmul_batch(&xq, &mut qkv);
             // append + attend of every sequence in one parallel pass
             let results: Vec<std::result::Result<(), String>> = batch
                 .par_iter_mut()
                 .zip(qkv.par_chunks_mut(qd + 2 * kvd))
-                .zip(outs.par_iter_mut())
+                .zip(att.par_chunks_mut(qd))
                 .zip(angles.par_iter())
                 .zip(errors.par_iter())
                 .map(|((((s, row), out), cs), err)| {
@@ -138,7 +173,7 @@ impl Model {
                     )?;
                     cache.attend(
                         ArrayView2::from_shape((c.q_heads, d), q).expect("shape"),
-                        out.view_mut(),
+                        ArrayViewMut2::from_shape((c.q_heads, d), out).expect("shape"),
                     )
                 })
                 .collect();
@@ -147,44 +182,31 @@ impl Model {
                     *e = Some(EngineError::Cache { layer, message });
                 }
             }
-            for (q, out) in xq.iter_mut().zip(&outs) {
-                q.quantize(out.as_slice().expect("standard layout"));
+            for (q, o) in xq.iter_mut().zip(att.chunks_exact(qd)) {
+                q.quantize(o);
             }
-            ql.wo.matmul_batch(&xq, &mut tmp);
-            for (x, t) in xs.iter_mut().zip(tmp.chunks_exact(hd)) {
-                x.iter_mut().zip(t).for_each(|(a, b)| *a += b);
-            }
-            for (x, q) in xs.iter().zip(xq.iter_mut()) {
-                rms_norm_into(x, &ql.ffn_norm, eps, &mut h);
-                q.quantize(&h);
-            }
-            ql.w_gate_up.matmul_batch(&xq, &mut gu);
-            for (q, g_u) in xq.iter_mut().zip(gu.chunks_exact(2 * c.ffn)) {
+            ql.wo.matmul_batch(&att, &xq, &mut tmp)?;
+            xs.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+            norm(xs, &ql.ffn_norm, &mut h, &mut xq);
+            ql.w_gate_up.matmul_batch(&h, &xq, &mut gu)?;
+            for ((q, g_u), a) in xq
+                .iter_mut()
+                .zip(gu.chunks_exact(2 * c.ffn))
+                .zip(act.chunks_exact_mut(c.ffn))
+            {
                 let (g, u) = g_u.split_at(c.ffn);
-                for ((a, &gv), &uv) in act.iter_mut().zip(g).zip(u) {
+                for ((a, &gv), &uv) in a.iter_mut().zip(g).zip(u) {
                     *a = gv / (1.0 + (-gv).exp()) * uv;
                 }
-                q.quantize(&act);
+                q.quantize(a);
             }
-            ql.w_down.matmul_batch(&xq, &mut tmp);
-            for (x, t) in xs.iter_mut().zip(tmp.chunks_exact(hd)) {
-                x.iter_mut().zip(t).for_each(|(a, b)| *a += b);
-            }
+            ql.w_down.matmul_batch(&act, &xq, &mut tmp)?;
+            xs.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
         }
-        for (x, q) in xs.iter().zip(xq.iter_mut()) {
-            rms_norm_into(x, &self.out_norm_v, eps, &mut h);
-            q.quantize(&h);
-        }
+        norm(xs, &self.out_norm_v, &mut h, &mut xq);
         let mut logits = vec![0f32; n * c.vocab];
-        self.q_lm_head.matmul_batch(&xq, &mut logits);
-        errors
-            .into_iter()
-            .zip(logits.chunks_exact(c.vocab))
-            .map(|(e, l)| match e {
-                Some(e) => Err(e),
-                None => Ok(l.to_vec()),
-            })
-            .collect()
+        self.q_lm_head.matmul_batch(&h, &xq, &mut logits)?;
+        Ok(logits)
     }
 }
 
@@ -271,7 +293,10 @@ impl Model {
         let mut x = self.embed_tokens(tokens)?;
         for (li, l) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
-            let qkv = h.matmul(&l.wqkv.t()?)?;
+            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            if let Some(b) = &l.bqkv {
+                qkv = qkv.broadcast_add(b)?;
+            }
             let take = |off: usize, len: usize| -> Result<Vec<f32>> {
                 Ok(qkv
                     .narrow(1, off, len)?
@@ -314,7 +339,7 @@ impl Model {
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((n, qd))?;
-            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
             x = (&x + self.mlp(l, &x)?)?;
         }
         state.len = total;

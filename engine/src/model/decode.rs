@@ -1,6 +1,7 @@
 //! One-token decode steps against caller-owned caches.
 
-use super::Model;
+use super::weights::Dense;
+use super::{rotate_head, Model};
 use crate::kv::LayerKv;
 use crate::quant::QVec;
 use crate::{EngineError, Result};
@@ -10,11 +11,13 @@ use ndarray::{Array2, ArrayView2};
 /// Which weights a decode step multiplies with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeWeights {
-    /// The GGUF's block-quantized weights (Q4_1, Q8_0 LM head) times activations quantized to
-    /// 8 bits per block of 32, as llama.cpp computes; reads about 5x fewer bytes than f32.
+    /// The GGUF's block-quantized weights (Q4_1, Q8_0 LM head; Q4_K/Q6_K through candle's
+    /// QMatMul) times activations quantized to 8 bits per block (32; 256 for the k-quants), as
+    /// llama.cpp computes; reads 5x (Q4_1) to 7x (Q4_K_M) fewer bytes than f32.
     #[default]
     Quantized,
-    /// The f32 weights prefill uses, f32 activations (slower; for checks against prefill).
+    /// The f32 weights prefill uses, f32 activations (slower, and much slower for a model whose
+    /// f32 weights are dequantized on use; for checks against prefill).
     F32,
 }
 
@@ -32,7 +35,7 @@ impl Model {
     /// cache, then calls `attend`. Returns the logits. `pos` is the RoPE position (normally the
     /// number of tokens before this one); it is not checked against the caches' `len()`, so caches
     /// that drop tokens keep working. No position cap is applied (prefill refuses prompts longer
-    /// than the GGUF context length, 8192; decode does not check).
+    /// than the GGUF context length, 8192 for SmolLM2 and 32768 for Qwen2.5; decode does not check).
     ///
     /// Multiplies with the quantized weights ([`DecodeWeights::Quantized`]).
     pub fn decode_step(
@@ -89,7 +92,7 @@ impl Model {
                         .sum::<usize>()
             }
             DecodeWeights::F32 => {
-                let n = |t: &Tensor| t.elem_count() * 4;
+                let n = |t: &Dense| t.elem_count() * 4;
                 n(&self.lm_head)
                     + self
                         .layers
@@ -116,8 +119,7 @@ impl Model {
         );
         let eps = c.rms_eps as f32;
         let mut x = self
-            .embed
-            .narrow(0, token as usize, 1)?
+            .embed_tokens(&[token])?
             .flatten_all()?
             .to_vec1::<f32>()?;
         let mut h = vec![0f32; hd];
@@ -138,18 +140,17 @@ impl Model {
             .collect();
         let rope = |v: &mut [f32]| {
             for head in v.chunks_exact_mut(d) {
-                for (i, &(co, si)) in cs.iter().enumerate() {
-                    let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = x0 * co - x1 * si;
-                    head[2 * i + 1] = x0 * si + x1 * co;
-                }
+                rotate_head(head, &cs, c.rope);
             }
         };
         for (layer, (l, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let ql = &l.q;
             rms_norm_into(&x, &ql.attn_norm, eps, &mut h);
             xq.quantize(&h);
-            ql.wqkv.matvec(&xq, &mut qkv);
+            ql.wqkv.matvec(&h, &xq, &mut qkv)?;
+            if let Some(b) = &ql.bqkv {
+                qkv.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+            }
             let (q, rest) = qkv.split_at_mut(qd);
             let (k, v) = rest.split_at_mut(kvd);
             rope(q);
@@ -168,24 +169,25 @@ impl Model {
                     out.view_mut(),
                 )
                 .map_err(cache_err)?;
-            xq.quantize(out.as_slice().expect("standard layout"));
-            ql.wo.matvec(&xq, &mut tmp);
+            let o = out.as_slice().expect("standard layout");
+            xq.quantize(o);
+            ql.wo.matvec(o, &xq, &mut tmp)?;
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
             rms_norm_into(&x, &ql.ffn_norm, eps, &mut h);
             xq.quantize(&h);
-            ql.w_gate_up.matvec(&xq, &mut gu);
+            ql.w_gate_up.matvec(&h, &xq, &mut gu)?;
             let (g, u) = gu.split_at(c.ffn);
             for ((a, &gv), &uv) in act.iter_mut().zip(g).zip(u) {
                 *a = gv / (1.0 + (-gv).exp()) * uv;
             }
             xq.quantize(&act);
-            ql.w_down.matvec(&xq, &mut tmp);
+            ql.w_down.matvec(&act, &xq, &mut tmp)?;
             x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
         }
         rms_norm_into(&x, &self.out_norm_v, eps, &mut h);
         xq.quantize(&h);
         let mut logits = vec![0f32; c.vocab];
-        self.q_lm_head.matvec(&xq, &mut logits);
+        self.q_lm_head.matvec(&h, &xq, &mut logits)?;
         Ok(logits)
     }
 
@@ -202,7 +204,11 @@ impl Model {
         let mut out = Array2::<f32>::zeros((c.q_heads, c.head_dim));
         for (layer, (l, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
-            let mut qkv = h.matmul(&l.wqkv.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            if let Some(b) = &l.bqkv {
+                qkv = qkv.broadcast_add(b)?;
+            }
+            let mut qkv = qkv.flatten_all()?.to_vec1::<f32>()?;
             let (q, rest) = qkv.split_at_mut(qd);
             let (k, v) = rest.split_at_mut(kvd);
             self.rope(q, c.q_heads, pos);
@@ -223,7 +229,7 @@ impl Model {
                 .map_err(cache_err)?;
             let attn =
                 Tensor::from_slice(out.as_slice().expect("standard layout"), (1, qd), &self.dev)?;
-            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
             x = (&x + self.mlp(l, &x)?)?;
         }
         self.logits(&x)

@@ -1,6 +1,8 @@
-//! Owned llama forward pass for SmolLM2 on candle's CPU tensors.
+//! Owned forward pass for the `llama` (SmolLM2) and `qwen2` (Qwen2.5) GGUF architectures on
+//! candle's CPU tensors.
 //!
-//! * `load.rs`: reading the GGUF (metadata; weights dequantized to f32 and kept in block form).
+//! * `load.rs`: reading the GGUF (metadata per architecture into one [`Config`]; weights).
+//! * `weights.rs`: f32 weights for prefill, resident or dequantized on use; the embedding.
 //! * `prefill.rs`: the dense f32 prefill with chunked causal attention.
 //! * `decode.rs`: one-token decode steps, on the quantized weights or on the f32 ones.
 //!
@@ -11,6 +13,7 @@ mod batch;
 mod decode;
 mod load;
 mod prefill;
+mod weights;
 
 pub use batch::{BatchSeq, ChunkedPrefill};
 pub use decode::DecodeWeights;
@@ -18,15 +21,83 @@ pub(crate) use prefill::exp_shifted_in_place;
 pub use prefill::Prefill;
 
 use crate::kv::{FullKv, LayerKv};
-use crate::quant::QMatrix;
+use crate::quant::{QMatrix, QVec, RowStack};
 use crate::tokenizer::Tok;
 use crate::{EngineError, Result};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
+use weights::{Dense, Embedding};
 
-/// Model hyper-parameters, read from the GGUF metadata.
+/// The architectures the engine runs (`general.architecture`), and what differs between them.
+/// Everything the forward pass needs to know about the architecture is copied into
+/// [`Config`] at load (RoPE pairing, biases), so the forward pass never asks which one it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `llama` (SmolLM2): no biases, interleaved RoPE pairs.
+    Llama,
+    /// `qwen2` (Qwen2.5): QKV biases, NEOX RoPE pairs.
+    Qwen2,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 2] = [Arch::Llama, Arch::Qwen2];
+
+    /// The `general.architecture` value, also the prefix of its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Arch> {
+        Arch::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// llama.cpp's rope type for the architecture (`llama_model_rope_type`): `llama` GGUFs
+    /// have their Q/K rows permuted by the converter so that adjacent pairs rotate together;
+    /// `qwen2` GGUFs keep the Hugging Face layout, whose pairs are `(i, i + d/2)`.
+    pub fn rope(self) -> RopeStyle {
+        match self {
+            Arch::Llama => RopeStyle::Interleaved,
+            Arch::Qwen2 => RopeStyle::Neox,
+        }
+    }
+
+    /// Whether every layer must carry Q/K/V biases (`qwen2` does; `llama` may).
+    pub fn requires_qkv_bias(self) -> bool {
+        matches!(self, Arch::Qwen2)
+    }
+}
+
+/// Which dimensions of a head RoPE rotates together with frequency `theta^(-2i/d)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// `(2i, 2i + 1)` (GPT-J; llama.cpp's "norm" rope).
+    Interleaved,
+    /// `(i, i + d/2)` (GPT-NeoX; llama.cpp's "neox" rope).
+    Neox,
+}
+
+/// Rotates one head in place: pair `i` by the angle whose `(cos, sin)` is `cs[i]`.
+#[inline]
+pub(crate) fn rotate_head(h: &mut [f32], cs: &[(f32, f32)], style: RopeStyle) {
+    let half = h.len() / 2;
+    for (i, &(c, s)) in cs.iter().enumerate() {
+        let (a, b) = match style {
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+            RopeStyle::Neox => (i, i + half),
+        };
+        let (x0, x1) = (h[a], h[b]);
+        h[a] = x0 * c - x1 * s;
+        h[b] = x0 * s + x1 * c;
+    }
+}
+
+/// Model hyper-parameters and architecture rules, read from the GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
+    pub arch: Arch,
     pub n_layers: usize,
     pub hidden: usize,
     pub ffn: usize,
@@ -35,23 +106,28 @@ pub struct Config {
     pub head_dim: usize,
     pub vocab: usize,
     pub rope_theta: f64,
+    pub rope: RopeStyle,
     pub rms_eps: f64,
     pub context_length: usize,
     /// True when the GGUF has no `output.weight` and the LM head reuses `token_embd`.
     pub tied_embeddings: bool,
+    /// True when every layer has `attn_q/k/v.bias`, added after the Q/K/V projections.
+    pub qkv_bias: bool,
 }
 
 struct Layer {
     attn_norm: Tensor,
     /// [q_dim + 2 * kv_dim, hidden]: q, k, v weights stacked.
-    wqkv: Tensor,
+    wqkv: Dense,
+    /// [q_dim + 2 * kv_dim]: q, k, v biases stacked, when the model has them.
+    bqkv: Option<Tensor>,
     /// [hidden, q_dim]
-    wo: Tensor,
+    wo: Dense,
     ffn_norm: Tensor,
     /// [2 * ffn, hidden]: gate then up.
-    w_gate_up: Tensor,
+    w_gate_up: Dense,
     /// [hidden, ffn]
-    w_down: Tensor,
+    w_down: Dense,
     /// The same weights in the GGUF's block formats, for decode steps.
     q: QLayer,
 }
@@ -60,19 +136,21 @@ struct Layer {
 struct QLayer {
     attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    wqkv: QMatrix,
-    wo: QMatrix,
-    w_gate_up: QMatrix,
-    w_down: QMatrix,
+    wqkv: RowStack,
+    bqkv: Option<Vec<f32>>,
+    wo: RowStack,
+    w_gate_up: RowStack,
+    w_down: RowStack,
 }
 
-/// SmolLM2-135M-Instruct with weights dequantized to f32.
+/// A GGUF model (one of the [`Arch`]itectures): its blocks for decode, its f32 weights for
+/// prefill (resident or dequantized on use, see `weights.rs`).
 pub struct Model {
     cfg: Config,
     /// [vocab, hidden]
-    embed: Tensor,
-    /// [vocab, hidden]; the same tensor as `embed` when tied.
-    lm_head: Tensor,
+    embed: Embedding,
+    /// [vocab, hidden]; `token_embd` again when tied.
+    lm_head: Dense,
     out_norm: Tensor,
     layers: Vec<Layer>,
     /// LM head in a block format, for decode steps.
@@ -98,7 +176,7 @@ impl Model {
         self.tok.encode_raw(&self.tok.chat.render(prompt))
     }
 
-    /// Plain text (control tokens in the text are recognised; no BOS is added).
+    /// Plain text (control tokens in the text are recognised; BOS only if the GGUF asks for it).
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
         self.tok.encode_raw(text)
     }
@@ -125,7 +203,7 @@ impl Model {
             .collect()
     }
 
-    /// Interleaved (GPT-J / llama.cpp "norm") RoPE in place on rows of `heads * head_dim`.
+    /// RoPE (pairing `cfg.rope`) in place on rows of `heads * head_dim`, positions from `pos0`.
     fn rope(&self, data: &mut [f32], heads: usize, pos0: usize) {
         let d = self.cfg.head_dim;
         let row = heads * d;
@@ -140,11 +218,7 @@ impl Model {
                 })
                 .collect();
             for h in r.chunks_exact_mut(d) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (x0, x1) = (h[2 * i], h[2 * i + 1]);
-                    h[2 * i] = x0 * c - x1 * s;
-                    h[2 * i + 1] = x0 * s + x1 * c;
-                }
+                rotate_head(h, &cs, self.cfg.rope);
             }
         });
     }
@@ -155,19 +229,30 @@ impl Model {
 
     fn mlp(&self, l: &Layer, x: &Tensor) -> Result<Tensor> {
         let h = self.rms(x, &l.ffn_norm)?;
-        let gu = h.matmul(&l.w_gate_up.t()?)?;
+        let gu = h.matmul(&l.w_gate_up.tensor()?.t()?)?;
         let f = self.cfg.ffn;
         let gate = gu.narrow(1, 0, f)?;
         let up = gu.narrow(1, f, f)?;
         let act = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok(act.matmul(&l.w_down.t()?)?)
+        Ok(act.matmul(&l.w_down.tensor()?.t()?)?)
     }
 
+    /// Logits of one hidden state `[1, hidden]`: with the f32 LM head when it is resident, else
+    /// with its blocks (one row does not pay for dequantizing a vocab-sized matrix).
     fn logits(&self, x_last: &Tensor) -> Result<Vec<f32>> {
         let h = self.rms(x_last, &self.out_norm)?;
-        Ok(h.matmul(&self.lm_head.t()?)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        if self.lm_head.is_resident() {
+            return Ok(h
+                .matmul(&self.lm_head.tensor()?.t()?)?
+                .flatten_all()?
+                .to_vec1::<f32>()?);
+        }
+        let h = h.flatten_all()?.to_vec1::<f32>()?;
+        let mut xq = QVec::default();
+        xq.quantize(&h);
+        let mut logits = vec![0f32; self.cfg.vocab];
+        self.q_lm_head.matvec(&h, &xq, &mut logits)?;
+        Ok(logits)
     }
 
     fn embed_tokens(&self, tokens: &[u32]) -> Result<Tensor> {
@@ -177,8 +262,7 @@ impl Model {
                 self.cfg.vocab
             )));
         }
-        let ids = Tensor::from_slice(tokens, tokens.len(), &self.dev)?;
-        Ok(self.embed.index_select(&ids, 0)?)
+        self.embed.rows(tokens)
     }
 
     /// Greedy generation with fresh [`FullKv`] caches: prefill, then up to `max_new` tokens,
@@ -229,4 +313,21 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Interleaved rotates (2i, 2i+1), NEOX (i, i + d/2), each pair by its own angle.
+    #[test]
+    fn rope_pairings() {
+        let cs = [(0.0f32, 1.0f32), (1.0, 0.0)]; // pair 0 by 90 degrees, pair 1 not at all
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rotate_head(&mut h, &cs, RopeStyle::Interleaved);
+        assert_eq!(h, [-2.0, 1.0, 3.0, 4.0]);
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rotate_head(&mut h, &cs, RopeStyle::Neox);
+        assert_eq!(h, [-3.0, 2.0, 1.0, 4.0]);
+    }
 }

@@ -72,7 +72,10 @@ impl Model {
         let t_all = std::time::Instant::now();
         for l in &self.layers {
             let h = self.rms(&x, &l.attn_norm)?;
-            let qkv = h.matmul(&l.wqkv.t()?)?;
+            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            if let Some(b) = &l.bqkv {
+                qkv = qkv.broadcast_add(b)?;
+            }
             let mut q = qkv
                 .narrow(1, 0, qd)?
                 .contiguous()?
@@ -104,7 +107,7 @@ impl Model {
             attn_time += t0.elapsed();
             keys.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), k).expect("shape"));
             values.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), v).expect("shape"));
-            x = (x + attn.matmul(&l.wo.t()?)?)?;
+            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
             x = (&x + self.mlp(l, &x)?)?;
         }
         let logits = self.logits(&x.narrow(0, n - 1, 1)?)?;

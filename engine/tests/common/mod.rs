@@ -130,6 +130,10 @@ pub struct Tiny {
     pub meta_blocks: Option<u32>,
     /// `general.alignment`, when set.
     pub alignment: Option<u32>,
+    /// `general.architecture`: `llama` (default) or `qwen2` (its keys, its pre-tokenizer).
+    pub arch: &'static str,
+    /// Write `attn_q/k/v.bias` (F32) in every layer.
+    pub biases: bool,
 }
 
 impl Default for Tiny {
@@ -145,6 +149,8 @@ impl Default for Tiny {
             meta_kv_heads: None,
             meta_blocks: None,
             alignment: None,
+            arch: "llama",
+            biases: false,
         }
     }
 }
@@ -204,27 +210,30 @@ impl Tiny {
         let (h, hd, f) = (self.hidden as u64, self.head_dim() as u64, self.ffn as u64);
         let (q, kv) = (self.q_heads as u64 * hd, self.kv_heads as u64 * hd);
         let mut g = Gguf::default();
-        g.kv_str("general.architecture", "llama")
-            .kv_u32("llama.embedding_length", self.hidden as u32)
+        let a = self.arch;
+        let k = |s: &str| format!("{a}.{s}");
+        let pre = if a == "qwen2" { "qwen2" } else { "smollm" };
+        g.kv_str("general.architecture", a)
+            .kv_u32(&k("embedding_length"), self.hidden as u32)
             .kv_u32(
-                "llama.attention.head_count",
+                &k("attention.head_count"),
                 self.meta_heads.unwrap_or(self.q_heads as u32),
             )
             .kv_u32(
-                "llama.attention.head_count_kv",
+                &k("attention.head_count_kv"),
                 self.meta_kv_heads.unwrap_or(self.kv_heads as u32),
             )
             .kv_u32(
-                "llama.block_count",
+                &k("block_count"),
                 self.meta_blocks.unwrap_or(self.layers as u32),
             )
-            .kv_u32("llama.feed_forward_length", self.ffn as u32)
-            .kv_u32("llama.context_length", 256)
-            .kv_u32("llama.rope.dimension_count", hd as u32)
-            .kv_f32("llama.rope.freq_base", 10000.0)
-            .kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+            .kv_u32(&k("feed_forward_length"), self.ffn as u32)
+            .kv_u32(&k("context_length"), 256)
+            .kv_u32(&k("rope.dimension_count"), hd as u32)
+            .kv_f32(&k("rope.freq_base"), 10000.0)
+            .kv_f32(&k("attention.layer_norm_rms_epsilon"), 1e-5)
             .kv_str("tokenizer.ggml.model", "gpt2")
-            .kv_str("tokenizer.ggml.pre", "smollm")
+            .kv_str("tokenizer.ggml.pre", pre)
             .kv_strs("tokenizer.ggml.tokens", &VOCAB)
             .kv_i32s("tokenizer.ggml.token_type", &[3, 3, 3, 1, 1, 1, 1, 1])
             .kv_strs("tokenizer.ggml.merges", &[])
@@ -256,6 +265,14 @@ impl Tiny {
             mat(&mut g, &p("ffn_down"), h, f);
             g.tensor(&p("attn_norm"), &[h], F32, &ones_f32(self.hidden));
             g.tensor(&p("ffn_norm"), &[h], F32, &ones_f32(self.hidden));
+            if self.biases {
+                for (m, n) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
+                    let b: Vec<u8> = (0..n)
+                        .flat_map(|j| (0.5 - (j % 7) as f32 * 0.15).to_le_bytes())
+                        .collect();
+                    g.tensor(&format!("blk.{i}.{m}.bias"), &[n], F32, &b);
+                }
+            }
         }
         g
     }

@@ -67,6 +67,8 @@ pub struct HostTables {
     pub dense_v: Vec<u16>,
     pub dense_base: Vec<i64>,
     pub dense_count: Vec<i32>,
+    /// Rows reserved per sequence for dense rows (sink + buffer + the spare rows asked for).
+    pub dense_capacity: Vec<i32>,
     pub budget: Vec<i64>,
     /// Upper bound on the work items of any bj for a given run length (see [`HostTables::max_items`]).
     pub max_blocks_selected: usize,
@@ -77,6 +79,12 @@ impl HostTables {
     /// Builds the tables for `caches` (one per sequence; all of the same shape).
     /// Validates every packed record (SPEC.md section 6) before anything is uploaded.
     pub fn build(caches: &[&CompressedCache]) -> Result<Self> {
+        Self::build_with_spare(caches, 0)
+    }
+
+    /// [`HostTables::build`] with `spare` zero rows reserved after each sequence's dense
+    /// rows, so tokens can be appended on the device one at a time ([`super::CudaCache`]).
+    pub fn build_with_spare(caches: &[&CompressedCache], spare: usize) -> Result<Self> {
         let first = caches.first().ok_or(MosaicError::EmptyCache)?;
         let shape = first.shape;
         let (kv, d) = (shape.kv_heads, shape.head_dim);
@@ -113,6 +121,8 @@ impl HostTables {
                 seg_tokens += seg.len;
                 for (j, h) in seg.heads.iter().enumerate() {
                     let (kl, vl) = (&h.strategy.key.layout, &h.strategy.value.layout);
+                    super::f16_only(kl)?;
+                    super::f16_only(vl)?;
                     // What the kernels add to the spec's checks: their head_dim limit.
                     if kl.head_dim != d || vl.head_dim != d || d > mosaickv_kernels::MAX_HEAD_DIM {
                         return Err(MosaicError::ShapeMismatch {
@@ -191,11 +201,13 @@ impl HostTables {
                 t.dense_k.extend(rows.keys.iter().map(|x| x.to_bits()));
                 t.dense_v.extend(rows.values.iter().map(|x| x.to_bits()));
             }
-            t.dense_count.push((c.sink.tokens + c.buffer.tokens) as i32);
-            t.dense_base.push(
-                t.dense_base.last().copied().unwrap_or(0)
-                    + (c.sink.tokens + c.buffer.tokens) as i64,
-            );
+            let rows = c.sink.tokens + c.buffer.tokens;
+            t.dense_k.extend(std::iter::repeat_n(0u16, spare * kv * d));
+            t.dense_v.extend(std::iter::repeat_n(0u16, spare * kv * d));
+            t.dense_count.push(rows as i32);
+            t.dense_capacity.push((rows + spare) as i32);
+            t.dense_base
+                .push(t.dense_base.last().copied().unwrap_or(0) + (rows + spare) as i64);
         }
         t.dense_base.pop();
         t.block_base.push(0);

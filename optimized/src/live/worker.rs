@@ -77,9 +77,14 @@ fn add_loss_terms(
 ) {
     let (d, dt) = (layout.head_dim, layout.kept_dims);
     let rb = layout.record_bytes();
+    let mut deq = Vec::new();
     for (i, (row, x)) in xr.chunks_exact(dt).zip(rows.chunks_exact(d)).enumerate() {
         let rec = &packed.bytes[i * rb..(i + 1) * rb];
-        let (dropped, total) = encode::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k));
+        if layout.dtype.is_quantized() {
+            // The decoded values this record stores are the ones the loss measures (SPEC 11.1).
+            encode::record_dequantized(rec, layout, &mut deq);
+        }
+        let (dropped, total) = encode::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k), &deq);
         sums.dropped += dropped;
         sums.total += total;
     }

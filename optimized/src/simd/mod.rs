@@ -23,6 +23,7 @@
 //! | path choice and CPU detection | `path.rs` | | |
 //! | tile size, shared scalar arithmetic (f16 widening, `exp`, SPEC 8.2's combination) | `common.rs` | | |
 //! | SPEC 6 bitmap expansion | `expand.rs` | `avx2/expand.rs` | `avx512/expand.rs` |
+//! | SPEC 6 int8/int4 expansion (code unpacking) | `quant.rs` | `avx2/quant.rs` | `avx512/quant.rs` |
 //! | SPEC 8.1 query rotation | `rotate.rs` | `avx2/rotate.rs` | `avx512/rotate.rs` |
 //! | SPEC 8.2 block scores | `score.rs` | `avx2/score.rs` | `avx512/score.rs` |
 //! | SPEC 8.3 selection filter (`attend::top_blocks`) | `attend.rs` | | `avx512/select.rs` |
@@ -49,6 +50,7 @@ mod logits;
 mod memory;
 mod pages;
 mod path;
+pub(crate) mod quant;
 mod rotate;
 mod score;
 
@@ -59,4 +61,5 @@ pub use path::{
     avx2_available, avx2_features, avx512_available, avx512_features, kernels_ran, Path,
     FORCE_AVX2, FORCE_PORTABLE,
 };
+pub use quant::QUANT_SIMD_MAX_R;
 pub use score::{quantize_query, QMAX_DT};

@@ -6,6 +6,7 @@ pub mod convert;
 pub mod expand;
 pub mod memory;
 pub mod pages;
+pub mod quant;
 pub mod rotate;
 pub mod score;
 pub mod softmax;

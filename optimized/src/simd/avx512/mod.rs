@@ -86,6 +86,7 @@ pub mod accumulate;
 pub mod expand;
 pub mod logits;
 pub mod pages;
+pub mod quant;
 pub mod rotate;
 pub mod score;
 pub mod select;

@@ -1,0 +1,190 @@
+//! Where the weights live: each matrix is kept in the GGUF's own blocks (for decode, see
+//! `quant.rs`), and its f32 values, which prefill multiplies with, are either kept resident
+//! (small models) or dequantized on each use (models whose f32 copy would not fit in memory
+//! comfortably: Qwen2.5-1.5B's would take 7 GB, its blocks take 1.1 GB).
+
+use crate::Result;
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// A model keeps its f32 weights resident when they take at most this many bytes in all
+/// (SmolLM2-135M: 0.54 GB, resident; Qwen2.5-1.5B: 7.1 GB, dequantized on use).
+pub(super) const RESIDENT_F32_LIMIT: usize = 1 << 30;
+
+/// Rows per dequantization task.
+const DEQ_ROWS: usize = 64;
+
+/// An f32 matrix for prefill, `[rows, cols]`, made of row-stacked parts (Q, K, V; gate, up).
+pub(super) enum Dense {
+    /// The f32 values, kept.
+    Resident(Tensor),
+    /// The parts' blocks, dequantized (rows split over rayon) each time the matrix is used.
+    OnDemand(Vec<Arc<QTensor>>),
+}
+
+impl Dense {
+    pub(super) fn new(parts: Vec<Arc<QTensor>>, resident: bool) -> Result<Self> {
+        if !resident {
+            return Ok(Self::OnDemand(parts));
+        }
+        let t = Self::OnDemand(parts).tensor()?;
+        Ok(Self::Resident(t))
+    }
+
+    /// The matrix in f32, contiguous.
+    pub(super) fn tensor(&self) -> Result<Tensor> {
+        match self {
+            Self::Resident(t) => Ok(t.clone()),
+            Self::OnDemand(parts) => {
+                let ts = parts
+                    .iter()
+                    .map(|q| dequantize_par(q))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(if ts.len() == 1 {
+                    ts.into_iter().next().expect("one part")
+                } else {
+                    Tensor::cat(&ts, 0)?.contiguous()?
+                })
+            }
+        }
+    }
+
+    pub(super) fn is_resident(&self) -> bool {
+        matches!(self, Self::Resident(_))
+    }
+
+    pub(super) fn elem_count(&self) -> usize {
+        match self {
+            Self::Resident(t) => t.elem_count(),
+            Self::OnDemand(parts) => parts.iter().map(|q| q.shape().elem_count()).sum(),
+        }
+    }
+}
+
+/// Bytes of one row of a 2-D block tensor, when its rows are whole blocks.
+fn row_bytes(q: &QTensor) -> Option<(usize, usize, usize)> {
+    let (rows, cols) = q.shape().dims2().ok()?;
+    let (bs, ts) = (q.dtype().block_size(), q.dtype().type_size());
+    (cols % bs == 0).then_some((rows, cols, cols / bs * ts))
+}
+
+/// Dequantizes a 2-D block tensor to f32, `DEQ_ROWS` rows per rayon task (candle's own
+/// `dequantize` runs on one thread).
+pub(super) fn dequantize_par(q: &QTensor) -> Result<Tensor> {
+    let dev = Device::Cpu;
+    let Some((rows, cols, rb)) = row_bytes(q) else {
+        return Ok(q.dequantize(&dev)?);
+    };
+    let raw = q.data()?;
+    let mut out = vec![0f32; rows * cols];
+    out.par_chunks_mut(DEQ_ROWS * cols)
+        .zip(raw.par_chunks(DEQ_ROWS * rb))
+        .try_for_each(|(o, r)| -> Result<()> {
+            let n = o.len() / cols;
+            let t = qtensor_from_ggml(q.dtype(), r, vec![n, cols], &dev)?.dequantize(&dev)?;
+            o.copy_from_slice(&t.flatten_all()?.to_vec1::<f32>()?);
+            Ok(())
+        })?;
+    Ok(Tensor::from_vec(out, (rows, cols), &dev)?)
+}
+
+/// The token embedding `[vocab, hidden]`.
+pub(super) enum Embedding {
+    /// f32 values, kept.
+    Resident(Tensor),
+    /// The GGUF's blocks; each looked-up row is dequantized.
+    Rows(Arc<QTensor>),
+}
+
+impl Embedding {
+    pub(super) fn new(q: Arc<QTensor>, resident: bool) -> Result<Self> {
+        if resident || row_bytes(&q).is_none() {
+            return Ok(Self::Resident(dequantize_par(&q)?));
+        }
+        Ok(Self::Rows(q))
+    }
+
+    /// Rows `ids` (already checked against the vocabulary), `[ids.len(), hidden]`.
+    pub(super) fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let dev = Device::Cpu;
+        match self {
+            Self::Resident(t) => {
+                let ids = Tensor::from_slice(ids, ids.len(), &dev)?;
+                Ok(t.index_select(&ids, 0)?)
+            }
+            Self::Rows(q) => {
+                let (_, cols, rb) = row_bytes(q).expect("checked in new");
+                let raw = q.data()?;
+                let mut out = vec![0f32; ids.len() * cols];
+                out.par_chunks_mut(cols).zip(ids.par_iter()).try_for_each(
+                    |(o, &id)| -> Result<()> {
+                        let r = &raw[id as usize * rb..(id as usize + 1) * rb];
+                        let t = qtensor_from_ggml(q.dtype(), r, vec![1, cols], &dev)?
+                            .dequantize(&dev)?;
+                        o.copy_from_slice(&t.flatten_all()?.to_vec1::<f32>()?);
+                        Ok(())
+                    },
+                )?;
+                Ok(Tensor::from_vec(out, (ids.len(), cols), &dev)?)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+
+    fn qt(rows: usize, cols: usize, dtype: GgmlDType) -> (Tensor, Arc<QTensor>) {
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.2)
+            .collect();
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+        let q = Arc::new(QTensor::quantize(&t, dtype).unwrap());
+        (t, q)
+    }
+
+    /// The parallel, row-split dequantization gives candle's own values exactly, and resident
+    /// and on-demand matrices and embeddings agree bit for bit.
+    #[test]
+    fn row_split_dequantization_is_exact() {
+        for dtype in [
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+        ] {
+            // 200 rows: three full tasks and a partial one
+            let (_, q) = qt(200, 512, dtype);
+            let want = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let got = dequantize_par(&q).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(got, want, "{dtype:?}");
+            let (_, q2) = qt(30, 512, dtype);
+            let parts = vec![q.clone(), q2.clone()];
+            let a = Dense::new(parts.clone(), true).unwrap();
+            let b = Dense::new(parts, false).unwrap();
+            assert!(a.is_resident() && !b.is_resident());
+            assert_eq!(a.elem_count(), 230 * 512);
+            assert_eq!(
+                a.tensor().unwrap().to_vec2::<f32>().unwrap(),
+                b.tensor().unwrap().to_vec2::<f32>().unwrap()
+            );
+            let ids = [0u32, 199, 7, 7, 64];
+            let e1 = Embedding::new(q.clone(), true).unwrap();
+            let e2 = Embedding::new(q.clone(), false).unwrap();
+            let r1 = e1.rows(&ids).unwrap().to_vec2::<f32>().unwrap();
+            let r2 = e2.rows(&ids).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(r1, r2);
+            for (row, &id) in r1.iter().zip(&ids) {
+                assert_eq!(row, &want[id as usize]);
+            }
+        }
+    }
+}

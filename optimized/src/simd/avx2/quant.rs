@@ -1,0 +1,112 @@
+//! SPEC.md section 6, int8/int4 records, g = 1: codes unpacked with 16-byte nibble splits,
+//! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
+//! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
+
+use crate::simd::path::Path;
+use crate::simd::quant::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
+use mosaickv_spec::layout::record_quant;
+use mosaickv_spec::{RecordLayout, ValueDtype};
+use std::arch::x86_64::*;
+
+/// pshufb masks: for a bitmap byte, which code each of the 8 output lanes takes (0x80: none).
+static EXPAND_LUT8: [[u8; 16]; 256] = {
+    let mut t = [[0x80u8; 16]; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut k = 0u8;
+        let mut lane = 0;
+        while lane < 8 {
+            if (b >> lane) & 1 == 1 {
+                t[b][lane] = k;
+                k += 1;
+            }
+            lane += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+/// Lane masks: for a bitmap byte, all ones in each of the 8 i32 lanes whose bit is set.
+static LANE_MASK: [[i32; 8]; 256] = {
+    let mut t = [[0i32; 8]; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut lane = 0;
+        while lane < 8 {
+            if (b >> lane) & 1 == 1 {
+                t[b][lane] = -1;
+            }
+            lane += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+/// The `r` codes of a quantized record (code bytes `v`) as one byte each into `out`
+/// (`out.len() >= r + CODE_SLACK`; the slack is zeroed). int4: 16 packed bytes at a time,
+/// low and high nibbles split and interleaved (`punpck{l,h}bw`).
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+pub unsafe fn unpack_codes(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]) {
+    debug_assert!(out.len() >= r + CODE_SLACK && r <= QUANT_SIMD_MAX_R);
+    match dtype {
+        ValueDtype::Int4 => {
+            let packed = r.div_ceil(2);
+            // A padded copy, so that every 16-byte load stays inside it.
+            let mut local = [0u8; QUANT_SIMD_MAX_R / 2 + 16];
+            local[..packed].copy_from_slice(&v[..packed]);
+            let low = _mm_set1_epi8(0x0f);
+            let mut i = 0;
+            while 2 * i < r {
+                let p = _mm_loadu_si128(local.as_ptr().add(i) as *const __m128i);
+                let lo = _mm_and_si128(p, low);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(p), low);
+                let o = out.as_mut_ptr().add(2 * i);
+                _mm_storeu_si128(o as *mut __m128i, _mm_unpacklo_epi8(lo, hi));
+                _mm_storeu_si128(o.add(16) as *mut __m128i, _mm_unpackhi_epi8(lo, hi));
+                i += 16;
+            }
+        }
+        ValueDtype::Int8 => out[..r].copy_from_slice(&v[..r]),
+        _ => unpack_codes_scalar(dtype, v, r, out),
+    }
+    // Codes past r (an odd r's unused nibble, the copy's zeros) are cleared.
+    out[r..r + CODE_SLACK].fill(0);
+}
+
+/// Expands one int8/int4 g = 1 record to a dense row of `row.len()` floats (`>= dt`, a
+/// multiple of 8): `m + code * s` at the set bits (the product exact, one rounding in the
+/// add, as in the scalar decode), 0 elsewhere.
+///
+/// # Safety
+/// AVX2, FMA, F16C and POPCNT available; `rec` is one whole record of `layout` (g = 1,
+/// `r <= QUANT_SIMD_MAX_R`); `row.len() >= dt` and a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
+    Path::Avx2.ran();
+    let (dt, r) = (layout.kept_dims, layout.r);
+    let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut codes);
+    let p = record_quant(layout, rec);
+    let scale = _mm256_set1_ps(p.scale.to_f32());
+    let min = _mm256_set1_ps(p.min.to_f32());
+    let chunks = dt.div_ceil(8);
+    let mut off = 0usize;
+    for c in 0..chunks {
+        let byte = rec[c] as usize; // little-endian words: byte c = dims 8c .. 8c + 8
+        let v = _mm_loadl_epi64(codes.as_ptr().add(off) as *const __m128i);
+        let m = _mm_loadl_epi64(EXPAND_LUT8[byte].as_ptr() as *const __m128i);
+        let e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, m));
+        // `code * s` is exact in f32, so the fused multiply-add rounds once, like the
+        // scalar `m + code * s`.
+        let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), scale, min);
+        let kept = _mm256_loadu_si256(LANE_MASK[byte].as_ptr() as *const __m256i);
+        _mm256_storeu_ps(
+            row.as_mut_ptr().add(8 * c),
+            _mm256_and_ps(x, _mm256_castsi256_ps(kept)),
+        );
+        off = (off + byte.count_ones() as usize).min(r);
+    }
+    row[8 * chunks..].fill(0.0);
+}

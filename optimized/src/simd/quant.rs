@@ -1,0 +1,91 @@
+//! SPEC.md section 6, int8 and int4 records: expanding packed records (bitmap, f16 minimum
+//! and scale, codes) to dense rotated rows of decoded values `m + code * s` (the product is
+//! exact in f32 and the sum rounds once, so every path writes the same floats). The codes of
+//! a record are first unpacked to one byte each (`avx2::quant::unpack_codes`; int4 is where
+//! the work is), then placed at the bitmap's set bits.
+
+use super::Path;
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
+use mosaickv_spec::layout::{dequantize, read_code, record_quant};
+use mosaickv_spec::{RecordLayout, ValueDtype};
+
+/// Largest `r` the SIMD kernels unpack into their local code buffer; larger records take the
+/// portable kernel.
+pub const QUANT_SIMD_MAX_R: usize = 512;
+/// Slack after the unpacked codes so that a kernel may load a whole register past the last one.
+pub(crate) const CODE_SLACK: usize = 64;
+
+/// The `r` codes of a quantized record's code bytes `v`, one byte each, into `out[..r]`.
+pub(crate) fn unpack_codes_scalar(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]) {
+    for (i, o) in out[..r].iter_mut().enumerate() {
+        *o = read_code(dtype, v, i);
+    }
+}
+
+impl Path {
+    /// Expands `n` consecutive int8/int4 records (`layout`, `layout.record_bytes()` each,
+    /// record 0 at `bytes[0]`) to dense rotated rows `[n][dp]` (`dp >= kept_dims`, a multiple
+    /// of 8): `m + code * s` at the kept dims, 0 elsewhere. g = 1 records with
+    /// `r <= QUANT_SIMD_MAX_R` take the path's kernel, everything else the portable one.
+    pub fn expand_records_q(
+        self,
+        bytes: &[u8],
+        n: usize,
+        layout: &RecordLayout,
+        dp: usize,
+        out: &mut [f32],
+    ) {
+        let rb = layout.record_bytes();
+        let (bb, dt, r, g) = (
+            layout.bitmap_bytes(),
+            layout.kept_dims,
+            layout.r,
+            layout.group_size,
+        );
+        assert!(
+            layout.dtype.is_quantized()
+                && bytes.len() >= n * rb
+                && out.len() >= n * dp
+                && dp >= dt
+                && dp % 8 == 0
+                && bb % 4 == 0
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self != Path::Portable && g == 1 && r <= QUANT_SIMD_MAX_R {
+            for t in 0..n {
+                let rec = &bytes[t * rb..(t + 1) * rb];
+                let row = &mut out[t * dp..(t + 1) * dp];
+                // SAFETY: the path's features were detected; the record and row are in bounds
+                // (asserted above) and the kernels read and write only inside them.
+                unsafe {
+                    if self == Path::Avx512 {
+                        avx512::quant::expand_q_g1(rec, layout, row)
+                    } else {
+                        avx2::quant::expand_q_g1(rec, layout, row)
+                    }
+                }
+            }
+            return;
+        }
+        Path::Portable.ran();
+        for t in 0..n {
+            let rec = &bytes[t * rb..(t + 1) * rb];
+            let row = &mut out[t * dp..(t + 1) * dp];
+            row.fill(0.0);
+            let p = record_quant(layout, rec);
+            let v = &rec[layout.values_offset()..];
+            let mut k = 0usize;
+            for grp in 0..layout.groups() {
+                if (rec[grp / 8] >> (grp % 8)) & 1 == 1 {
+                    for dim in grp * g..(grp + 1) * g {
+                        if k < r {
+                            row[dim] = dequantize(p, read_code(layout.dtype, v, k));
+                        }
+                        k += 1;
+                    }
+                }
+            }
+        }
+    }
+}
