@@ -125,6 +125,7 @@ mod tests {
 
     fn cfg() -> Config {
         Config {
+            arch: mosaickv_engine::Arch::Llama,
             n_layers: 30,
             hidden: 576,
             ffn: 1536,
@@ -133,9 +134,11 @@ mod tests {
             head_dim: 64,
             vocab: 49152,
             rope_theta: 1e5,
+            rope: mosaickv_engine::RopeStyle::Interleaved,
             rms_eps: 1e-5,
             context_length: 8192,
             tied_embeddings: true,
+            qkv_bias: false,
         }
     }
 

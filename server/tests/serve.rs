@@ -339,12 +339,12 @@ async fn budget_queue_429_and_cancellation() {
 }
 
 /// Soak: `requests` requests of random lengths (prompts of 1..`max_words` repeats of two words,
-/// 1..16 new tokens) from `clients` concurrent clients, a quarter of them streamed and dropped
+/// 1..16 new tokens) from `n_clients` concurrent clients, a quarter of them streamed and dropped
 /// after their first chunk, under a budget that makes requests wait and a queue small enough to
 /// refuse some (429 with its reason; the client retries after a pause, at most `RETRIES`
 /// times). Every request ends answered (200) or cancelled by its client; the KV bytes return to
 /// zero and no sequence ever held more than its reservation.
-async fn soak(requests: usize, clients: u64, max_words: usize) {
+async fn soak(requests: usize, n_clients: u64, max_words: usize) {
     use rand::{Rng, SeedableRng};
     let m = model();
     let foot = Footprint::of(&Method::parse("mosaic").unwrap(), m.config()).unwrap();
@@ -353,7 +353,7 @@ async fn soak(requests: usize, clients: u64, max_words: usize) {
     let s = Arc::new(start("mosaic", budget, 8, 6).await);
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut clients = Vec::new();
-    for c in 0..clients {
+    for c in 0..n_clients {
         let (s, next) = (s.clone(), next.clone());
         clients.push(tokio::spawn(async move {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(c);
