@@ -13,6 +13,7 @@ mod cmd_fidelity;
 mod cmd_frontier;
 mod cmd_generate;
 mod cmd_inspect;
+mod cmd_serve;
 mod error;
 mod llm;
 mod npy;
@@ -44,6 +45,8 @@ enum Command {
     Fidelity(cmd_fidelity::Args),
     /// The accuracy-memory frontier: channel-retention sweep of mosaic and naive2d, plus Quest.
     Frontier(cmd_frontier::Args),
+    /// An OpenAI-compatible HTTP server: batched decode of many sequences under one KV budget.
+    Serve(cmd_serve::Args),
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -55,6 +58,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Eval(a) => cmd_eval::run(a),
         Command::Fidelity(a) => cmd_fidelity::run(a),
         Command::Frontier(a) => cmd_frontier::run(a),
+        Command::Serve(a) => cmd_serve::run(a),
     }
 }
 

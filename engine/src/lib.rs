@@ -14,7 +14,8 @@
 //!   (`decode.rs`).
 //! * [`Model::prefill`] runs a prompt densely (chunked causal attention, memory linear in the
 //!   prompt length) and returns every layer's post-RoPE K/V plus the last position's logits.
-//! * [`Model::decode_step`] runs one token through all layers against caller-owned caches.
+//! * [`Model::decode_step`] runs one token through all layers against caller-owned caches;
+//!   [`Model::decode_batch`] runs one step of many sequences together (batched weight products).
 //!
 //! * [`methods::Method`] builds per-layer caches for `full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4`, `mosaic`;
 //!   [`probe`] measures per-layer attention fidelity against the dense cache.
@@ -38,7 +39,10 @@ pub use fetch::{
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
-pub use model::{argmax, Arch, Config, DecodeWeights, Model, Prefill, RopeStyle, STATS_SAMPLE};
+pub use model::{
+    argmax, Arch, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill, RopeStyle,
+    STATS_SAMPLE,
+};
 pub use tokenizer::{ChatTemplate, Tok};
 
 /// Errors of the engine.

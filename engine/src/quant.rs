@@ -241,6 +241,74 @@ impl QMatrix {
             }
         });
     }
+
+    /// The batched product of a decode step over many sequences (`[batch, cols]` times the
+    /// transposed weight): `out[b * rows + r] = sum_c self[r, c] * x[b * cols + c]`; `xq[b]` is
+    /// row `b` of `x` as quantized by [`QVec::quantize`]. For Q4_1/Q8_0 each weight row is read
+    /// once for the whole batch (it stays in cache while every activation is dotted with it), so
+    /// the weight bytes a step reads do not grow with the batch; every entry is the kernel call
+    /// [`QMatrix::matvec`] makes. `Ggml` runs candle's QMatMul once on the `[batch, cols]`
+    /// tensor (it quantizes each row on its own and runs the same `vec_dot` per row and weight
+    /// row as for one row). So row `b` equals `matvec(x[b])` bit for bit in every format.
+    /// Panics if the shapes differ (callers build both from the model's config).
+    pub(crate) fn matmul_batch(
+        &self,
+        x: &[f32],
+        xq: &[QVec],
+        out: &mut [f32],
+    ) -> candle_core::Result<()> {
+        let (rows, cols) = (self.rows(), self.cols());
+        let batch = xq.len();
+        assert_eq!(x.len(), batch * cols, "activation length");
+        assert!(xq.iter().all(|x| x.len() == cols), "activation length");
+        assert_eq!(out.len(), batch * rows, "output length");
+        if batch == 0 {
+            return Ok(());
+        }
+        if let Self::Ggml { mm, .. } = self {
+            let y = mm
+                .forward(&Tensor::from_slice(x, (batch, cols), &Device::Cpu)?)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            out.copy_from_slice(&y);
+            return Ok(());
+        }
+        let kernel = Kernel::detect();
+        let nb = cols / QK;
+        let chunk = (rows / (8 * rayon::current_num_threads().max(1))).clamp(16, 512);
+        // [rows][batch] in parallel row chunks, then transposed into [batch][rows]
+        let mut by_row = vec![0f32; rows * batch];
+        by_row
+            .par_chunks_mut(chunk * batch)
+            .enumerate()
+            .for_each(|(ci, o)| {
+                let r0 = ci * chunk;
+                for (i, ys) in o.chunks_exact_mut(batch).enumerate() {
+                    let r = r0 + i;
+                    for (y, x) in ys.iter_mut().zip(xq) {
+                        *y = match self {
+                            Self::Q4_1 { qs, dm, .. } => kernel.dot_q4_1(
+                                &qs[r * nb * 16..(r + 1) * nb * 16],
+                                &dm[r * nb..(r + 1) * nb],
+                                x,
+                            ),
+                            Self::Q8_0 { qs, d, .. } => kernel.dot_q8_0(
+                                &qs[r * cols..(r + 1) * cols],
+                                &d[r * nb..(r + 1) * nb],
+                                x,
+                            ),
+                            Self::Ggml { .. } => unreachable!("Ggml returned above"),
+                        };
+                    }
+                }
+            });
+        for (r, ys) in by_row.chunks_exact(batch).enumerate() {
+            for (b, &y) in ys.iter().enumerate() {
+                out[b * rows + r] = y;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Matrices stacked along the rows (Q, K, V; gate, up), one product writing each part's rows
@@ -284,6 +352,33 @@ impl RowStack {
             let (o, r) = rest.split_at_mut(m.rows());
             m.matvec(x, xq, o)?;
             rest = r;
+        }
+        Ok(())
+    }
+
+    /// As [`QMatrix::matmul_batch`], `out` `[batch, RowStack::rows]`: each part's product is
+    /// written into its columns of every output row.
+    pub(crate) fn matmul_batch(
+        &self,
+        x: &[f32],
+        xq: &[QVec],
+        out: &mut [f32],
+    ) -> candle_core::Result<()> {
+        let (rows, batch) = (self.rows(), xq.len());
+        assert_eq!(out.len(), batch * rows, "output length");
+        if let [m] = self.0.as_slice() {
+            return m.matmul_batch(x, xq, out);
+        }
+        let mut off = 0;
+        let mut part = Vec::new();
+        for m in &self.0 {
+            let pr = m.rows();
+            part.resize(batch * pr, 0.0);
+            m.matmul_batch(x, xq, &mut part)?;
+            for (o, p) in out.chunks_exact_mut(rows).zip(part.chunks_exact(pr)) {
+                o[off..off + pr].copy_from_slice(p);
+            }
+            off += pr;
         }
         Ok(())
     }
@@ -702,6 +797,54 @@ mod tests {
                         (out[r] as f64 - exact).abs() <= bound,
                         "{dtype:?} row {r}: {} vs {exact} (bound {bound})",
                         out[r]
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every row of the batched product equals the single-vector product bit for bit (the batch
+    /// decode's equality with single decode rests on it), for Q4_1, Q8_0, the k-quants through
+    /// candle's QMatMul and a mixed [`RowStack`], and awkward batches.
+    #[test]
+    fn matmul_batch_equals_matvec_per_row() {
+        use candle_core::quantized::GgmlDType;
+        let mut seed = 77u64;
+        let (rows, cols) = (37, 512);
+        let q41 = QMatrix::from_q4_1_bytes(&q4_1_bytes(rows, cols, &mut seed), rows, cols).unwrap();
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng(&mut seed)).collect();
+        let q80 = QMatrix::q8_0_from_f32(&w, rows, cols).unwrap();
+        let q4k = kquant(rows, cols, GgmlDType::Q4K, &mut seed);
+        let q6k = kquant(rows, cols, GgmlDType::Q6K, &mut seed);
+        let stack = RowStack::new(vec![q41.clone(), q6k.clone(), q80.clone()]).unwrap();
+        let singles: Vec<RowStack> = [&q41, &q80, &q4k, &q6k]
+            .into_iter()
+            .map(|m| RowStack::new(vec![m.clone()]).unwrap())
+            .collect();
+        for m in singles.iter().chain([&stack]) {
+            let rows = m.rows();
+            for batch in [1usize, 2, 5] {
+                let x: Vec<f32> = (0..batch * cols).map(|_| 3.0 * rng(&mut seed)).collect();
+                let xs: Vec<QVec> = x
+                    .chunks_exact(cols)
+                    .map(|x| {
+                        let mut q = QVec::default();
+                        q.quantize(x);
+                        q
+                    })
+                    .collect();
+                let mut out = vec![0f32; batch * rows];
+                m.matmul_batch(&x, &xs, &mut out).unwrap();
+                for (b, xq) in xs.iter().enumerate() {
+                    let mut one = vec![0f32; rows];
+                    m.matvec(&x[b * cols..(b + 1) * cols], xq, &mut one)
+                        .unwrap();
+                    let got = &out[b * rows..(b + 1) * rows];
+                    assert!(
+                        got.iter()
+                            .zip(&one)
+                            .all(|(a, c)| a.to_bits() == c.to_bits()),
+                        "batch {batch}, row {b}"
                     );
                 }
             }

@@ -119,6 +119,69 @@ fn a_tiny_qwen2_model_loads_and_its_paths_agree() {
     );
 }
 
+/// `decode_batch` on the tiny `qwen2` model (biases, NEOX RoPE) equals `decode_step` per
+/// sequence bit for bit, with sequences at different positions; a bad token fails only its own
+/// sequence.
+#[test]
+fn the_tiny_qwen2_model_decodes_the_same_in_a_batch() {
+    use mosaickv_engine::BatchSeq;
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tiny {
+        arch: "qwen2",
+        biases: true,
+        hidden: 64,
+        q_heads: 2,
+        kv_heads: 1,
+        ..Tiny::default()
+    };
+    let model = Model::load(&t.write(dir.path(), "qwen.gguf")).unwrap();
+    let prompts: [&[u32]; 3] = [&[3, 4, 5], &[7, 3, 4, 5, 6, 7], &[5]];
+    let fresh = |p: &[u32]| {
+        let mut caches = model.new_full_caches();
+        model.prefill(p).unwrap().fill(&mut caches).unwrap();
+        caches
+    };
+    let mut alone: Vec<_> = prompts.iter().map(|p| fresh(p)).collect();
+    let mut together: Vec<_> = prompts.iter().map(|p| fresh(p)).collect();
+    let mut bad = fresh(&[3]);
+    let vocab = model.config().vocab as u32;
+    for step in 0..3 {
+        let tokens: Vec<u32> = (0..prompts.len()).map(|i| (3 + i + step) as u32).collect();
+        let mut batch: Vec<BatchSeq> = together
+            .iter_mut()
+            .zip(&prompts)
+            .zip(&tokens)
+            .map(|((caches, p), &token)| BatchSeq {
+                token,
+                pos: p.len() + step,
+                caches,
+            })
+            .collect();
+        batch.push(BatchSeq {
+            token: vocab,
+            pos: 1 + step,
+            caches: &mut bad,
+        });
+        let out = model.decode_batch(&mut batch);
+        assert!(
+            out[prompts.len()].is_err(),
+            "a bad token must fail its sequence"
+        );
+        for (i, caches) in alone.iter_mut().enumerate() {
+            let one = model
+                .decode_step(tokens[i], prompts[i].len() + step, caches)
+                .unwrap();
+            let got = out[i].as_ref().unwrap();
+            assert!(
+                got.iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "step {step}, sequence {i}"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_tiny_model_loads_and_runs() {
     let dir = tempfile::tempdir().unwrap();

@@ -22,7 +22,7 @@ pub enum DecodeWeights {
 }
 
 /// `out = x / sqrt(mean(x^2) + eps) * w` (as candle's `rms_norm`).
-fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+pub(super) fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ss: f32 = x.iter().map(|v| v * v).sum();
     let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {

@@ -9,11 +9,13 @@
 //! This file holds the model's types, the f32 layer blocks that prefill and the f32 decode
 //! share (RoPE, RMS norm, MLP, LM head) and greedy generation.
 
+mod batch;
 mod decode;
 mod load;
 mod prefill;
 mod weights;
 
+pub use batch::{BatchSeq, ChunkedPrefill};
 pub use decode::DecodeWeights;
 pub(crate) use prefill::exp_shifted_in_place;
 pub use prefill::{Prefill, STATS_SAMPLE};

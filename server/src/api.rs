@@ -1,0 +1,511 @@
+//! The OpenAI-compatible HTTP side: request parsing and validation, SSE streaming, errors.
+//!
+//! Every bad request gets a 400 JSON error (`{"error": {"message", "type", "code"}}`) before it
+//! reaches the engine; a full queue gets 429. The body is parsed here (not by axum's `Json`
+//! extractor) so that malformed JSON is a 400 with the same error shape.
+
+use crate::engine::{Event, Job, Refused, Sampling};
+use crate::AppState;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// Default `max_tokens` when a request gives none.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+/// At most this many stop strings (OpenAI's limit).
+const MAX_STOPS: usize = 4;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// An error answer.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub code: &'static str,
+}
+
+impl ApiError {
+    pub fn bad(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            code,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        };
+        (
+            self.status,
+            Json(json!({"error": {"message": self.message, "type": kind, "code": self.code}})),
+        )
+            .into_response()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    content: Value,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The fields of both endpoints that the server reads (others are ignored, as OpenAI clients
+/// send some by default).
+#[derive(Debug, Deserialize)]
+struct Request {
+    model: Option<String>,
+    prompt: Option<Value>,
+    messages: Option<Vec<Message>>,
+    max_tokens: Option<Value>,
+    max_completion_tokens: Option<Value>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    seed: Option<i64>,
+    stop: Option<StopField>,
+    stream: Option<bool>,
+    n: Option<i64>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// Renders a chat as the model's ChatML template (the default system message when the chat has
+/// none), ending with the assistant's generation prompt.
+fn render_chat(state: &AppState, messages: &[Message]) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad("invalid_messages", "messages is empty"));
+    }
+    let mut out = String::new();
+    if messages[0].role != "system" {
+        let system = &state.model.tokenizer().chat.system;
+        out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
+    }
+    for m in messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+            return Err(ApiError::bad(
+                "invalid_messages",
+                format!("unknown role {:?} (system, user, assistant)", m.role),
+            ));
+        }
+        let content = match &m.content {
+            Value::String(s) => s.clone(),
+            // the array form: concatenated text parts
+            Value::Array(parts) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => s.push_str(t),
+                        _ => {
+                            return Err(ApiError::bad(
+                                "invalid_messages",
+                                "only text content parts are supported",
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+            _ => {
+                return Err(ApiError::bad(
+                    "invalid_messages",
+                    "message content must be a string",
+                ))
+            }
+        };
+        out.push_str(&format!("<|im_start|>{}\n{content}<|im_end|>\n", m.role));
+    }
+    out.push_str("<|im_start|>assistant\n");
+    Ok(out)
+}
+
+/// A validated request, ready for the queue.
+struct Prepared {
+    job: Job,
+    stream: bool,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+}
+
+fn parse_max_tokens(v: &Value) -> Result<usize, ApiError> {
+    match v.as_i64() {
+        Some(n) if n >= 1 => Ok(n as usize),
+        Some(n) => Err(ApiError::bad(
+            "invalid_max_tokens",
+            format!("max_tokens must be at least 1, got {n}"),
+        )),
+        None => Err(ApiError::bad(
+            "invalid_max_tokens",
+            format!("max_tokens must be an integer, got {v}"),
+        )),
+    }
+}
+
+fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiError> {
+    let req: Request = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("invalid_json", format!("malformed request body: {e}")))?;
+    if let Some(m) = &req.model {
+        if *m != state.model_name {
+            return Err(ApiError::bad(
+                "model_not_found",
+                format!(
+                    "unknown model {m:?}; this server serves {:?}",
+                    state.model_name
+                ),
+            ));
+        }
+    }
+    if let Some(n) = req.n {
+        if n != 1 {
+            return Err(ApiError::bad("invalid_n", "only n = 1 is supported"));
+        }
+    }
+    let text = match kind {
+        Kind::Chat => {
+            let messages = req
+                .messages
+                .as_deref()
+                .ok_or_else(|| ApiError::bad("missing_messages", "messages is required"))?;
+            render_chat(state, messages)?
+        }
+        Kind::Completion => match &req.prompt {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                a[0].as_str().unwrap_or_default().to_string()
+            }
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "invalid_prompt",
+                    "prompt must be a string (or a list of one string)",
+                ))
+            }
+            None => return Err(ApiError::bad("missing_prompt", "prompt is required")),
+        },
+    };
+    let prompt = state
+        .model
+        .encode_raw(&text)
+        .map_err(|e| ApiError::bad("invalid_prompt", format!("tokenizer: {e}")))?;
+    if prompt.is_empty() {
+        return Err(ApiError::bad("invalid_prompt", "prompt is empty"));
+    }
+    let context = state.model.config().context_length;
+    let max_tokens = match req
+        .max_completion_tokens
+        .as_ref()
+        .or(req.max_tokens.as_ref())
+    {
+        Some(v) => parse_max_tokens(v)?,
+        None => DEFAULT_MAX_TOKENS
+            .min(context.saturating_sub(prompt.len()))
+            .max(1),
+    };
+    if prompt.len() + max_tokens > context {
+        return Err(ApiError::bad(
+            "context_length_exceeded",
+            format!(
+                "prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the context length {context}",
+                prompt.len()
+            ),
+        ));
+    }
+    let temperature = req.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "invalid_temperature",
+            format!("temperature must be in [0, 2], got {temperature}"),
+        ));
+    }
+    let top_p = req.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "invalid_top_p",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let stop = match req.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(v)) => v,
+    };
+    if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::bad(
+            "invalid_stop",
+            format!("stop takes up to {MAX_STOPS} non-empty strings"),
+        ));
+    }
+    let reserve = state.footprint.worst_case(prompt.len(), max_tokens);
+    if reserve > state.shared.budget {
+        return Err(ApiError::bad(
+            "kv_budget_exceeded",
+            format!(
+                "this request may need {reserve} bytes of KV cache ({} prompt tokens + {max_tokens}), more than the whole budget of {} bytes",
+                prompt.len(),
+                state.shared.budget
+            ),
+        ));
+    }
+    let seed = req
+        .seed
+        .map(|s| s as u64)
+        .unwrap_or_else(|| NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    Ok(Prepared {
+        job: Job {
+            prompt,
+            max_tokens,
+            sampling: Sampling {
+                temperature,
+                top_p,
+                seed,
+            },
+            stop,
+            reserve,
+            events: tx,
+            enqueued: Instant::now(),
+        },
+        stream: req.stream.unwrap_or(false),
+        rx,
+    })
+}
+
+fn created() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub async fn chat(State(state): State<AppState>, body: Bytes) -> Response {
+    completion(state, body, Kind::Chat).await
+}
+
+pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+    completion(state, body, Kind::Completion).await
+}
+
+async fn completion(state: AppState, body: Bytes, kind: Kind) -> Response {
+    let p = match prepare(&state, &body, kind) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    match state.shared.submit(p.job) {
+        Ok(()) => {}
+        Err(Refused::QueueFull) => {
+            return ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                message: format!(
+                    "the queue is full ({} requests waiting); retry later",
+                    state.shared.queue_capacity
+                ),
+                code: "queue_full",
+            }
+            .into_response()
+        }
+        Err(Refused::ShuttingDown) => {
+            return ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: "the server is shutting down".into(),
+                code: "shutting_down",
+            }
+            .into_response()
+        }
+    }
+    let id = format!(
+        "{}-{}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        NEXT_ID.fetch_add(1, Ordering::Relaxed)
+    );
+    let model = state.model_name.clone();
+    if p.stream {
+        stream_response(p.rx, id, model, kind).into_response()
+    } else {
+        whole_response(p.rx, id, model, kind).await
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Waits for the whole answer. If the client goes away, axum drops this future and with it the
+/// receiver: the engine sees the closed channel and cancels the sequence.
+async fn whole_response(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    id: String,
+    model: String,
+    kind: Kind,
+) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                let choice = match kind {
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
+                    }
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason})
+                    }
+                };
+                let object = if kind == Kind::Chat {
+                    "chat.completion"
+                } else {
+                    "text_completion"
+                };
+                return Json(json!({
+                    "id": id, "object": object, "created": created(), "model": model,
+                    "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+                }))
+                .into_response();
+            }
+            Event::Error(m) => {
+                return ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: m,
+                    code: "engine_error",
+                }
+                .into_response()
+            }
+        }
+    }
+    ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: "the engine stopped before the request finished".into(),
+        code: "engine_stopped",
+    }
+    .into_response()
+}
+
+/// Server-sent events: one chunk per piece of text, a last chunk with `finish_reason` and
+/// `usage`, then `[DONE]`. An engine error is sent as an `{"error": ...}` event before
+/// `[DONE]`. Dropping the stream (client gone) drops the receiver, which cancels the sequence.
+fn stream_response(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    id: String,
+    model: String,
+    kind: Kind,
+) -> impl IntoResponse {
+    let object = if kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let created = created();
+    let chunk = move |delta: Option<&str>, finish: Option<&str>, usage_v: Option<Value>| {
+        let choice = match kind {
+            Kind::Chat => {
+                let d = match delta {
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                };
+                json!({"index": 0, "delta": d, "finish_reason": finish})
+            }
+            Kind::Completion => {
+                json!({"index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+        if let Some(u) = usage_v {
+            v["usage"] = u;
+        }
+        v.to_string()
+    };
+    let first = (kind == Kind::Chat).then(|| {
+        let mut v: Value = serde_json::from_str(&chunk(None, None, None)).unwrap_or(Value::Null);
+        v["choices"][0]["delta"] = json!({"role": "assistant", "content": ""});
+        v.to_string()
+    });
+    let head = futures_util::stream::iter(first.into_iter().map(|s| SseEvent::default().data(s)));
+    let body = UnboundedReceiverStream::new(rx).filter_map(move |ev| {
+        let out = match ev {
+            Event::Text(t) if t.is_empty() => None,
+            Event::Text(t) => Some(vec![chunk(Some(&t), None, None)]),
+            Event::Done {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+            } => Some(vec![
+                chunk(
+                    None,
+                    Some(finish_reason),
+                    Some(usage(prompt_tokens, completion_tokens)),
+                ),
+                "[DONE]".to_string(),
+            ]),
+            Event::Error(m) => Some(vec![
+                json!({"error": {"message": m, "type": "server_error", "code": "engine_error"}})
+                    .to_string(),
+                "[DONE]".to_string(),
+            ]),
+        };
+        std::future::ready(out)
+    });
+    let events = head
+        .chain(body.flat_map(|v| {
+            futures_util::stream::iter(v.into_iter().map(|s| SseEvent::default().data(s)))
+        }))
+        .map(Ok::<_, Infallible>);
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+pub async fn models(State(state): State<AppState>) -> Response {
+    Json(json!({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": 0, "owned_by": "mosaickv",
+    }]}))
+    .into_response()
+}
+
+pub async fn health(State(state): State<AppState>) -> Response {
+    Json(json!({"status": "ok", "method": state.method_label})).into_response()
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.shared.metrics.render(),
+    )
+        .into_response()
+}
+
+pub async fn not_found() -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint".into(),
+        code: "not_found",
+    }
+    .into_response()
+}

@@ -1,0 +1,174 @@
+//! KV memory budget: what a request may need at worst, and what it may still need once running.
+//!
+//! Every figure is in the bytes [`mosaickv_engine::LayerKv::bytes`] reports: the device bytes of
+//! `memory()` (SPEC.md section 13, every byte counted: retained values, bitmaps, padding, block
+//! metadata, rotations, dense sink and buffer rows, headers). Host-side f32 rows kept for
+//! background compression are not device memory and are not charged (`memory()` reports them
+//! apart, `host_rows`).
+//!
+//! * `full`: exactly `4 * kv_heads * head_dim` bytes per token per layer (f16 K and V).
+//! * `mosaic`: an upper bound that holds whatever strategies the fit picks. Per token, layer and
+//!   KV head: a key and a value record with the most values the channel policy can keep
+//!   (SPEC.md section 11.2: `r = min(D, ceil_g(f * D))` at the largest retention `f` and group
+//!   size `g`; `align4(4 * ceil(D / 32) + 2 * r)` bytes each with the bitmap at g = 1, section
+//!   6), plus the key block metadata at the smallest block size (`ceil((2 * D + 4) / b_min)`,
+//!   section 7). Once per sequence: the rows kept dense f16 (`sink_tokens + buffer_capacity`
+//!   rows of `4 * D` bytes for K and V). Per segment, layer and KV head: two f32 rotations
+//!   `D x D`, the segment and strategy headers (16 + 2 * 32 B) and one more (partial) metadata
+//!   block. Segments: at most `ceil(prompt / L_in) + 1` prompt segments and
+//!   `ceil(generated / L_min) + 3` generated ones (an open segment, a provisional one of the
+//!   background worker, and the remainder).
+//!
+//! Admission reserves [`Footprint::worst_case`] for the prompt plus `max_tokens`; after each
+//! step the scheduler lowers the reservation to [`Footprint::still_needed`]: the measured bytes
+//! plus the worst case of the tokens that may still come. The reservation never rises, and the
+//! measured bytes never exceed it (the engine counts any step where they do, and the tests
+//! check that count is zero).
+
+use mosaickv_engine::{Config, Method};
+use mosaickv_spec::ChannelPolicy;
+
+/// The worst-case byte rates of one method on one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// Bytes per token, all layers.
+    pub per_token: usize,
+    /// Bytes per segment, all layers (0 for dense caches).
+    pub per_segment: usize,
+    /// Bytes of the rows kept dense f16 (sink and update buffer), all layers, charged once.
+    pub dense: usize,
+    /// Prompt segment length `L_in` (for counting segments; unused when `per_segment` is 0).
+    pub input_segment_len: usize,
+    /// Minimum generated segment length `L_min`.
+    pub min_segment_len: usize,
+}
+
+/// Methods the server runs.
+pub const SERVED_METHODS: &str = "full, mosaic";
+
+impl Footprint {
+    /// The byte rates of `method` on a model of configuration `cfg`; `None` for a method the
+    /// server does not run (see [`SERVED_METHODS`]).
+    pub fn of(method: &Method, cfg: &Config) -> Option<Self> {
+        let (layers, kvh, d) = (cfg.n_layers, cfg.kv_heads, cfg.head_dim);
+        match method {
+            Method::Full => Some(Self {
+                per_token: layers * kvh * 4 * d,
+                per_segment: 0,
+                dense: 0,
+                input_segment_len: 1,
+                min_segment_len: 1,
+            }),
+            Method::Mosaic { config, .. } => {
+                let align4 = |x: usize| x.div_ceil(4) * 4;
+                // the most values a record keeps: SPEC 11.2's r = min(Dt, ceil_g(f * D)) at the
+                // largest retention f and group size g the policy allows
+                let (f_max, g_max) = match &config.channels {
+                    ChannelPolicy::Fixed {
+                        retention,
+                        group_size,
+                    } => (*retention, *group_size),
+                    ChannelPolicy::LossThreshold {
+                        retentions,
+                        group_sizes,
+                        ..
+                    } => (
+                        retentions.iter().copied().fold(0.0, f64::max),
+                        group_sizes.iter().copied().max().unwrap_or(1),
+                    ),
+                };
+                let r_max = ((f_max * d as f64).ceil() as usize + g_max.max(1) - 1).min(d);
+                let record = align4(4 * d.div_ceil(32) + 2 * r_max);
+                let b_min = config.block_sizes.iter().copied().min().unwrap_or(1).max(1);
+                let meta_per_token = (2 * d + 4).div_ceil(b_min);
+                Some(Self {
+                    per_token: layers * kvh * (2 * record + meta_per_token),
+                    per_segment: layers * kvh * (2 * d * d * 4 + 16 + 2 * 32 + (2 * d + 4)),
+                    dense: layers * kvh * (config.sink_tokens + config.buffer_capacity) * 4 * d,
+                    input_segment_len: config.input_segment_len.max(1),
+                    min_segment_len: config.min_segment_len.max(1),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The most bytes a request of `prompt` tokens and up to `max_tokens` generated ones can
+    /// hold at any time.
+    pub fn worst_case(&self, prompt: usize, max_tokens: usize) -> usize {
+        let segments = if self.per_segment == 0 {
+            0
+        } else {
+            prompt.div_ceil(self.input_segment_len)
+                + 1
+                + max_tokens.div_ceil(self.min_segment_len)
+                + 3
+        };
+        (prompt + max_tokens) * self.per_token + segments * self.per_segment + self.dense
+    }
+
+    /// The most bytes a running request can reach from `measured` bytes now, with at most
+    /// `remaining` more tokens to append.
+    pub fn still_needed(&self, measured: usize, remaining: usize) -> usize {
+        let segments = if self.per_segment == 0 {
+            0
+        } else {
+            remaining.div_ceil(self.min_segment_len) + 3
+        };
+        measured + remaining * self.per_token + segments * self.per_segment + self.dense
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config {
+            arch: mosaickv_engine::Arch::Llama,
+            n_layers: 30,
+            hidden: 576,
+            ffn: 1536,
+            q_heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            vocab: 49152,
+            rope_theta: 1e5,
+            rope: mosaickv_engine::RopeStyle::Interleaved,
+            rms_eps: 1e-5,
+            context_length: 8192,
+            tied_embeddings: true,
+            qkv_bias: false,
+        }
+    }
+
+    #[test]
+    fn full_is_exactly_dense_f16() {
+        let f = Footprint::of(&Method::Full, &cfg()).unwrap();
+        assert_eq!(f.per_token, 30 * 3 * 4 * 64);
+        assert_eq!(f.worst_case(100, 28), 128 * 30 * 3 * 4 * 64);
+        assert_eq!(f.still_needed(1000, 10), 1000 + 10 * f.per_token);
+    }
+
+    #[test]
+    fn mosaic_bound_is_above_dense_and_counts_segments() {
+        let m = Method::parse("mosaic").unwrap();
+        let f = Footprint::of(&m, &cfg()).unwrap();
+        let dense = Footprint::of(&Method::Full, &cfg()).unwrap();
+        // default policy: f = 6/8, g up to 4: r = min(64, 48 + 3) = 51; a record is
+        // align4(8 + 102) = 112 B; metadata at b = 16 is ceil(132 / 16) = 9 B per token
+        assert_eq!(f.per_token, 30 * 3 * (2 * 112 + 9));
+        assert!(f.per_token < dense.per_token);
+        assert_eq!(f.per_segment, 30 * 3 * (32768 + 80 + 132));
+        assert_eq!(f.dense, 30 * 3 * (4 + 64) * 256);
+        // 1 prompt segment (+1), 1 generated (+3)
+        assert_eq!(
+            f.worst_case(1000, 100),
+            1100 * f.per_token + 6 * f.per_segment + f.dense
+        );
+        // fixed retention 1/4 at g = 1: r = 16, a record is 8 + 32 = 40 B
+        let fixed = Footprint::of(&Method::parse("mosaic:ret=0.25").unwrap(), &cfg()).unwrap();
+        assert_eq!(fixed.per_token, 30 * 3 * (2 * 40 + 9));
+        assert!(Footprint::of(&Method::parse("quest").unwrap(), &cfg()).is_none());
+    }
+}

@@ -1,0 +1,520 @@
+//! The engine loop: one thread that owns every running sequence and its caches.
+//!
+//! The HTTP side validates a request, prices it ([`crate::budget::Footprint::worst_case`]) and
+//! pushes a [`Job`] on the bounded queue ([`Shared::submit`]: a full queue is refused at once).
+//! Each turn of the loop:
+//! 1. drops sequences (and queued jobs) whose client has gone: their caches are freed and their
+//!    reservation released;
+//! 2. admits the next queued job, in arrival order, when no other prompt is prefilling, the
+//!    batch has room and its reservation fits under the budget with everything already
+//!    reserved; its prompt is prefilled [`PREFILL_CHUNK`] tokens per turn, between decode steps;
+//! 3. runs one batched decode step ([`mosaickv_engine::Model::decode_batch`]) for every running
+//!    sequence, samples each one's next token and streams its text;
+//! 4. measures each sequence's cache bytes and lowers its reservation to what it may still need.
+//!
+//! Every accepted job ends with exactly one `Done` or `Error` event (or its client is gone).
+
+use crate::budget::Footprint;
+use crate::metrics::Metrics;
+use mosaickv_engine::{BatchSeq, ChunkedPrefill, LayerKv, Method, Model};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Prompt tokens prefilled per engine turn (between two decode steps).
+pub const PREFILL_CHUNK: usize = 256;
+
+/// How a request samples.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy (argmax).
+    pub temperature: f64,
+    /// Nucleus: keep the smallest set of tokens whose probability reaches `top_p` (1: all).
+    pub top_p: f64,
+    pub seed: u64,
+}
+
+/// What the engine streams back for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// New text (may be empty when only a partial character or a possible stop prefix came).
+    Text(String),
+    Done {
+        finish_reason: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(String),
+}
+
+/// An accepted request waiting in the queue.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    /// Bytes reserved at admission ([`Footprint::worst_case`]).
+    pub reserve: usize,
+    pub events: UnboundedSender<Event>,
+    pub enqueued: Instant,
+}
+
+/// Why a job was not queued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    QueueFull,
+    ShuttingDown,
+}
+
+/// State shared by the HTTP side and the engine thread.
+pub struct Shared {
+    queue: Mutex<VecDeque<Job>>,
+    wake: Condvar,
+    pub queue_capacity: usize,
+    pub budget: usize,
+    pub max_batch: usize,
+    pub shutdown: AtomicBool,
+    /// Device bytes of every running sequence's caches, as measured after the last step.
+    pub kv_used: AtomicUsize,
+    pub kv_reserved: AtomicUsize,
+    pub kv_peak: AtomicUsize,
+    pub running: AtomicUsize,
+    pub running_peak: AtomicUsize,
+    /// Steps where a sequence's measured bytes exceeded its reservation (a bug if ever > 0).
+    pub reservation_overruns: AtomicUsize,
+    pub metrics: Metrics,
+}
+
+impl Shared {
+    pub fn new(budget: usize, max_batch: usize, queue_capacity: usize) -> Self {
+        Self {
+            queue: Mutex::new(VecDeque::new()),
+            wake: Condvar::new(),
+            queue_capacity,
+            budget,
+            max_batch,
+            shutdown: AtomicBool::new(false),
+            kv_used: AtomicUsize::new(0),
+            kv_reserved: AtomicUsize::new(0),
+            kv_peak: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+            running_peak: AtomicUsize::new(0),
+            reservation_overruns: AtomicUsize::new(0),
+            metrics: Metrics::new(),
+        }
+    }
+
+    /// Queues a job, or refuses it at once when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+        if self.shutdown.load(Ordering::SeqCst) {
+            return Err(Refused::ShuttingDown);
+        }
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= self.queue_capacity {
+            return Err(Refused::QueueFull);
+        }
+        q.push_back(job);
+        self.metrics.queued.set(q.len() as i64);
+        drop(q);
+        self.wake.notify_all();
+        Ok(())
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn stop(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        self.wake.notify_all();
+    }
+}
+
+/// One running sequence.
+struct Seq {
+    caches: Vec<Box<dyn LayerKv>>,
+    prompt_len: usize,
+    /// Position of `next` (the token the next decode step runs).
+    pos: usize,
+    next: u32,
+    generated: Vec<u32>,
+    max_tokens: usize,
+    sampling: Sampling,
+    rng: ChaCha8Rng,
+    stop: Vec<String>,
+    /// Bytes of text already sent.
+    sent: usize,
+    reserve: usize,
+    events: UnboundedSender<Event>,
+    last_token_at: Instant,
+}
+
+/// Samples a token from logits.
+pub fn sample(logits: &[f32], s: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
+    if s.temperature <= 0.0 {
+        return mosaickv_engine::argmax(logits);
+    }
+    let inv_t = 1.0 / s.temperature;
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut probs: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, ((l as f64 - m) * inv_t).exp()))
+        .collect();
+    let z: f64 = probs.iter().map(|p| p.1).sum();
+    if s.top_p < 1.0 {
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            acc += p.1 / z;
+            if acc >= s.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+    }
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    let mut r = rng.gen::<f64>() * total;
+    for &(i, p) in &probs {
+        r -= p;
+        if r <= 0.0 {
+            return i;
+        }
+    }
+    probs.last().map_or(0, |p| p.0)
+}
+
+/// Runs the engine loop until [`Shared::stop`] and every accepted job has finished.
+pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Shared>) {
+    let mut running: Vec<Seq> = Vec::new();
+    let mut prefilling: Option<Prefilling> = None;
+    loop {
+        // 1. cancellations: a closed channel means the client is gone
+        running.retain(|s| {
+            let gone = s.events.is_closed();
+            if gone {
+                shared.metrics.finished("cancelled");
+            }
+            !gone
+        });
+        if prefilling
+            .as_ref()
+            .is_some_and(|p| p.job.events.is_closed())
+        {
+            prefilling = None;
+            shared.metrics.finished("cancelled");
+        }
+        {
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let before = q.len();
+            q.retain(|j| !j.events.is_closed());
+            for _ in q.len()..before {
+                shared.metrics.finished("cancelled");
+            }
+            shared.metrics.queued.set(q.len() as i64);
+        }
+        publish(&shared, &running, prefilling.as_ref());
+        // 2. admission, in arrival order: one prompt prefills at a time, a chunk per turn
+        if prefilling.is_none() && running.len() < shared.max_batch {
+            let reserved: usize = running.iter().map(|s| s.reserve).sum();
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(j) = q.front() {
+                if reserved + j.reserve <= shared.budget {
+                    prefilling = q.pop_front().map(|job| Prefilling {
+                        job,
+                        state: ChunkedPrefill::default(),
+                    });
+                    shared.metrics.queued.set(q.len() as i64);
+                }
+            }
+        }
+        if let Some(mut p) = prefilling.take() {
+            match prefill_step(&model, &method, &shared, &mut p) {
+                Step::More => prefilling = Some(p),
+                Step::Ready(caches, logits) => {
+                    if let Some(seq) = start(&model, &foot, &shared, p.job, caches, &logits) {
+                        running.push(seq);
+                    }
+                }
+                Step::Failed => {}
+            }
+            publish(&shared, &running, prefilling.as_ref());
+        }
+        if running.is_empty() {
+            if prefilling.is_some() {
+                continue;
+            }
+            let q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if shared.shutdown.load(Ordering::SeqCst) && q.is_empty() {
+                return;
+            }
+            // a queued job that does not fit can only be waiting for a running one: none runs
+            // here, so it fits (the HTTP side refuses jobs above the whole budget)
+            let _unused = shared
+                .wake
+                .wait_timeout(q, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner());
+            continue;
+        }
+        // 3. one batched decode step
+        let results = {
+            let mut batch: Vec<BatchSeq<'_>> = running
+                .iter_mut()
+                .map(|s| BatchSeq {
+                    token: s.next,
+                    pos: s.pos,
+                    caches: &mut s.caches,
+                })
+                .collect();
+            model.decode_batch(&mut batch)
+        };
+        shared.metrics.step();
+        let mut keep = Vec::with_capacity(running.len());
+        for (mut s, r) in running.drain(..).zip(results) {
+            match r {
+                Ok(logits) => {
+                    s.pos += 1;
+                    let tok = sample(&logits, &s.sampling, &mut s.rng);
+                    if let Some(seq) = emit(&model, &foot, &shared, s, tok) {
+                        keep.push(seq);
+                    }
+                }
+                Err(e) => {
+                    let _ = s.events.send(Event::Error(format!("decode failed: {e}")));
+                    shared.metrics.finished("error");
+                }
+            }
+        }
+        running = keep;
+        publish(&shared, &running, prefilling.as_ref());
+    }
+}
+
+/// A job whose prompt is being prefilled.
+struct Prefilling {
+    job: Job,
+    state: ChunkedPrefill,
+}
+
+enum Step {
+    More,
+    Ready(Vec<Box<dyn LayerKv>>, Vec<f32>),
+    Failed,
+}
+
+/// Runs the next prefill chunk of `p`: a prompt of at most [`PREFILL_CHUNK`] tokens in one
+/// [`Model::prefill`] (as a sequence decoded alone), a longer one [`PREFILL_CHUNK`] tokens per
+/// call ([`Model::prefill_chunk`]); the caches take the whole prompt at the end.
+fn prefill_step(model: &Model, method: &Method, shared: &Shared, p: &mut Prefilling) -> Step {
+    let fail = |job: &Job, msg: String| {
+        let _ = job.events.send(Event::Error(msg));
+        shared.metrics.finished("error");
+        Step::Failed
+    };
+    let n = p.job.prompt.len();
+    let mut caches = if n <= PREFILL_CHUNK || p.state.len() + PREFILL_CHUNK >= n {
+        match method.new_caches(model.config()) {
+            Ok(c) => c,
+            Err(e) => return fail(&p.job, format!("cache: {e}")),
+        }
+    } else {
+        Vec::new()
+    };
+    if n <= PREFILL_CHUNK {
+        let pre = match model.prefill(&p.job.prompt) {
+            Ok(pre) => pre,
+            Err(e) => return fail(&p.job, format!("prefill: {e}")),
+        };
+        return match pre.fill(&mut caches) {
+            Ok(()) => Step::Ready(caches, pre.logits),
+            Err(e) => fail(&p.job, format!("prefill: {e}")),
+        };
+    }
+    let a = p.state.len();
+    let b = (a + PREFILL_CHUNK).min(n);
+    let logits = match model.prefill_chunk(&mut p.state, &p.job.prompt[a..b]) {
+        Ok(l) => l,
+        Err(e) => return fail(&p.job, format!("prefill: {e}")),
+    };
+    if b < n {
+        return Step::More;
+    }
+    match p.state.fill(model, &mut caches) {
+        Ok(()) => Step::Ready(caches, logits),
+        Err(e) => fail(&p.job, format!("prefill: {e}")),
+    }
+}
+
+/// Samples a prefilled job's first token and makes it a running sequence; `None` when it
+/// finished at once.
+fn start(
+    model: &Model,
+    foot: &Footprint,
+    shared: &Shared,
+    job: Job,
+    caches: Vec<Box<dyn LayerKv>>,
+    logits: &[f32],
+) -> Option<Seq> {
+    let mut rng = ChaCha8Rng::seed_from_u64(job.sampling.seed);
+    let tok = sample(logits, &job.sampling, &mut rng);
+    shared
+        .metrics
+        .ttft
+        .observe(job.enqueued.elapsed().as_secs_f64());
+    let seq = Seq {
+        caches,
+        prompt_len: job.prompt.len(),
+        pos: job.prompt.len(),
+        next: tok,
+        generated: Vec::new(),
+        max_tokens: job.max_tokens,
+        sampling: job.sampling,
+        rng,
+        stop: job.stop,
+        sent: 0,
+        reserve: job.reserve,
+        events: job.events,
+        last_token_at: Instant::now(),
+    };
+    emit(model, foot, shared, seq, tok)
+}
+
+/// Records a sampled token: streams the new text, finishes the sequence on end of sequence, a
+/// stop string or its token limit, and lowers its reservation. `None` when it finished.
+fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) -> Option<Seq> {
+    let now = Instant::now();
+    if !s.generated.is_empty() {
+        shared
+            .metrics
+            .tbt
+            .observe((now - s.last_token_at).as_secs_f64());
+    }
+    s.last_token_at = now;
+    let eos = model.is_eos(tok);
+    if !eos {
+        s.generated.push(tok);
+        shared.metrics.tokens.inc();
+    }
+    let text = match model.decode(&s.generated) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = s.events.send(Event::Error(format!("detokenize: {e}")));
+            shared.metrics.finished("error");
+            return None;
+        }
+    };
+    let stop_at = s.stop.iter().filter_map(|st| text.find(st.as_str())).min();
+    let at_limit = s.generated.len() >= s.max_tokens;
+    let finish = if stop_at.is_some() || eos {
+        Some("stop")
+    } else if at_limit {
+        Some("length")
+    } else {
+        None
+    };
+    let end = match (finish, stop_at) {
+        (_, Some(i)) => i,
+        (Some(_), None) => text.len(),
+        (None, None) => {
+            // hold back a partial character and what could be the start of a stop string
+            let hold = s.stop.iter().map(|st| st.len()).max().unwrap_or(1) - 1;
+            let mut e = text.trim_end_matches('\u{FFFD}').len().saturating_sub(hold);
+            while e > 0 && !text.is_char_boundary(e) {
+                e -= 1;
+            }
+            e
+        }
+    };
+    // the decoded prefix is stable (byte-level BPE; a trailing partial character is held back),
+    // so `sent` is a character boundary; `get` keeps a surprise from panicking the engine
+    if let Some(piece) = text.get(s.sent..end).filter(|p| !p.is_empty()) {
+        let _ = s.events.send(Event::Text(piece.to_string()));
+        s.sent = end;
+    }
+    if let Some(reason) = finish {
+        let _ = s.events.send(Event::Done {
+            finish_reason: reason,
+            prompt_tokens: s.prompt_len,
+            completion_tokens: s.generated.len(),
+        });
+        shared.metrics.finished("ok");
+        return None;
+    }
+    let measured: usize = s.caches.iter().map(|c| c.bytes()).sum();
+    if measured > s.reserve {
+        shared.reservation_overruns.fetch_add(1, Ordering::SeqCst);
+    }
+    // tokens still to append: this one (next step) and up to max_tokens - generated - 1 more
+    let remaining = s.max_tokens - s.generated.len();
+    s.reserve = s.reserve.min(foot.still_needed(measured, remaining));
+    s.next = tok;
+    Some(s)
+}
+
+/// Publishes the running set's measured bytes, reservations (the prefilling job's included)
+/// and count.
+fn publish(shared: &Shared, running: &[Seq], prefilling: Option<&Prefilling>) {
+    let used: usize = running
+        .iter()
+        .map(|s| s.caches.iter().map(|c| c.bytes()).sum::<usize>())
+        .sum();
+    let reserved: usize =
+        running.iter().map(|s| s.reserve).sum::<usize>() + prefilling.map_or(0, |p| p.job.reserve);
+    shared.kv_used.store(used, Ordering::SeqCst);
+    shared.kv_reserved.store(reserved, Ordering::SeqCst);
+    shared.kv_peak.fetch_max(used, Ordering::SeqCst);
+    shared.running.store(running.len(), Ordering::SeqCst);
+    shared
+        .running_peak
+        .fetch_max(running.len(), Ordering::SeqCst);
+    shared.metrics.running.set(running.len() as i64);
+    shared.metrics.kv_used.set(used as i64);
+    shared.metrics.kv_reserved.set(reserved as i64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_argmax_and_sampling_is_seeded() {
+        let logits = vec![0.1f32, 2.0, 1.9, -1.0];
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(sample(&logits, &greedy, &mut rng), 1);
+        let hot = Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 5,
+        };
+        let draw = |seed| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            (0..50)
+                .map(|_| sample(&logits, &hot, &mut rng))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(5), draw(5));
+        assert_ne!(draw(5), draw(6));
+        // more than one token is drawn at temperature 1
+        let d = draw(5);
+        assert!(d.iter().any(|&t| t != d[0]));
+        // top_p small keeps only the most likely token
+        let nucleus = Sampling {
+            temperature: 1.0,
+            top_p: 0.01,
+            seed: 1,
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        assert!((0..50).all(|_| sample(&logits, &nucleus, &mut rng) == 1));
+    }
+}
