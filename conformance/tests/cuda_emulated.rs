@@ -450,6 +450,9 @@ fn quantized_layouts_are_refused_with_a_typed_error() {
         };
         refused(SharedEmu.encode(rows.view(), &side).map(|_| ()), "encode");
         refused(SharedEmu.decode(&packed, &side).map(|_| ()), "decode");
-        refused(SharedEmu.block_meta(&packed, &side, 16).map(|_| ()), "block_meta");
+        refused(
+            SharedEmu.block_meta(&packed, &side, 16).map(|_| ()),
+            "block_meta",
+        );
     }
 }
