@@ -700,6 +700,9 @@ macro_rules! conformance_suite {
                 small.buffer_capacity = 64;
                 small.max_segment_len = 256;
                 small.min_segment_len = 128;
+                // No budget floor, so that the selection stays a strict subset at these
+                // small sizes (the default's floor of 256 is exercised by the default).
+                small.min_budget_tokens = 0;
                 let mut fixed = CompressConfig::paper_fixed();
                 fixed.input_segment_len = 80;
                 fixed.buffer_capacity = 32;
@@ -709,7 +712,8 @@ macro_rules! conformance_suite {
                 // int4 under the fixed policy (g = 1, the SIMD kernels), and a mix the loss
                 // rule chooses from.
                 use mosaickv_spec::ValueDtype::{F16, Int4, Int8};
-                let int8 = CompressConfig { value_dtypes: vec![Int8], ..CompressConfig::default() };
+                // A floor that binds at some sizes and not at others (SPEC.md section 8.3).
+                let int8 = CompressConfig { value_dtypes: vec![Int8], min_budget_tokens: 48, ..CompressConfig::default() };
                 let int4 = CompressConfig { value_dtypes: vec![Int4], ..fixed.clone() };
                 let mixed = CompressConfig { value_dtypes: vec![Int4, Int8, F16], ..small.clone() };
                 vec![CompressConfig::default(), small, fixed, int8, int4, mixed]

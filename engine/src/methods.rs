@@ -16,7 +16,7 @@ use mosaickv_optimized::{CpuBackend, LiveCache, Mode, OptimizedMosaicCache, Ques
 use mosaickv_reference::baselines::{KvqCache, KvqFormat, QuestSinkCache};
 use mosaickv_reference::{MosaicCache, Naive2dCache, QuestCache};
 use mosaickv_spec::{
-    Backend as _, ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape,
+    Backend as _, ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, ValueDtype,
 };
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use std::fmt;
@@ -142,7 +142,8 @@ pub enum MosaicBackend {
 /// overrides separated by `:`: `rate` (token_rate), `dense` (quest: leading dense layers),
 /// `ret` (fixed channel retention; for mosaic it switches to the fixed policy), `g` (group
 /// size with `ret`), `kloss`, `vloss` (loss thresholds), `rets` (candidate retentions,
-/// `/`-separated), `trunc` (truncate_fraction), `sink` (mosaic, quest-sink), `lin`
+/// `/`-separated), `dt` (mosaic: value dtypes, `/`-separated, e.g. `dt=int4/int8/f16`),
+/// `minb` (mosaic: min_budget_tokens), `trunc` (truncate_fraction), `sink` (mosaic, quest-sink), `lin`
 /// (input_segment_len), `bs` (block sizes, `/`-separated), `var` (variance_threshold).
 /// Example: `mosaic:ret=0.5`, `naive2d:ret=0.25`, `mosaic:rate=1:trunc=0`, `quest:dense=0`.
 #[derive(Debug, Clone, PartialEq)]
@@ -286,6 +287,23 @@ impl Method {
                 for (k, v) in &kv {
                     match k.as_str() {
                         "rate" => c.token_rate = num(k, v)?,
+                        "minb" => c.min_budget_tokens = num(k, v)? as usize,
+                        // value dtypes the strategy may use (SPEC.md section 11.2), `/`-separated
+                        "dt" => {
+                            c.value_dtypes = v
+                                .split('/')
+                                .map(|name| {
+                                    ValueDtype::ALL
+                                        .into_iter()
+                                        .find(|d| d.name() == name)
+                                        .ok_or_else(|| {
+                                            EngineError::Invalid(format!(
+                                                "method {spec:?}: dt={v}: {name:?} is not f16, int8 or int4"
+                                            ))
+                                        })
+                                })
+                                .collect::<Result<_>>()?
+                        }
                         "ret" => ret = Some(num(k, v)?),
                         "g" => g = num(k, v)? as usize,
                         "trunc" => c.truncate_fraction = num(k, v)?,
@@ -447,7 +465,9 @@ impl Method {
                         Box::new(FullKv::new(shape.kv_heads, shape.head_dim))
                     }
                     Method::Quest { token_rate, .. } => Box::new(KvAdapter(
-                        QuestF16Cache::new(shape, *token_rate).map_err(inv)?,
+                        QuestF16Cache::new(shape, *token_rate)
+                            .map_err(inv)?
+                            .with_min_budget_tokens(quest_min_budget()),
                     )),
                     Method::QuestSink { .. } => Box::new(KvAdapter(
                         QuestSinkCache::new(shape, &self.quest_sink_config()?).map_err(inv)?,
@@ -466,7 +486,9 @@ impl Method {
                         retention,
                         token_rate,
                     } => Box::new(KvAdapter(
-                        Naive2dCache::new(shape, *token_rate, *retention).map_err(inv)?,
+                        Naive2dCache::new(shape, *token_rate, *retention)
+                            .map_err(inv)?
+                            .with_min_budget_tokens(quest_min_budget()),
                     )),
                     // Decode runs on the live cache (SPEC.md section 10.4): generated
                     // tokens are compressed as they arrive and segment closes run on a
@@ -502,7 +524,11 @@ impl Method {
                         Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim))
                     }
                     Method::Quest { token_rate, .. } => {
-                        Box::new(KvAdapter(QuestCache::new(shape, *token_rate).map_err(inv)?))
+                        Box::new(KvAdapter(
+                            QuestCache::new(shape, *token_rate)
+                                .map_err(inv)?
+                                .with_min_budget_tokens(quest_min_budget()),
+                        ))
                     }
                     Method::QuestSink { .. } => Box::new(KvAdapter(
                         QuestSinkCache::new(shape, &self.quest_sink_config()?).map_err(inv)?,
@@ -514,7 +540,9 @@ impl Method {
                         retention,
                         token_rate,
                     } => Box::new(KvAdapter(
-                        Naive2dCache::new(shape, *token_rate, *retention).map_err(inv)?,
+                        Naive2dCache::new(shape, *token_rate, *retention)
+                            .map_err(inv)?
+                            .with_min_budget_tokens(quest_min_budget()),
                     )),
                     Method::Mosaic {
                         backend: MosaicBackend::Optimized,
@@ -561,6 +589,12 @@ fn common_multiple(gs: &[usize]) -> Option<usize> {
 
 fn inv(e: mosaickv_spec::MosaicError) -> EngineError {
     EngineError::Invalid(e.to_string())
+}
+
+/// The budget floor the Quest-style baselines run under: MosaicKV's default (SPEC.md section
+/// 8.3), so that at the same `token_rate` every method attends the same number of tokens.
+fn quest_min_budget() -> usize {
+    CompressConfig::default().min_budget_tokens
 }
 
 fn shape_of(cfg: &crate::Config) -> Result<KvShape> {
@@ -619,6 +653,13 @@ impl fmt::Display for Method {
                 })?;
                 if c.token_rate != d.token_rate {
                     write!(f, ":rate={}", c.token_rate)?;
+                }
+                if c.min_budget_tokens != d.min_budget_tokens {
+                    write!(f, ":minb={}", c.min_budget_tokens)?;
+                }
+                if c.value_dtypes != d.value_dtypes {
+                    let s: Vec<&str> = c.value_dtypes.iter().map(|x| x.name()).collect();
+                    write!(f, ":dt={}", s.join("/"))?;
                 }
                 match (&c.channels, &d.channels) {
                     (

@@ -326,12 +326,15 @@ impl KvCache for DenseF16Cache {
 }
 
 /// Quest (SPEC 12): dense f16 K/V, per page of 16 tokens the min/max of each key dim,
-/// budget `P = ceil(ceil(rate * n) / 16)` pages: the last page plus the `P - 1` best others.
+/// budget `P = ceil(B / 16)` pages (`B` the token budget of SPEC 8.3): the last page plus the
+/// `P - 1` best others.
 #[derive(Debug)]
 pub struct QuestF16Cache {
     path: Path,
     store: F16Store,
     token_rate: f64,
+    /// The budget floor of SPEC.md section 8.3 (0: none).
+    min_budget_tokens: usize,
     /// Per KV head, `[pages][d]` f16 min and max of the keys.
     min: Vec<Vec<f16>>,
     max: Vec<Vec<f16>>,
@@ -357,6 +360,7 @@ impl QuestF16Cache {
             path,
             store: F16Store::new(shape)?,
             token_rate,
+            min_budget_tokens: 0,
             min: vec![Vec::new(); shape.kv_heads],
             max: vec![Vec::new(); shape.kv_heads],
             sc: PageScratch::default(),
@@ -371,9 +375,16 @@ impl QuestF16Cache {
         self.store.set_q_heads(q_heads)
     }
 
+    /// Sets the budget floor of SPEC.md section 8.3 (fewest tokens attended; 0: none).
+    pub fn with_min_budget_tokens(mut self, tokens: usize) -> Self {
+        self.min_budget_tokens = tokens;
+        self
+    }
+
     /// Pages attended for a cache of `n` tokens.
     pub fn budget_pages(&self, n: usize) -> usize {
-        ((self.token_rate * n as f64).ceil() as usize).div_ceil(QUEST_PAGE)
+        mosaickv_spec::config::budget_tokens(self.token_rate, self.min_budget_tokens, n)
+            .div_ceil(QUEST_PAGE)
     }
 
     /// Bytes one decode step reads: all page metadata plus K and V of the selected pages.

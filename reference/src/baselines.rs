@@ -37,6 +37,8 @@ fn softmax_attend(
 struct PagedStore {
     shape: KvShape,
     token_rate: f64,
+    /// The budget floor of SPEC.md section 8.3 (0: none).
+    min_budget_tokens: usize,
     key_dims: Vec<Vec<usize>>,
     value_dims: Vec<Vec<usize>>,
     tokens: usize,
@@ -52,12 +54,14 @@ impl PagedStore {
     fn new(
         shape: KvShape,
         token_rate: f64,
+        min_budget_tokens: usize,
         key_dims: Vec<Vec<usize>>,
         value_dims: Vec<Vec<usize>>,
     ) -> Self {
         Self {
             shape,
             token_rate,
+            min_budget_tokens,
             key_dims,
             value_dims,
             tokens: 0,
@@ -129,13 +133,16 @@ impl PagedStore {
     }
 
     /// SPEC.md section 12 (Quest): the pages KV head `h` attends for `queries`:
-    /// `P = ceil(ceil(token_rate * n) / 16)`; all pages if there are at most P,
+    /// `P = ceil(B / 16)`, `B` section 8.3's token budget over all `n` tokens; all pages
+    /// if there are at most P,
     /// else the last page plus the `P - 1` best others by
     /// `sum_c max(q_c M_c, q_c m_c)` (max over the group; ties: lower page).
     fn select_pages(&self, queries: &ArrayView2<f32>, h: usize) -> Vec<usize> {
         let n = self.tokens;
         let pages = self.pages();
-        let budget_pages = ((self.token_rate * n as f64).ceil() as usize).div_ceil(PAGE);
+        let budget_pages =
+            mosaickv_spec::config::budget_tokens(self.token_rate, self.min_budget_tokens, n)
+                .div_ceil(PAGE);
         if pages <= budget_pages {
             return (0..pages).collect();
         }
@@ -279,7 +286,7 @@ pub struct FullCache {
 impl FullCache {
     pub fn new(shape: KvShape) -> Self {
         Self {
-            store: PagedStore::new(shape, 1.0, all_dims(&shape), all_dims(&shape)),
+            store: PagedStore::new(shape, 1.0, 0, all_dims(&shape), all_dims(&shape)),
         }
     }
     /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
@@ -321,8 +328,8 @@ impl KvCache for FullCache {
 }
 
 /// SPEC.md section 12, Quest: dense f16 K and V, 16-token pages with f16
-/// key min/max, `P = ceil(ceil(token_rate * n) / 16)` pages attended (the
-/// last page always). No sink rule.
+/// key min/max, `P = ceil(B / 16)` pages attended (`B` the token budget of section 8.3,
+/// the last page always). No sink rule.
 #[derive(Debug, Clone)]
 pub struct QuestCache {
     store: PagedStore,
@@ -333,8 +340,14 @@ impl QuestCache {
         let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
         check_rate("token_rate", token_rate)?;
         Ok(Self {
-            store: PagedStore::new(shape, token_rate, all_dims(&shape), all_dims(&shape)),
+            store: PagedStore::new(shape, token_rate, 0, all_dims(&shape), all_dims(&shape)),
         })
+    }
+
+    /// Sets the budget floor of SPEC.md section 8.3 (fewest tokens attended; 0: none).
+    pub fn with_min_budget_tokens(mut self, tokens: usize) -> Self {
+        self.store.min_budget_tokens = tokens;
+        self
     }
 
     /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
@@ -402,6 +415,8 @@ impl KvCache for QuestCache {
 pub struct Naive2dCache {
     shape: KvShape,
     token_rate: f64,
+    /// The budget floor of SPEC.md section 8.3 (0: none).
+    min_budget_tokens: usize,
     retention: f64,
     /// None until the first rows arrive (they fix the masks).
     store: Option<PagedStore>,
@@ -431,9 +446,19 @@ impl Naive2dCache {
         Ok(Self {
             shape,
             token_rate,
+            min_budget_tokens: 0,
             retention,
             store: None,
         })
+    }
+
+    /// Sets the budget floor of SPEC.md section 8.3 (fewest tokens attended; 0: none).
+    pub fn with_min_budget_tokens(mut self, tokens: usize) -> Self {
+        self.min_budget_tokens = tokens;
+        if let Some(store) = &mut self.store {
+            store.min_budget_tokens = tokens;
+        }
+        self
     }
 
     /// Sets the query head count attention expects (SPEC.md section 1: the GQA group
@@ -474,6 +499,7 @@ impl Naive2dCache {
         self.store = Some(PagedStore::new(
             self.shape,
             self.token_rate,
+            self.min_budget_tokens,
             key_dims,
             value_dims,
         ));
@@ -555,12 +581,13 @@ impl KvCache for Naive2dCache {
 ///   `buffer_capacity` its tokens become pages (16 each) and it empties (10.2);
 /// - per KV head, pages are scored `sum_c max(q_c M_c, q_c m_c)` (f64, max over the GQA
 ///   group) and taken by score descending (ties: lower page) while the tokens taken are fewer
-///   than `B = min(n_paged, ceil(token_rate * n_paged))` (8.3);
+///   than the token budget `B` of section 8.3 over `n_paged` tokens;
 /// - softmax attention (f64) over sink, chosen pages and buffer.
 #[derive(Debug, Clone)]
 pub struct QuestSinkCache {
     shape: KvShape,
     token_rate: f64,
+    min_budget_tokens: usize,
     sink_tokens: usize,
     buffer_capacity: usize,
     /// f16 rows of every token `[t][h][D]` (sink, paged tokens, buffer, in token order).
@@ -585,6 +612,7 @@ impl QuestSinkCache {
         Ok(Self {
             shape,
             token_rate: config.token_rate,
+            min_budget_tokens: config.min_budget_tokens,
             sink_tokens: config.sink_tokens,
             buffer_capacity: config.buffer_capacity,
             keys: Vec::new(),
@@ -654,7 +682,8 @@ impl QuestSinkCache {
     /// SPEC.md section 12 (Quest-sink): the pages KV head `h` attends, ascending.
     fn select_pages(&self, queries: &ArrayView2<f32>, h: usize) -> Vec<usize> {
         let n = self.paged;
-        let budget = ((self.token_rate * n as f64).ceil() as usize).min(n);
+        let budget =
+            mosaickv_spec::config::budget_tokens(self.token_rate, self.min_budget_tokens, n);
         let g = self.shape.group();
         let scores: Vec<f64> = (0..self.pages.len())
             .map(|p| {

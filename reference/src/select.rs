@@ -189,7 +189,8 @@ pub fn select_blocks(
 
 /// SPEC.md section 8: per KV head, the blocks of all segments (global order:
 /// segments in token order, blocks in order) scored with the group's
-/// rotated queries and selected under `B = min(n_seg, ceil(token_rate * n_seg))`.
+/// rotated queries and selected under the budget `B = min(n_seg, max(ceil(token_rate *
+/// n_seg), min_budget_tokens))` (section 8.3).
 /// Composed from [`rotate_queries`], [`score_blocks`] and [`select_blocks`].
 pub fn select(cache: &CompressedCache, queries: ArrayView2<f32>) -> Result<Selection> {
     let shape = cache.shape;

@@ -104,6 +104,9 @@ impl LossPolicy {
 pub struct CompressConfig {
     /// Fraction of the segment tokens attended per decode step (Quest-style top-k).
     pub token_rate: f64,
+    /// Fewest segment tokens attended per decode step, whatever `token_rate` gives
+    /// (SPEC.md section 8.3); 0 disables the floor.
+    pub min_budget_tokens: usize,
     /// How `(r, g)` are chosen per segment and side.
     pub channels: ChannelPolicy,
     /// Fraction of trailing rotated channels dropped before top-r (rounded down to a multiple of g).
@@ -140,6 +143,7 @@ impl Default for CompressConfig {
     fn default() -> Self {
         Self {
             token_rate: 0.20,
+            min_budget_tokens: 256,
             channels: ChannelPolicy::default(),
             truncate_fraction: 0.0,
             block_sizes: vec![16, 32, 64],
@@ -157,11 +161,12 @@ impl Default for CompressConfig {
 }
 
 impl CompressConfig {
-    /// The paper's fixed setting: 25 % channels, g = 1, 10 % token rate, 25 % truncation,
-    /// blocks of 16, everything else default.
+    /// The paper's fixed setting: 25 % channels, g = 1, 10 % token rate with no budget
+    /// floor, 25 % truncation, blocks of 16, everything else default.
     pub fn paper_fixed() -> Self {
         Self {
             token_rate: 0.10,
+            min_budget_tokens: 0,
             truncate_fraction: 0.25,
             channels: ChannelPolicy::Fixed {
                 retention: 0.25,
@@ -315,10 +320,19 @@ impl CompressConfig {
         head_dim - cut / group_size * group_size
     }
 
-    /// Attention budget in tokens for `segment_tokens` compressed tokens (SPEC.md section 8).
+    /// Attention budget in tokens for `segment_tokens` compressed tokens (SPEC.md section 8.3):
+    /// `B = min(n_seg, max(ceil(token_rate * n_seg), min_budget_tokens))`.
     pub fn budget_tokens(&self, segment_tokens: usize) -> usize {
-        ((self.token_rate * segment_tokens as f64).ceil() as usize).min(segment_tokens)
+        budget_tokens(self.token_rate, self.min_budget_tokens, segment_tokens)
     }
+}
+
+/// SPEC.md section 8.3's token budget, shared by MosaicKV and the Quest-style baselines:
+/// `B = min(n, max(ceil(token_rate * n), min_tokens))`, the product in f64.
+pub fn budget_tokens(token_rate: f64, min_tokens: usize, n: usize) -> usize {
+    ((token_rate * n as f64).ceil() as usize)
+        .max(min_tokens)
+        .min(n)
 }
 
 /// Rounds `x` up to a multiple of `g`.
@@ -365,6 +379,26 @@ mod tests {
             Err(MosaicError::InvalidConfig(_))
         ));
         assert!(CompressConfig::from_json(r#"{"loss": {"kind": "entropy"}}"#).is_err());
+    }
+
+    #[test]
+    fn budget_floor() {
+        let cfg = CompressConfig::default();
+        // A short prompt: the rate alone would give ceil(0.2 * 38) = 8 tokens.
+        assert_eq!(cfg.budget_tokens(38), 38);
+        assert_eq!(cfg.budget_tokens(1_000), 256);
+        assert_eq!(cfg.budget_tokens(1_280), 256);
+        assert_eq!(cfg.budget_tokens(1_281), 257);
+        assert_eq!(cfg.budget_tokens(4_096), 820);
+        assert_eq!(cfg.budget_tokens(0), 0);
+        // The paper's setting has no floor.
+        assert_eq!(CompressConfig::paper_fixed().budget_tokens(38), 4);
+        let cfg = CompressConfig::from_json(r#"{"min_budget_tokens": 0}"#).unwrap();
+        assert_eq!(cfg.budget_tokens(38), 8);
+        assert_eq!(
+            CompressConfig::from_json("{}").unwrap().min_budget_tokens,
+            256
+        );
     }
 
     #[test]

@@ -24,12 +24,15 @@ use std::path::Path;
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// The format version this build writes and reads.
+/// Version 5 (SPEC.md section 8.3): the manifest's configuration carries `min_budget_tokens`;
+/// a version-4 file, written before the budget floor existed, is refused rather than read
+/// with a budget it was not written for.
 /// Version 4 (SPEC.md sections 6, 15): value dtypes `int8` (tag 2) and `int4` (tag 3) beside
 /// `f16` (tag 1), records of quantized sides carrying an f16 scale after the bitmap.
 /// Version 3: record bitmaps in whole u32 words, records padded to 4 bytes. Version 2 added
-/// int8 block bounds with an f32 scale per block (section 7). Files of versions 1 to 3 are
+/// int8 block bounds with an f32 scale per block (section 7). Files of versions 1 to 4 are
 /// refused (a version-3 reader would misread a quantized record as f16 values).
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// File header (SPEC.md section 15.1), 24 bytes at offset 0.
 ///

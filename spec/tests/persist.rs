@@ -368,9 +368,18 @@ fn sample_covers_every_dtype() {
 fn other_version_is_named() {
     let (cache, hk, hv) = sample();
     let mut b = save(&cache, &hk, &hv);
+    assert_eq!(FORMAT_VERSION, 5);
+    // Version 4 (no budget floor in the manifest's configuration: read today, its caches
+    // would attend a larger budget than they were written for) is refused by name.
+    b[8..12].copy_from_slice(&4u32.to_le_bytes());
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("unsupported format version 4")),
+        "{e}"
+    );
     // Version 3 (no quantized dtypes): the file today's f16 caches would have been with the
     // old code differs only in the version field, and it is refused by name, not misread.
-    assert_eq!(FORMAT_VERSION, 4);
     b[8..12].copy_from_slice(&3u32.to_le_bytes());
     resign(&mut b);
     let e = read_cache(&b).unwrap_err();
