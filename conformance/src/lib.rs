@@ -668,6 +668,16 @@ pub fn stores_quantized(b: &dyn Backend) -> bool {
     !b.name().starts_with("cuda")
 }
 
+/// The default configuration as `b` can run it: itself, or with f16 values only on a backend
+/// that stores no int8/int4 records ([`stores_quantized`]).
+pub fn default_config_for(b: &dyn Backend) -> CompressConfig {
+    let mut cfg = CompressConfig::default();
+    if !stores_quantized(b) {
+        cfg.value_dtypes = vec![mosaickv_spec::ValueDtype::F16];
+    }
+    cfg
+}
+
 /// Stamps the conformance suite out for one backend:
 /// `conformance_suite!(mod_name, || -> Box<dyn Backend> [, #[attr]...])`; the
 /// attributes go on every test (e.g. an `ignore` when the backend's hardware
@@ -703,6 +713,7 @@ macro_rules! conformance_suite {
                 // No budget floor, so that the selection stays a strict subset at these
                 // small sizes (the default's floor of 256 is exercised by the default).
                 small.min_budget_tokens = 0;
+                small.value_dtypes = vec![mosaickv_spec::ValueDtype::F16];
                 let mut fixed = CompressConfig::paper_fixed();
                 fixed.input_segment_len = 80;
                 fixed.buffer_capacity = 32;
@@ -716,7 +727,10 @@ macro_rules! conformance_suite {
                 let int8 = CompressConfig { value_dtypes: vec![Int8], min_budget_tokens: 48, ..CompressConfig::default() };
                 let int4 = CompressConfig { value_dtypes: vec![Int4], ..fixed.clone() };
                 let mixed = CompressConfig { value_dtypes: vec![Int4, Int8, F16], ..small.clone() };
-                vec![CompressConfig::default(), small, fixed, int8, int4, mixed]
+                // The default stores int4/int8/f16 (SPEC.md section 2); its f16-only variant
+                // keeps the f16 backends (CUDA) on the default's other parameters.
+                let f16_default = CompressConfig { value_dtypes: vec![F16], ..CompressConfig::default() };
+                vec![CompressConfig::default(), f16_default, small, fixed, int8, int4, mixed]
             }
 
             /// The configurations this backend is held to: all of them, less the quantized
@@ -763,7 +777,7 @@ macro_rules! conformance_suite {
             fn large_cache_attention() {
                 let Some(b) = backend("large_cache_attention") else { return };
                 let shape = KvShape::new(2, 8, 128).unwrap();
-                let mut cfg = CompressConfig::default();
+                let mut cfg = $crate::default_config_for(b.as_ref());
                 cfg.input_segment_len = 1024;
                 check_cache_attention(b.as_ref(), shape, &cfg, 3000, 130, 7).unwrap_or_else(|e| panic!("{e}"));
             }
@@ -786,7 +800,7 @@ macro_rules! conformance_suite {
             fn nonfinite_inputs_same_error() {
                 let Some(b) = backend("nonfinite_inputs_same_error") else { return };
                 for &d in &[32usize, 80, 128] {
-                    check_nonfinite(b.as_ref(), d, d as u64, &CompressConfig::default()).unwrap_or_else(|e| panic!("D={d}: {e}"));
+                    check_nonfinite(b.as_ref(), d, d as u64, &$crate::default_config_for(b.as_ref())).unwrap_or_else(|e| panic!("D={d}: {e}"));
                 }
             }
 

@@ -4,7 +4,7 @@
 
 use mosaickv_conformance::{queries, structured_rows};
 use mosaickv_reference::{MosaicCache, ReferenceBackend};
-use mosaickv_spec::{Backend, CompressConfig, KvCache, KvShape, Side};
+use mosaickv_spec::{Backend, CompressConfig, KvCache, KvShape, Side, ValueDtype};
 use ndarray::Array2;
 
 fn hex(bytes: &[u8], record: usize) -> String {
@@ -18,8 +18,14 @@ fn hex(bytes: &[u8], record: usize) -> String {
 #[test]
 fn packed_records_fixed_seed() {
     let mut out = String::new();
+    // f16 records (the default before int4/int8 joined it, SPEC.md section 2): these bytes
+    // are pinned since format version 3.
+    let f16_default = CompressConfig {
+        value_dtypes: vec![ValueDtype::F16],
+        ..CompressConfig::default()
+    };
     for (d, cfg) in [
-        (32usize, CompressConfig::default()),
+        (32usize, f16_default),
         (80, CompressConfig::paper_fixed()),
     ] {
         let rows = structured_rows(6, d, 42);
@@ -42,8 +48,10 @@ fn small_attention_output_fixed_seed() {
     let mut cfg = CompressConfig::default();
     cfg.input_segment_len = 40;
     // No budget floor: 96 segment tokens would all be attended under the default's 256
-    // (SPEC.md section 8.3), and this snapshot pins the selection.
+    // (SPEC.md section 8.3), and this snapshot pins the selection; f16 records, as when it
+    // was taken (`default_config_*` below pins today's default).
     cfg.min_budget_tokens = 0;
+    cfg.value_dtypes = vec![ValueDtype::F16];
     let mut cache = MosaicCache::new(shape, cfg).unwrap();
     let (k, v) = mosaickv_conformance::structured_kv(100, 2, 32, 9);
     cache.prefill(k.view(), v.view()).unwrap();
@@ -61,4 +69,34 @@ fn small_attention_output_fixed_seed() {
         })
         .collect();
     insta::assert_snapshot!(text.join("\n"));
+}
+
+/// Today's default (int4/int8/f16 under the loss rule, budget floor 256): the layouts the
+/// loss rule picks, the packed bytes and the attention output of a fixed input.
+#[test]
+fn default_config_fixed_seed() {
+    let cfg = CompressConfig::default();
+    let mut out = String::new();
+    for (side, seed) in [(Side::Key, 43), (Side::Value, 44)] {
+        let rows = structured_rows(40, 32, seed);
+        let s = ReferenceBackend.fit_side(rows.view(), side, &cfg).unwrap();
+        let packed = ReferenceBackend.encode(rows.view(), &s).unwrap();
+        out += &format!(
+            "{side:?} layout={:?}\n{}\n",
+            s.layout,
+            hex(&packed.bytes[..4 * s.layout.record_bytes()], s.layout.record_bytes())
+        );
+    }
+    let shape = KvShape::new(2, 4, 32).unwrap();
+    let mut cache = MosaicCache::new(shape, cfg).unwrap();
+    let (k, v) = mosaickv_conformance::structured_kv(300, 2, 32, 9);
+    cache.prefill(k.view(), v.view()).unwrap();
+    let q = queries(4, 32, 9);
+    let mut o = Array2::<f32>::zeros((4, 32));
+    cache.attend(q.view(), o.view_mut()).unwrap();
+    for r in o.rows() {
+        out += &r.iter().map(|x| format!("{x:.5}")).collect::<Vec<_>>().join(" ");
+        out += "\n";
+    }
+    insta::assert_snapshot!(out);
 }

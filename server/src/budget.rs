@@ -26,7 +26,6 @@
 //! check that count is zero).
 
 use mosaickv_engine::{Config, Method};
-use mosaickv_spec::ChannelPolicy;
 
 /// The worst-case byte rates of one method on one model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,25 +59,13 @@ impl Footprint {
                 min_segment_len: 1,
             }),
             Method::Mosaic { config, .. } => {
-                let align4 = |x: usize| x.div_ceil(4) * 4;
-                // the most values a record keeps: SPEC 11.2's r = min(Dt, ceil_g(f * D)) at the
-                // largest retention f and group size g the policy allows
-                let (f_max, g_max) = match &config.channels {
-                    ChannelPolicy::Fixed {
-                        retention,
-                        group_size,
-                    } => (*retention, *group_size),
-                    ChannelPolicy::LossThreshold {
-                        retentions,
-                        group_sizes,
-                        ..
-                    } => (
-                        retentions.iter().copied().fold(0.0, f64::max),
-                        group_sizes.iter().copied().max().unwrap_or(1),
-                    ),
-                };
-                let r_max = ((f_max * d as f64).ceil() as usize + g_max.max(1) - 1).min(d);
-                let record = align4(4 * d.div_ceil(32) + 2 * r_max);
+                // the largest record any candidate layout of the policy can write (SPEC.md
+                // section 11.2: every strategy is one of them), value dtype and scales included
+                let record = mosaickv_spec::rules::candidates(config, d)
+                    .iter()
+                    .map(|l| l.record_bytes())
+                    .max()
+                    .unwrap_or(0);
                 let b_min = config.block_sizes.iter().copied().min().unwrap_or(1).max(1);
                 let meta_per_token = (2 * d + 4).div_ceil(b_min);
                 Some(Self {
@@ -155,9 +142,10 @@ mod tests {
         let m = Method::parse("mosaic").unwrap();
         let f = Footprint::of(&m, &cfg()).unwrap();
         let dense = Footprint::of(&Method::Full, &cfg()).unwrap();
-        // default policy: f = 6/8, g up to 4: r = min(64, 48 + 3) = 51; a record is
-        // align4(8 + 102) = 112 B; metadata at b = 16 is ceil(132 / 16) = 9 B per token
-        assert_eq!(f.per_token, 30 * 3 * (2 * 112 + 9));
+        // default policy: the largest candidate is f = 6/8 at g = 1, f16: r = 48, a record is
+        // 8 B of bitmap + 96 B of values = 104 B; metadata at b = 16 is ceil(132 / 16) = 9 B
+        // per token
+        assert_eq!(f.per_token, 30 * 3 * (2 * 104 + 9));
         assert!(f.per_token < dense.per_token);
         assert_eq!(f.per_segment, 30 * 3 * (32768 + 80 + 132));
         assert_eq!(f.dense, 30 * 3 * (4 + 64) * 256);
@@ -169,6 +157,12 @@ mod tests {
         // fixed retention 1/4 at g = 1: r = 16, a record is 8 + 32 = 40 B
         let fixed = Footprint::of(&Method::parse("mosaic:ret=0.25").unwrap(), &cfg()).unwrap();
         assert_eq!(fixed.per_token, 30 * 3 * (2 * 40 + 9));
+        // quantized values: int8 r = 48 is 8 + 4 (minimum and scale) + 48 = 60 B, int4 r = 48
+        // is 8 + 4 + 24 = 36 B; with f16 allowed too, f16 is the largest
+        let per_token = |m: &str| Footprint::of(&Method::parse(m).unwrap(), &cfg()).unwrap().per_token;
+        assert_eq!(per_token("mosaic:dt=int8"), 30 * 3 * (2 * 60 + 9));
+        assert_eq!(per_token("mosaic:dt=int4"), 30 * 3 * (2 * 36 + 9));
+        assert_eq!(per_token("mosaic:dt=int4/int8/f16"), per_token("mosaic"));
         assert!(Footprint::of(&Method::parse("quest").unwrap(), &cfg()).is_none());
     }
 }

@@ -154,15 +154,15 @@ impl Default for CompressConfig {
             min_segment_len: 4_096,
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
-            value_dtypes: vec![ValueDtype::F16],
+            value_dtypes: vec![ValueDtype::Int4, ValueDtype::Int8, ValueDtype::F16],
             loss: LossPolicy::Energy,
         }
     }
 }
 
 impl CompressConfig {
-    /// The paper's fixed setting: 25 % channels, g = 1, 10 % token rate with no budget
-    /// floor, 25 % truncation, blocks of 16, everything else default.
+    /// The paper's fixed setting: 25 % channels, g = 1, f16 values, 10 % token rate with no
+    /// budget floor, 25 % truncation, blocks of 16, everything else default.
     pub fn paper_fixed() -> Self {
         Self {
             token_rate: 0.10,
@@ -173,6 +173,7 @@ impl CompressConfig {
                 group_size: 1,
             },
             block_sizes: vec![16],
+            value_dtypes: vec![ValueDtype::F16],
             ..Self::default()
         }
     }
