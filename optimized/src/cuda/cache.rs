@@ -253,7 +253,12 @@ impl CudaCache {
         };
         let mut dc = DeviceCache::upload_with_room(&gpu, t, room)?;
         // The data lives on the device only; the host keeps the tables and the dense rows.
-        for v in [&mut dc.t.packed_k, &mut dc.t.packed_v, &mut dc.t.meta_min, &mut dc.t.meta_max] {
+        for v in [
+            &mut dc.t.packed_k,
+            &mut dc.t.packed_v,
+            &mut dc.t.meta_min,
+            &mut dc.t.meta_max,
+        ] {
             *v = Vec::new();
         }
         dc.t.rot = Vec::new();
@@ -318,7 +323,9 @@ impl CudaCache {
     ) -> Result<()> {
         self.usable()?;
         if self.pending.is_some() {
-            return Err(invalid("CudaCache: a swap is already in flight; commit or cancel it first"));
+            return Err(invalid(
+                "CudaCache: a swap is already in flight; commit or cancel it first",
+            ));
         }
         let t = &self.dc.t;
         if b >= t.batch {
@@ -344,7 +351,10 @@ impl CudaCache {
                 expected: format!(
                     "at most the {buffered} buffered rows, by a swap that reaches the last segment"
                 ),
-                got: format!("{consumed} rows, segments {first}..{} of {used}", first + count),
+                got: format!(
+                    "{consumed} rows, segments {first}..{} of {used}",
+                    first + count
+                ),
             });
         }
         if segments.is_empty() {
@@ -367,7 +377,11 @@ impl CudaCache {
             return Err(MosaicError::ShapeMismatch {
                 what: "swapped-in segments",
                 expected: format!("tokens {start}..{}", start + removed + consumed),
-                got: format!("tokens {}..{}", segments[0].start, segments[0].start + covered),
+                got: format!(
+                    "tokens {}..{}",
+                    segments[0].start,
+                    segments[0].start + covered
+                ),
             });
         }
         let n_new = segments.len();
@@ -439,11 +453,29 @@ impl CudaCache {
             ))
         };
         let ranges = Ranges {
-            pk: (a.pk.alloc(want.pk.1, 8).ok_or_else(|| full("packed key"))?, want.pk.1),
-            pv: (a.pv.alloc(want.pv.1, 8).ok_or_else(|| full("packed value"))?, want.pv.1),
-            rot: (a.rot.alloc(want.rot.1, 1).ok_or_else(|| full("rotation"))?, want.rot.1),
-            meta: (a.meta.alloc(meta_len, 8).ok_or_else(|| full("metadata"))?, meta_len),
-            scale: (a.scale.alloc(want.scale.1, 1).ok_or_else(|| full("scale"))?, want.scale.1),
+            pk: (
+                a.pk.alloc(want.pk.1, 8).ok_or_else(|| full("packed key"))?,
+                want.pk.1,
+            ),
+            pv: (
+                a.pv.alloc(want.pv.1, 8)
+                    .ok_or_else(|| full("packed value"))?,
+                want.pv.1,
+            ),
+            rot: (
+                a.rot.alloc(want.rot.1, 1).ok_or_else(|| full("rotation"))?,
+                want.rot.1,
+            ),
+            meta: (
+                a.meta.alloc(meta_len, 8).ok_or_else(|| full("metadata"))?,
+                meta_len,
+            ),
+            scale: (
+                a.scale
+                    .alloc(want.scale.1, 1)
+                    .ok_or_else(|| full("scale"))?,
+                want.scale.1,
+            ),
         };
         // Only the new segments' bytes move, into room no descriptor points at.
         let gpu = &*self.gpu;
@@ -601,8 +633,16 @@ impl CudaCache {
                 .copy_within((r0 + p.consumed) * row..(r0 + count) * row, r0 * row);
             t.dense_v
                 .copy_within((r0 + p.consumed) * row..(r0 + count) * row, r0 * row);
-            gpu.write(&mut self.dc.dense_k, r0 * row, &t.dense_k[r0 * row..(r0 + keep) * row])?;
-            gpu.write(&mut self.dc.dense_v, r0 * row, &t.dense_v[r0 * row..(r0 + keep) * row])?;
+            gpu.write(
+                &mut self.dc.dense_k,
+                r0 * row,
+                &t.dense_k[r0 * row..(r0 + keep) * row],
+            )?;
+            gpu.write(
+                &mut self.dc.dense_v,
+                r0 * row,
+                &t.dense_v[r0 * row..(r0 + keep) * row],
+            )?;
             t.dense_count[b] -= p.consumed as i32;
             gpu.write(&mut self.dc.dense_count, b, &[t.dense_count[b]])?;
         }
@@ -717,7 +757,8 @@ impl CudaCache {
             Some(p) => {
                 let kv = t.kv_heads;
                 let slot0 = t.seg_base[p.b] as usize;
-                let replaced: usize = t.seg[(slot0 + p.first) * kv..(slot0 + p.first + p.count) * kv]
+                let replaced: usize = t.seg
+                    [(slot0 + p.first) * kv..(slot0 + p.first + p.count) * kv]
                     .iter()
                     .map(|s| Ranges::of(s, t.head_dim).bytes())
                     .sum();

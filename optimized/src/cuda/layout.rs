@@ -202,15 +202,14 @@ impl HostTables {
             t.seg_used.push(c.segments.len() as i32);
             for _ in 0..reserve.segments {
                 t.seg_batch.push(b as i32);
-                t.seg.extend(std::iter::repeat_n(SegHeadDesc::default(), kv));
+                t.seg
+                    .extend(std::iter::repeat_n(SegHeadDesc::default(), kv));
                 for j in 0..kv {
                     t.seg_first_block
                         .push(per_bj_blocks[b * kv + j].len() as i64);
                 }
             }
-            t.max_segments = t
-                .max_segments
-                .max(c.segments.len() + reserve.segments);
+            t.max_segments = t.max_segments.max(c.segments.len() + reserve.segments);
             t.seg_base.push(t.seg_batch.len() as i32);
             t.sink_rows.push(c.sink.tokens as i32);
             let budget = c.config.budget_tokens(seg_tokens);
