@@ -454,11 +454,11 @@ impl CudaCache {
         };
         let ranges = Ranges {
             pk: (
-                a.pk.alloc(want.pk.1, 8).ok_or_else(|| full("packed key"))?,
+                a.pk.alloc(want.pk.1, 4).ok_or_else(|| full("packed key"))?,
                 want.pk.1,
             ),
             pv: (
-                a.pv.alloc(want.pv.1, 8)
+                a.pv.alloc(want.pv.1, 4)
                     .ok_or_else(|| full("packed value"))?,
                 want.pv.1,
             ),
@@ -698,6 +698,25 @@ impl CudaCache {
         let mut v = self.gpu.down(&out)?;
         v.truncate(queries.len());
         Ok(v)
+    }
+
+    /// [`CudaCache::attend`] for queries already on the device (a serving loop's, produced
+    /// there by the model), output left on the device: no host round trip.
+    pub fn attend_device(
+        &self,
+        queries: &super::device::Buf<f32>,
+    ) -> Result<super::device::Buf<f32>> {
+        self.usable()?;
+        let t = &self.dc.t;
+        let want = t.batch * t.q_heads * t.head_dim;
+        if queries.len() != want {
+            return Err(MosaicError::ShapeMismatch {
+                what: "batched queries on the device",
+                expected: format!("{want} values"),
+                got: queries.len().to_string(),
+            });
+        }
+        self.dc.attend(&self.gpu, queries)
     }
 
     /// SPEC.md 8 on the device for the whole batch: each sequence's selection, as
