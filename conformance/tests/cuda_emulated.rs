@@ -275,9 +275,11 @@ mod device_paths {
     #[test]
     fn an_over_budget_selection_loses_no_block() {
         let shape = KvShape::new(2, 4, 64).unwrap();
-        let mut cfg = CompressConfig::default();
-        cfg.token_rate = 0.02;
-        cfg.input_segment_len = 1024;
+        let cfg = CompressConfig {
+            token_rate: 0.02,
+            input_segment_len: 1024,
+            ..CompressConfig::default()
+        };
         let cache = reference_cache(shape, &cfg, 3000, 5, 9).unwrap();
         let q = queries(4, 64, 9);
         let per_head: Vec<Vec<(u32, u32)>> = (0..shape.kv_heads)
