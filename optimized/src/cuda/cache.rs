@@ -57,8 +57,9 @@ pub struct CudaCacheOptions {
 /// Device and host bytes of a [`CudaCache`], counted separately.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaCacheMemory {
-    /// Every device buffer: packed records, rotations, metadata, tables, dense rows, and
-    /// all reserved room (whether in use or not).
+    /// Every device buffer, as requested from the driver: packed records, rotations,
+    /// metadata, tables, dense rows, and all reserved room (whether in use or not).
+    /// The scratch buffers of one `attend` call are freed when it returns.
     pub device_bytes: usize,
     /// Of `device_bytes`: the new segments of the swap in flight, already on the device
     /// and not yet read by attention (0 without a swap in flight).
@@ -68,9 +69,10 @@ pub struct CudaCacheMemory {
     pub device_replaced_bytes: usize,
     /// Of `device_bytes`: data-buffer room no segment uses (the swap reserve left).
     pub device_free_bytes: usize,
-    /// Every host byte the cache holds: the tables the launches are planned from, the
-    /// mirror of the dense rows, the per-sequence bookkeeping and the swap in flight's
-    /// descriptors and block entries.
+    /// Every host byte the cache holds (vector contents, not allocator slack): the tables
+    /// the launches are planned from, the mirror of the dense rows, the per-sequence
+    /// bookkeeping (spans, configs, the reserve's free lists) and the swap in flight's
+    /// descriptors.
     pub host_bytes: usize,
     /// Of `host_bytes`: the swap in flight's descriptors and block entries.
     pub host_staged_bytes: usize,
@@ -771,7 +773,33 @@ impl CudaCache {
             + 8 * t.budget.len()
             + 4 * t.seg_used.len()
             + 4 * t.sink_rows.len();
-        let spans: usize = self.spans.iter().map(|s| 16 * s.len()).sum();
+        // Bookkeeping: segment spans, the arenas' free lists, the per-sequence configs.
+        let spans: usize = self.spans.iter().map(|s| 16 * s.len()).sum::<usize>()
+            + 16 * [&a.pk, &a.pv, &a.rot, &a.meta, &a.scale]
+                .iter()
+                .map(|x| x.free.len())
+                .sum::<usize>()
+            + self
+                .configs
+                .iter()
+                .map(|c| {
+                    let channels = match &c.channels {
+                        mosaickv_spec::ChannelPolicy::LossThreshold {
+                            retentions,
+                            group_sizes,
+                            ..
+                        } => {
+                            std::mem::size_of_val(&retentions[..])
+                                + std::mem::size_of_val(&group_sizes[..])
+                        }
+                        mosaickv_spec::ChannelPolicy::Fixed { .. } => 0,
+                    };
+                    std::mem::size_of::<CompressConfig>()
+                        + std::mem::size_of_val(&c.block_sizes[..])
+                        + std::mem::size_of_val(&c.value_dtypes[..])
+                        + channels
+                })
+                .sum::<usize>();
         let (staged, replaced, host_staged) = match &self.pending {
             Some(p) => {
                 let kv = t.kv_heads;
