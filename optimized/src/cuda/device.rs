@@ -454,6 +454,10 @@ impl Gpu {
                 got: format!("{} at offset {off}", v.len()),
             });
         }
+        if v.is_empty() {
+            // Nothing to copy (and no zero-byte copy for the driver).
+            return Ok(());
+        }
         match (b, &self.exec) {
             (Buf::Cuda(s), Exec::Cuda { stream, .. }) => stream
                 .memcpy_htod(v, &mut s.slice_mut(off..off + v.len()))
