@@ -201,4 +201,15 @@ mod cuda_cache {
             checks::bad_input_is_a_typed_error_and_keeps_the_cache(g);
         }
     }
+
+    #[test]
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
+    fn swaps_that_change_the_segment_count_move_the_later_segments() {
+        if let Some(g) = gpu("swaps_that_change_the_segment_count_move_the_later_segments") {
+            checks::swaps_that_change_the_segment_count_move_the_later_segments(g);
+        }
+    }
 }

@@ -368,6 +368,11 @@ mod cuda_cache {
     fn bad_input_is_a_typed_error_and_keeps_the_cache() {
         checks::bad_input_is_a_typed_error_and_keeps_the_cache(gpu());
     }
+
+    #[test]
+    fn swaps_that_change_the_segment_count_move_the_later_segments() {
+        checks::swaps_that_change_the_segment_count_move_the_later_segments(gpu());
+    }
 }
 
 /// The CUDA kernels store f16 values only (docs/GPU.md): an int8 or int4 strategy is refused

@@ -420,3 +420,53 @@ pub fn bad_input_is_a_typed_error_and_keeps_the_cache(gpu: Arc<Gpu>) {
     assert_eq!(nr.attend(&flat).unwrap(), before);
     println!("CudaCache conformance ran on: {}", gpu.name);
 }
+
+/// Swaps that change a sequence's segment count in the middle of its segment list (a close
+/// over two provisional segments, and the reverse): the segments after the replaced ones
+/// move down and then up in their slots and block entries, and every answer follows the
+/// reference on the spliced cache; the other sequence is untouched.
+pub fn swaps_that_change_the_segment_count_move_the_later_segments(gpu: Arc<Gpu>) {
+    let (k, v) = structured_kv(800, SHAPE.0, SHAPE.2, 41);
+    let build = |input_segment_len: usize| {
+        let cfg = CompressConfig {
+            input_segment_len,
+            ..CompressConfig::default()
+        };
+        let mut c = MosaicCache::new(shape(), cfg).unwrap();
+        c.prefill(k.view(), v.view()).unwrap();
+        c.compressed().clone()
+    };
+    // Segments of 128 tokens, and of 256 over the same rows: one of the latter covers two
+    // of the former.
+    let (fine, coarse) = (build(128), build(256));
+    assert!(fine.segments.len() >= 4, "{} segments", fine.segments.len());
+    // A coarse segment that covers fine segments i and i + 1, with fine segments before
+    // and after them.
+    let (i, covering) = (1..fine.segments.len().saturating_sub(2))
+        .find_map(|i| {
+            let (a, b) = (&fine.segments[i], &fine.segments[i + 1]);
+            coarse
+                .segments
+                .iter()
+                .find(|s| s.start == a.start && s.len == a.len + b.len)
+                .map(|s| (i, s.clone()))
+        })
+        .expect("a coarse segment covering two fine ones in the middle");
+    let other =
+        mosaickv_conformance::reference_cache(shape(), &CompressConfig::default(), 200, 3, 8)
+            .unwrap();
+    let mut cc = CudaCache::new(gpu.clone(), &[&other, &fine], opts()).unwrap();
+    check_batch(&cc, &[&other, &fine], 60, "before");
+    // Two segments become one: the later segments move down a slot.
+    cc.begin_swap(1, i, 2, vec![covering.clone()], 0).unwrap();
+    cc.commit_swap().unwrap();
+    let mut merged = fine.clone();
+    merged.segments.splice(i..i + 2, [covering]);
+    check_batch(&cc, &[&other, &merged], 61, "after 2 -> 1");
+    // And back: one becomes two, the later segments move up again.
+    cc.begin_swap(1, i, 1, fine.segments[i..i + 2].to_vec(), 0)
+        .unwrap();
+    cc.commit_swap().unwrap();
+    check_batch(&cc, &[&other, &fine], 62, "after 1 -> 2");
+    println!("CudaCache conformance ran on: {}", gpu.name);
+}
