@@ -3,7 +3,7 @@
 # Needs ./carry/ from scripts/build-gpu-carry.sh. Writes results under $OUT:
 #   cuda-tests.txt, conformance-cuda.txt, gpu_compare.txt, gpu_compare.json (JSON lines),
 #   sdpa.txt, sdpa.json, gpu_results.json (merged list) and gpu_results.txt (merged table).
-# The conformance step includes the CudaCache checks (all 3 must print their marker), and
+# The conformance step includes the CudaCache checks (all 4 must print their marker), and
 # gpu_compare must write cudacache and cc_swap rows at every batch size.
 # Budget: under 8 minutes; every step has its own timeout (sum 455 s) and the comparison
 # skips contexts its own estimate says would pass its deadline.
@@ -71,7 +71,7 @@ code=$?; cat "$OUT/conformance-cuda.txt"
 check_ran "conformance (CUDA)" "$OUT/conformance-cuda.txt" $code "CUDA available: the suite above ran on the device"
 # The CudaCache checks (conformance/tests/cuda_cache/mod.rs) each print this line at their end.
 cc_ran=$(grep -c "CudaCache conformance ran on:" "$OUT/conformance-cuda.txt")
-[ "$cc_ran" = 3 ] || fail_step "CudaCache conformance: $cc_ran of its 3 tests ran to the end on the device"
+[ "$cc_ran" = 4 ] || fail_step "CudaCache conformance: $cc_ran of its 4 tests ran to the end on the device"
 
 step "gpu_compare: full, Quest, MosaicKV (contexts $CONTEXTS, batch $BATCH)"
 dump=$(mktemp -d)
