@@ -3,6 +3,8 @@
 # Needs ./carry/ from scripts/build-gpu-carry.sh. Writes results under $OUT:
 #   cuda-tests.txt, conformance-cuda.txt, gpu_compare.txt, gpu_compare.json (JSON lines),
 #   sdpa.txt, sdpa.json, gpu_results.json (merged list) and gpu_results.txt (merged table).
+# The conformance step includes the CudaCache checks (all 4 must print their marker), and
+# gpu_compare must write cudacache and cc_swap rows at every batch size.
 # Budget: under 8 minutes; every step has its own timeout (sum 455 s) and the comparison
 # skips contexts its own estimate says would pass its deadline.
 # CONTEXTS / BATCH / STEPS override the comparison's shapes (defaults: 32K..1M, 1 and 8, 20).
@@ -67,6 +69,9 @@ step "conformance suite, CUDA backend"
 timeout 100 ./carry/conformance-cuda --include-ignored --nocapture > "$OUT/conformance-cuda.txt" 2>&1
 code=$?; cat "$OUT/conformance-cuda.txt"
 check_ran "conformance (CUDA)" "$OUT/conformance-cuda.txt" $code "CUDA available: the suite above ran on the device"
+# The CudaCache checks (conformance/tests/cuda_cache/mod.rs) each print this line at their end.
+cc_ran=$(grep -c "CudaCache conformance ran on:" "$OUT/conformance-cuda.txt")
+[ "$cc_ran" = 4 ] || fail_step "CudaCache conformance: $cc_ran of its 4 tests ran to the end on the device"
 
 step "gpu_compare: full, Quest, MosaicKV (contexts $CONTEXTS, batch $BATCH)"
 dump=$(mktemp -d)
@@ -74,6 +79,13 @@ timeout 250 ./carry/gpu_compare --contexts "$CONTEXTS" --batch "$BATCH" --steps 
   --deadline-s 190 --json "$OUT/gpu_compare.json" --dump-dir "$dump" 2>&1 | tee "$OUT/gpu_compare.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || fail_step "gpu_compare exited ${PIPESTATUS[0]}"
 [ -s "$OUT/gpu_compare.json" ] || fail_step "gpu_compare wrote no JSON"
+# CudaCache (decode steps with appends, and a segment swap) at every batch size asked for.
+for b in ${BATCH//,/ }; do
+  for m in cudacache cc_swap; do
+    grep -q "\"method\": \"$m\", \"context\": [0-9]*, \"batch\": $b," "$OUT/gpu_compare.json" 2>/dev/null \
+      || fail_step "gpu_compare: no $m row at batch $b"
+  done
+done
 
 step "PyTorch SDPA peer"
 timeout 60 python3 scripts/sdpa_peer.py --contexts "$CONTEXTS" --batch "$BATCH" --steps "$STEPS" \

@@ -9,7 +9,7 @@ the dense kernel); full rows get speedup_vs_sdpa (SDPA time / dense kernel time:
 issue's target is >= 1, the dense kernel no slower than SDPA)."""
 import json, os, sys
 
-ORDER = {"full": 0, "torch_sdpa": 1, "quest": 2, "mosaic": 3}
+ORDER = {"full": 0, "torch_sdpa": 1, "quest": 2, "mosaic": 3, "cudacache": 4, "cc_swap": 5}
 
 
 def load(compare, sdpa):

@@ -143,3 +143,73 @@ fn unavailable_has_a_reason() {
         }
     }
 }
+
+#[path = "cuda_cache/mod.rs"]
+mod cuda_cache_checks;
+
+mod cuda_cache {
+    //! `CudaCache` on the device against the reference (`cuda_cache/mod.rs`, the same checks
+    //! as the emulated stamp): prefill, appends across buffer flushes, a batch of different
+    //! lengths, a double-buffered swap, bad input. Skipped (with `SKIPPED`) without a device.
+    use super::cuda_cache_checks as checks;
+    use mosaickv_optimized::cuda::device::Gpu;
+    use std::sync::Arc;
+
+    fn gpu(test: &str) -> Option<Arc<Gpu>> {
+        match super::shared().as_ref().map(|b| b.gpu()) {
+            Ok(Ok(g)) => Some(g),
+            Ok(Err(e)) => {
+                eprintln!("SKIPPED cuda::cuda_cache::{test}: {e}");
+                None
+            }
+            Err(r) => {
+                eprintln!("SKIPPED cuda::cuda_cache::{test}: {r}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
+    fn prefill_appends_and_flushes_match_the_reference() {
+        if let Some(g) = gpu("prefill_appends_and_flushes_match_the_reference") {
+            checks::prefill_appends_and_flushes_match_the_reference(g);
+        }
+    }
+
+    #[test]
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
+    fn a_reencoded_segment_swaps_in_without_stopping_decode() {
+        if let Some(g) = gpu("a_reencoded_segment_swaps_in_without_stopping_decode") {
+            checks::a_reencoded_segment_swaps_in_without_stopping_decode(g);
+        }
+    }
+
+    #[test]
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
+    fn bad_input_is_a_typed_error_and_keeps_the_cache() {
+        if let Some(g) = gpu("bad_input_is_a_typed_error_and_keeps_the_cache") {
+            checks::bad_input_is_a_typed_error_and_keeps_the_cache(g);
+        }
+    }
+
+    #[test]
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
+    fn swaps_that_change_the_segment_count_move_the_later_segments() {
+        if let Some(g) = gpu("swaps_that_change_the_segment_count_move_the_later_segments") {
+            checks::swaps_that_change_the_segment_count_move_the_later_segments(g);
+        }
+    }
+}

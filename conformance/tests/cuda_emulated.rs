@@ -275,9 +275,11 @@ mod device_paths {
     #[test]
     fn an_over_budget_selection_loses_no_block() {
         let shape = KvShape::new(2, 4, 64).unwrap();
-        let mut cfg = CompressConfig::default();
-        cfg.token_rate = 0.02;
-        cfg.input_segment_len = 1024;
+        let cfg = CompressConfig {
+            token_rate: 0.02,
+            input_segment_len: 1024,
+            ..CompressConfig::default()
+        };
         let cache = reference_cache(shape, &cfg, 3000, 5, 9).unwrap();
         let q = queries(4, 64, 9);
         let per_head: Vec<Vec<(u32, u32)>> = (0..shape.kv_heads)
@@ -339,89 +341,37 @@ mod device_paths {
     }
 }
 
-mod cuda_cache {
-    //! `CudaCache` on the emulation: appends copy one token, the batch attends in one
-    //! launch sequence, a replacement keeps the answers, a full spare area is a typed error.
-    use super::*;
-    use mosaickv_conformance::{queries, reference_cache};
-    use mosaickv_optimized::cuda::CudaCache;
-    use mosaickv_reference::ReferenceBackend;
-    use mosaickv_spec::{KvShape, MosaicError};
+#[path = "cuda_cache/mod.rs"]
+mod cuda_cache_checks;
 
-    fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-        let num: f64 = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-            .sum();
-        let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-        (num / den.max(f64::MIN_POSITIVE)).sqrt()
+mod cuda_cache {
+    //! `CudaCache` on the emulation against the reference (`cuda_cache/mod.rs`): prefill,
+    //! appends across buffer flushes, a batch of different lengths, a double-buffered
+    //! swap, bad input.
+    use super::cuda_cache_checks as checks;
+
+    fn gpu() -> std::sync::Arc<mosaickv_optimized::cuda::device::Gpu> {
+        super::shared().gpu().unwrap()
     }
 
     #[test]
-    fn append_then_attend_matches_the_reference_for_each_sequence() {
-        let shape = KvShape::new(2, 4, 64).unwrap();
-        let cfg = CompressConfig::default();
-        let full = reference_cache(shape, &cfg, 300, 9, 4).unwrap();
-        let other = reference_cache(shape, &cfg, 200, 3, 5).unwrap();
-        let row = shape.kv_heads * shape.head_dim;
-        assert!(full.buffer.tokens >= 2, "the test needs buffered tokens");
-        // `before` is `full` without its last two buffered tokens; they are appended on the device.
-        let mut before = full.clone();
-        before.buffer.tokens -= 2;
-        before.buffer.keys.truncate(before.buffer.tokens * row);
-        before.buffer.values.truncate(before.buffer.tokens * row);
-        let gpu = shared().gpu().unwrap();
-        let mut cc = CudaCache::new(gpu, &[&before, &other], 2).unwrap();
-        let n = full.buffer.tokens;
-        for t in [n - 2, n - 1] {
-            let k = &full.buffer.keys[t * row..(t + 1) * row];
-            let v = &full.buffer.values[t * row..(t + 1) * row];
-            cc.append(0, k, v).unwrap();
-        }
-        let (qa, qb) = (queries(4, 64, 4), queries(4, 64, 5));
-        let flat: Vec<f32> = qa.iter().chain(qb.iter()).copied().collect();
-        let out = cc.attend(&flat).unwrap();
-        for (i, (c, q)) in [(&full, &qa), (&other, &qb)].into_iter().enumerate() {
-            let mut want = Array2::<f32>::zeros((4, 64));
-            ReferenceBackend
-                .attend(c, q.view(), want.view_mut())
-                .unwrap();
-            let e = rel_l2(&out[i * 256..(i + 1) * 256], want.as_slice().unwrap());
-            assert!(
-                e < mosaickv_conformance::tolerances::ATTEND_REL_L2,
-                "sequence {i}: rel L2 {e:e}"
-            );
-        }
-        // The spare rows are used up: a typed error, and the cache still gives the same answers.
-        let k = &full.buffer.keys[..row];
-        let err = cc.append(0, k, k).unwrap_err();
-        assert!(matches!(err, MosaicError::InvalidConfig(_)), "{err:?}");
-        assert_eq!(cc.attend(&flat).unwrap(), out);
-        // Bad input is a typed error too.
-        assert!(matches!(
-            cc.append(2, k, k),
-            Err(MosaicError::ShapeMismatch { .. })
-        ));
-        assert!(matches!(
-            cc.attend(&flat[1..]),
-            Err(MosaicError::ShapeMismatch { .. })
-        ));
-        // Replacing with the caches as the host now has them gives the same answers.
-        cc.replace(&[&full, &other]).unwrap();
-        // (The same rows in the same order: the deterministic emulation gives the same bits.)
-        assert_eq!(cc.attend(&flat).unwrap(), out);
-        // Memory: device and host bytes counted apart; the device holds at least the records.
-        let m = cc.memory();
-        let records: usize = [&full, &other]
-            .iter()
-            .flat_map(|c| c.segments.iter().flat_map(|s| s.heads.iter()))
-            .map(|h| h.keys.bytes.len() + h.values.bytes.len())
-            .sum();
-        assert!(
-            m.device_bytes >= records && m.host_bytes >= records,
-            "{m:?}"
-        );
+    fn prefill_appends_and_flushes_match_the_reference() {
+        checks::prefill_appends_and_flushes_match_the_reference(gpu());
+    }
+
+    #[test]
+    fn a_reencoded_segment_swaps_in_without_stopping_decode() {
+        checks::a_reencoded_segment_swaps_in_without_stopping_decode(gpu());
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error_and_keeps_the_cache() {
+        checks::bad_input_is_a_typed_error_and_keeps_the_cache(gpu());
+    }
+
+    #[test]
+    fn swaps_that_change_the_segment_count_move_the_later_segments() {
+        checks::swaps_that_change_the_segment_count_move_the_later_segments(gpu());
     }
 }
 

@@ -57,6 +57,9 @@ extern "C" __global__ void mkv_score_blocks(const BlockRef* __restrict__ blocks,
     const int G = q_heads / kv_heads;
     for (i64 i = (i64)blockIdx.x * warps + (threadIdx.x >> 5); i < total_blocks; i += (i64)gridDim.x * warps) {
         const BlockRef br = blocks[i];
+        // A reserved entry past a list's end (CudaCache's spare block slots): no block to
+        // score (warp-uniform: one warp per entry).
+        if (br.len == 0) continue;
         const int j = block_owner[i] % kv_heads;
         const SegHead s = sh[(i64)br.gseg * kv_heads + j];
         const int Dt = s.key_dt;
@@ -143,14 +146,17 @@ __device__ __forceinline__ u64 mkv_block_scan_u64(u64 v, u64* red, u64* total) {
 // K* is found bit by bit (32 block reductions), then one ordered scan writes the result.
 // lens == null: every block has uniform_len tokens except the last, last_len.
 // force_last != 0 (Quest): the last block is always taken and the others compete for the budget.
+// ends == null: bj's blocks are [base[bj], base[bj + 1]); else [base[bj], ends[bj]) (a list
+// with reserved entries after its end, CudaCache).
 extern "C" __global__ void mkv_select_topk(const float* __restrict__ scores, const i64* __restrict__ base,
+                                           const i64* __restrict__ ends,
                                            const int* __restrict__ lens, int uniform_len, int last_len,
                                            const i64* __restrict__ budget, int kv_heads, int force_last,
                                            int* __restrict__ sel, int* __restrict__ count) {
     __shared__ u64 red[32];
     const int bj = blockIdx.x;
     const i64 b0 = base[bj];
-    const i64 n_all = base[bj + 1] - b0;
+    const i64 n_all = (ends ? ends[bj] : base[bj + 1]) - b0;
     const i64 n = force_last ? n_all - 1 : n_all;
     const u64 B = (u64)budget[bj / kv_heads];
     const float* sc = scores + b0;

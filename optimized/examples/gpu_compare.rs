@@ -34,7 +34,7 @@
 
 use half::f16;
 use mosaickv_optimized::cuda::device::{DenseDevice, DeviceCache, Gpu, QuestDevice, QUEST_PAGE};
-use mosaickv_optimized::cuda::CudaBackend;
+use mosaickv_optimized::cuda::{CudaBackend, CudaCache, CudaCacheOptions};
 use mosaickv_optimized::{CpuBackend, OptimizedMosaicCache};
 use mosaickv_reference::synthetic;
 use mosaickv_spec::{Backend, CompressConfig, KvCache, KvShape};
@@ -523,6 +523,8 @@ fn run_batch(
     let full_out = down(dense.attend_full(gpu, &qs[0]), "full attention");
     let quest_out = down(quest.attend(gpu, &dense, &qs[0]), "Quest attention");
     let mosaic_out = down(dc.attend(gpu, &qs[0]), "MosaicKV attention");
+    drop(dc);
+    let cc = cudacache_rows(gpu, backend, h, batch, &qs, &mosaic_out, args);
     let one = Q_HEADS * d;
     let full_check = if h.exact0.is_empty() {
         f64::NAN
@@ -561,7 +563,7 @@ fn run_batch(
         rel_error_vs_full: err,
         check_error: check,
     };
-    vec![
+    let mut rows = vec![
         row(
             "full",
             full_us,
@@ -589,7 +591,130 @@ fn run_batch(
             rel_l2(&mosaic_out, &full_out),
             mosaic_check,
         ),
-    ]
+    ];
+    let mpt = h.mosaic.compressed().memory().bytes_per_token();
+    rows.push(row(
+        "cudacache",
+        cc.step_us,
+        cc.step_wall,
+        mosaic_read,
+        mpt,
+        rel_l2(&cc.out0, &full_out),
+        cc.check,
+    ));
+    rows.push(row(
+        "cc_swap",
+        cc.swap_us,
+        cc.swap_wall,
+        cc.swap_bytes,
+        mpt,
+        f64::NAN,
+        f64::NAN,
+    ));
+    rows
+}
+
+/// What [`cudacache_rows`] measured.
+struct CcResult {
+    /// A decode step: one token appended per sequence (only that token copied), then the
+    /// batch's attention with queries and output on the device.
+    step_us: f64,
+    step_wall: f64,
+    /// The output before any append (the cache equals `h.mosaic`'s at that point).
+    out0: Vec<f32>,
+    /// rel L2 of `out0` against the DeviceCache result on the same cache.
+    check: f64,
+    /// `begin_swap` + `commit_swap` of sequence 0's last segment (re-encoded: here the
+    /// same segment again), CUDA events around both; bytes moved to the device.
+    swap_us: f64,
+    swap_wall: f64,
+    swap_bytes: usize,
+}
+
+/// `CudaCache` at this batch size (issue 17): decode steps with appends, and a segment swap.
+fn cudacache_rows(
+    gpu: &Gpu,
+    backend: &CudaBackend,
+    h: &HostContext,
+    batch: usize,
+    qs: &[mosaickv_optimized::cuda::device::Buf<f32>],
+    mosaic0: &[f32],
+    args: &Args,
+) -> CcResult {
+    let c = h.mosaic.compressed();
+    let last = c
+        .segments
+        .len()
+        .checked_sub(1)
+        .unwrap_or_else(|| fail("CudaCache: the MosaicKV cache has no segment"));
+    let seg = c.segments[last].clone();
+    let opts = CudaCacheOptions {
+        spare_rows: args.warmup + args.steps + 1,
+        spare_segments: 0,
+        spare_blocks: 0,
+        swap_tokens: seg.len,
+        swap_segments: 1,
+    };
+    let gpu_arc = backend.gpu().or_fail("GPU");
+    let mut cc = CudaCache::new(gpu_arc, &vec![c; batch], opts).or_fail("CudaCache upload");
+    let out0 = gpu
+        .down(&cc.attend_device(&qs[0]).or_fail("CudaCache attention"))
+        .or_fail("download");
+    let check = rel_l2(&out0, mosaic0);
+    // One token row per step: the first buffered (or sink) row again.
+    let d = c.shape.head_dim;
+    let row = c.shape.kv_heads * d;
+    let src = if c.buffer.tokens > 0 {
+        &c.buffer
+    } else {
+        &c.sink
+    };
+    let (tk, tv) = (src.keys[..row].to_vec(), src.values[..row].to_vec());
+    let (step_us, step_wall) = time_steps(gpu, args.warmup, args.steps, |i| {
+        for b in 0..batch {
+            cc.append(b, &tk, &tv)?;
+        }
+        cc.attend_device(&qs[i % QUERY_SETS])
+    });
+    let before = gpu
+        .down(&cc.attend_device(&qs[0]).or_fail("CudaCache attention"))
+        .or_fail("download");
+    let (mut dev, mut wall) = (Vec::new(), Vec::new());
+    let mut swap_bytes = 0;
+    for rep in 0..6 {
+        let copy = seg.clone();
+        gpu.sync().or_fail("synchronize");
+        let t = Instant::now();
+        let s = event(gpu);
+        cc.begin_swap(0, last, 1, vec![copy], 0)
+            .or_fail("CudaCache begin_swap");
+        swap_bytes = cc.memory().device_staged_bytes;
+        cc.commit_swap().or_fail("CudaCache commit_swap");
+        let e = event(gpu);
+        let ms = f64::from(s.elapsed_ms(&e).or_fail_dbg("event time"));
+        if rep > 0 {
+            dev.push(ms * 1e3);
+            wall.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let after = gpu
+        .down(&cc.attend_device(&qs[0]).or_fail("CudaCache attention"))
+        .or_fail("download");
+    if after != before {
+        fail(format!(
+            "CudaCache: swapping a segment in for itself changed the output (rel L2 {:.2e})",
+            rel_l2(&after, &before)
+        ));
+    }
+    CcResult {
+        step_us,
+        step_wall,
+        out0,
+        check,
+        swap_us: median(&mut dev),
+        swap_wall: median(&mut wall),
+        swap_bytes,
+    }
 }
 
 fn main() {
@@ -696,6 +821,8 @@ fn main() {
                             json_str(match r.method {
                                 "full" => "rel L2 vs f64 CPU attention on the same f16 data, sequence 0",
                                 "mosaic" => "rel L2 vs CPU backend on the same compressed cache, sequence 0",
+                                "cudacache" => "rel L2 vs the mosaic row's DeviceCache on the same cache, whole batch, before the appends",
+                                "cc_swap" => "bytes_read: bytes written to the device by begin_swap (a segment re-encoded as itself); the output after the swaps is checked bit-equal",
                                 _ => "none",
                             }),
                             num(h.build_s),

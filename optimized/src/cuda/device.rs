@@ -454,6 +454,10 @@ impl Gpu {
                 got: format!("{} at offset {off}", v.len()),
             });
         }
+        if v.is_empty() {
+            // Nothing to copy (and no zero-byte copy for the driver).
+            return Ok(());
+        }
         match (b, &self.exec) {
             (Buf::Cuda(s), Exec::Cuda { stream, .. }) => stream
                 .memcpy_htod(v, &mut s.slice_mut(off..off + v.len()))
@@ -509,24 +513,37 @@ fn device_error(what: &str, e: cudarc::driver::DriverError) -> MosaicError {
 /// A batch of compressed caches resident on the device.
 pub struct DeviceCache {
     pub t: HostTables,
-    packed_k: Buf<u8>,
-    packed_v: Buf<u8>,
-    rot: Buf<f32>,
-    meta_min: Buf<u8>,
-    meta_max: Buf<u8>,
-    meta_scale: Buf<f32>,
-    seg: Buf<u8>,
+    pub(crate) packed_k: Buf<u8>,
+    pub(crate) packed_v: Buf<u8>,
+    pub(crate) rot: Buf<f32>,
+    pub(crate) meta_min: Buf<u8>,
+    pub(crate) meta_max: Buf<u8>,
+    pub(crate) meta_scale: Buf<f32>,
+    pub(crate) seg: Buf<u8>,
     seg_batch: Buf<i32>,
     seg_base: Buf<i32>,
-    blocks: Buf<u8>,
+    pub(crate) blocks: Buf<u8>,
     block_owner: Buf<i32>,
     block_base: Buf<i64>,
-    block_lens: Buf<i32>,
-    dense_k: Buf<u16>,
-    dense_v: Buf<u16>,
+    pub(crate) block_end: Buf<i64>,
+    pub(crate) block_lens: Buf<i32>,
+    pub(crate) dense_k: Buf<u16>,
+    pub(crate) dense_v: Buf<u16>,
     dense_base: Buf<i64>,
-    dense_count: Buf<i32>,
-    budget: Buf<i64>,
+    pub(crate) dense_count: Buf<i32>,
+    pub(crate) budget: Buf<i64>,
+}
+
+/// Extra elements allocated after the data a [`DeviceCache`] uploads, per data buffer: the
+/// room a [`super::CudaCache`] swap writes a re-encoded segment into (its second buffer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DataRoom {
+    pub packed_k: usize,
+    pub packed_v: usize,
+    pub rot: usize,
+    /// For `meta_min` and `meta_max` each (they share offsets).
+    pub meta: usize,
+    pub scale: usize,
 }
 
 /// Blocks per work item of `mkv_packed_attention` (one segment's run of selected blocks).
@@ -534,19 +551,33 @@ pub const BLOCKS_PER_ITEM: usize = 32;
 
 impl DeviceCache {
     pub fn upload(gpu: &Gpu, t: HostTables) -> Result<Self> {
+        Self::upload_with_room(gpu, t, DataRoom::default())
+    }
+
+    /// [`DeviceCache::upload`] with `room` extra (zero) elements after each data buffer's data.
+    pub fn upload_with_room(gpu: &Gpu, t: HostTables, room: DataRoom) -> Result<Self> {
+        fn up_room<T: Elem>(gpu: &Gpu, v: &[T], extra: usize) -> Result<Buf<T>> {
+            if extra == 0 {
+                return gpu.up(v);
+            }
+            let mut b = gpu.zeros::<T>(v.len() + extra)?;
+            gpu.write(&mut b, 0, v)?;
+            Ok(b)
+        }
         Ok(Self {
-            packed_k: gpu.up(&t.packed_k)?,
-            packed_v: gpu.up(&t.packed_v)?,
-            rot: gpu.up(&t.rot)?,
-            meta_min: gpu.up(&t.meta_min)?,
-            meta_max: gpu.up(&t.meta_max)?,
-            meta_scale: gpu.up(&t.meta_scale)?,
+            packed_k: up_room(gpu, &t.packed_k, room.packed_k)?,
+            packed_v: up_room(gpu, &t.packed_v, room.packed_v)?,
+            rot: up_room(gpu, &t.rot, room.rot)?,
+            meta_min: up_room(gpu, &t.meta_min, room.meta)?,
+            meta_max: up_room(gpu, &t.meta_max, room.meta)?,
+            meta_scale: up_room(gpu, &t.meta_scale, room.scale)?,
             seg: gpu.up(bytemuck::cast_slice::<_, u8>(&t.seg))?,
             seg_batch: gpu.up(&t.seg_batch)?,
             seg_base: gpu.up(&t.seg_base)?,
             blocks: gpu.up(bytemuck::cast_slice::<_, u8>(&t.blocks))?,
             block_owner: gpu.up(&t.block_owner)?,
             block_base: gpu.up(&t.block_base)?,
+            block_end: gpu.up(&t.block_end)?,
             block_lens: gpu.up(&t.block_lens)?,
             dense_k: gpu.up(&t.dense_k)?,
             dense_v: gpu.up(&t.dense_v)?,
@@ -578,6 +609,7 @@ impl DeviceCache {
             + b(&self.blocks)
             + b(&self.block_owner)
             + b(&self.block_base)
+            + b(&self.block_end)
             + b(&self.block_lens)
             + b(&self.dense_k)
             + b(&self.dense_v)
@@ -611,6 +643,9 @@ impl DeviceCache {
         gpu.write(&mut self.dense_k, off, key)?;
         gpu.write(&mut self.dense_v, off, value)?;
         gpu.write(&mut self.dense_count, b, &[count + 1])?;
+        // The host mirror of the dense rows (a swap that consumes buffer rows moves the rest).
+        self.t.dense_k[off..off + row].copy_from_slice(key);
+        self.t.dense_v[off..off + row].copy_from_slice(value);
         self.t.dense_count[b] = count + 1;
         Ok(())
     }
@@ -664,8 +699,8 @@ impl DeviceCache {
         gpu.launch(
             "mkv_select_topk",
             cfg((self.nbj() as u32, 1, 1), k::SELECT_THREADS, 0),
-            &kargs![gpu; scores, self.block_base, self.block_lens, zero, zero, self.budget,
-                kv, no_force, sel, count],
+            &kargs![gpu; scores, self.block_base, self.block_end, self.block_lens, zero, zero,
+                self.budget, kv, no_force, sel, count],
         )?;
         Ok((sel, count))
     }
@@ -978,7 +1013,7 @@ impl QuestDevice {
         gpu.launch(
             "mkv_select_topk",
             cfg((nbj as u32, 1, 1), k::SELECT_THREADS, 0),
-            &kargs![gpu; scores, self.base, Null, uni, last, self.budget, kv, force, sel, count],
+            &kargs![gpu; scores, self.base, Null, Null, uni, last, self.budget, kv, force, sel, count],
         )?;
         let splits = dense.default_splits(gpu, self.budget_pages * QUEST_PAGE);
         dense.decode(

@@ -60,6 +60,9 @@ pub struct HostTables {
     pub blocks: Vec<BlockRefDesc>,
     pub block_owner: Vec<i32>,
     pub block_base: Vec<i64>,
+    /// `block_end[bj]`: end of bj's blocks; `block_base[bj + 1]` unless entries are reserved
+    /// after them ([`Reserve::blocks`], zero-length, skipped by the kernels).
+    pub block_end: Vec<i64>,
     pub block_lens: Vec<i32>,
     /// `seg_first_block[gseg * kv_heads + j]`: index (within bj's list) of the segment's block 0.
     pub seg_first_block: Vec<i64>,
@@ -70,21 +73,39 @@ pub struct HostTables {
     /// Rows reserved per sequence for dense rows (sink + buffer + the spare rows asked for).
     pub dense_capacity: Vec<i32>,
     pub budget: Vec<i64>,
+    /// Segments of sequence b in use: slots `seg_base[b]..seg_base[b] + seg_used[b]`; the
+    /// rest up to `seg_base[b + 1]` are reserved ([`Reserve::segments`], zero descriptors).
+    pub seg_used: Vec<i32>,
+    /// Sink rows of sequence b (its dense rows are the sink, then the update buffer).
+    pub sink_rows: Vec<i32>,
     /// Upper bound on the work items of any bj for a given run length (see [`HostTables::max_items`]).
     pub max_blocks_selected: usize,
     pub max_segments: usize,
+}
+
+/// Room reserved in the tables for changes made on the device ([`super::CudaCache`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reserve {
+    /// Zero dense rows after each sequence's sink and buffer rows, for appended tokens.
+    pub rows: usize,
+    /// Zero segment descriptors after each sequence's segments, for swaps that add segments.
+    pub segments: usize,
+    /// Zero-length block entries after each (sequence, KV head)'s blocks, for swaps that add blocks.
+    pub blocks: usize,
 }
 
 impl HostTables {
     /// Builds the tables for `caches` (one per sequence; all of the same shape).
     /// Validates every packed record (SPEC.md section 6) before anything is uploaded.
     pub fn build(caches: &[&CompressedCache]) -> Result<Self> {
-        Self::build_with_spare(caches, 0)
+        Self::build_reserved(caches, Reserve::default())
     }
 
-    /// [`HostTables::build`] with `spare` zero rows reserved after each sequence's dense
-    /// rows, so tokens can be appended on the device one at a time ([`super::CudaCache`]).
-    pub fn build_with_spare(caches: &[&CompressedCache], spare: usize) -> Result<Self> {
+    /// [`HostTables::build`] with room reserved per sequence ([`Reserve`]): dense rows so
+    /// tokens can be appended on the device one at a time, segment slots and block entries
+    /// so a swap can change a sequence's segments in place ([`super::CudaCache`]).
+    pub fn build_reserved(caches: &[&CompressedCache], reserve: Reserve) -> Result<Self> {
+        let spare = reserve.rows;
         let first = caches.first().ok_or(MosaicError::EmptyCache)?;
         let shape = first.shape;
         let (kv, d) = (shape.kv_heads, shape.head_dim);
@@ -178,8 +199,19 @@ impl HostTables {
                     }
                 }
             }
-            t.max_segments = t.max_segments.max(c.segments.len());
+            t.seg_used.push(c.segments.len() as i32);
+            for _ in 0..reserve.segments {
+                t.seg_batch.push(b as i32);
+                t.seg
+                    .extend(std::iter::repeat_n(SegHeadDesc::default(), kv));
+                for j in 0..kv {
+                    t.seg_first_block
+                        .push(per_bj_blocks[b * kv + j].len() as i64);
+                }
+            }
+            t.max_segments = t.max_segments.max(c.segments.len() + reserve.segments);
             t.seg_base.push(t.seg_batch.len() as i32);
+            t.sink_rows.push(c.sink.tokens as i32);
             let budget = c.config.budget_tokens(seg_tokens);
             t.budget.push(budget as i64);
             if bmin != usize::MAX {
@@ -211,13 +243,22 @@ impl HostTables {
         }
         t.dense_base.pop();
         t.block_base.push(0);
-        for list in per_bj_blocks {
+        for (bj, list) in per_bj_blocks.into_iter().enumerate() {
+            let first_slot = t.seg_base[bj / kv];
             t.blocks.extend_from_slice(&list);
-            t.block_owner.extend(std::iter::repeat_n(
-                (t.block_base.len() - 1) as i32,
-                list.len(),
+            t.block_end.push(t.blocks.len() as i64);
+            // Reserved entries: zero length (the kernels skip them), in bj's first slot.
+            t.blocks.extend(std::iter::repeat_n(
+                BlockRefDesc {
+                    gseg: first_slot,
+                    ..Default::default()
+                },
+                reserve.blocks,
             ));
+            let n = list.len() + reserve.blocks;
+            t.block_owner.extend(std::iter::repeat_n(bj as i32, n));
             t.block_lens.extend(list.iter().map(|b| b.len));
+            t.block_lens.extend(std::iter::repeat_n(0, reserve.blocks));
             t.block_base.push(t.blocks.len() as i64);
         }
         Ok(t)

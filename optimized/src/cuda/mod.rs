@@ -18,9 +18,9 @@ pub mod cache;
 pub mod device;
 pub mod layout;
 
-pub use cache::{CudaCache, CudaCacheMemory};
+pub use cache::{CudaCache, CudaCacheMemory, CudaCacheOptions};
 
-use device::{cfg, is_kernel_fault, kargs, Buf, DeviceCache, Gpu};
+use device::{cfg, is_kernel_fault, kargs, Buf, DeviceCache, Gpu, Null};
 use layout::HostTables;
 use mosaickv_spec::{
     validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError,
@@ -520,7 +520,7 @@ impl Backend for CudaBackend {
             gpu.launch(
                 "mkv_select_topk",
                 cfg((1, 1, 1), mosaickv_kernels::SELECT_THREADS, 0),
-                &kargs![gpu; sc, base, dl, zero, zero, budget, kv, no_force, sel, count],
+                &kargs![gpu; sc, base, Null, dl, zero, zero, budget, kv, no_force, sel, count],
             )?;
             Ok((gpu.down(&sel)?, gpu.down(&count)?))
         };
