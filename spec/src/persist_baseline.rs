@@ -620,3 +620,33 @@ pub fn load_baseline(path: &Path, want: &str) -> Result<BaselineFile> {
     }
     Ok(file)
 }
+
+impl BaselineFile {
+    /// The error for a file handed to a cache of another method: `BadFormat` naming both.
+    pub fn not_a(&self, want: &str) -> MosaicError {
+        MosaicError::BadFormat(format!(
+            "this is {}, not a {want} baseline file",
+            self.describe()
+        ))
+    }
+}
+
+/// Rows `[tokens][kv_heads][width]` of f16 as f32 arrays (exact), for rebuilding a cache by
+/// `prefill`.
+pub fn widen_rows(
+    rows: &DenseRows,
+    kv_heads: usize,
+    width: usize,
+) -> Result<(ndarray::Array3<f32>, ndarray::Array3<f32>)> {
+    let dim = (rows.tokens, kv_heads, width);
+    let widen = |v: &[f16]| {
+        ndarray::Array3::from_shape_vec(dim, v.iter().map(|x| x.to_f32()).collect()).map_err(|e| {
+            MosaicError::ShapeMismatch {
+                what: "baseline rows",
+                expected: format!("{dim:?}"),
+                got: e.to_string(),
+            }
+        })
+    };
+    Ok((widen(&rows.keys)?, widen(&rows.values)?))
+}
