@@ -8,7 +8,9 @@ use crate::attend::{
 use crate::backend::contig;
 use crate::simd::{fast_exp, Path};
 use half::f16;
-use mosaickv_spec::persist_baseline::{widen_rows, BaselineFile, BaselineMethod, KvqBlocks, KvqFile};
+use mosaickv_spec::persist_baseline::{
+    widen_rows, BaselineFile, BaselineMethod, KvqBlocks, KvqFile,
+};
 use mosaickv_spec::{
     rules, validate, DenseRows, KvCache, KvShape, MemoryReport, MosaicError, Result,
 };

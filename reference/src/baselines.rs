@@ -1,11 +1,11 @@
 //! SPEC.md section 12: the baselines (Full, Quest, naive 2-D), same `KvCache` API.
 
 use half::f16;
-use mosaickv_spec::rules::f16_storable as check_f16_range;
-use mosaickv_spec::validate::{prompt_kv, queries as check_queries, token_kv};
 use mosaickv_spec::persist_baseline::{
     widen_rows, BaselineFile, BaselineMethod, KvqBlocks, KvqFile, Naive2dFile,
 };
+use mosaickv_spec::rules::f16_storable as check_f16_range;
+use mosaickv_spec::validate::{prompt_kv, queries as check_queries, token_kv};
 use mosaickv_spec::{DenseRows, KvCache, KvShape, MemoryReport, MosaicError, Result};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 

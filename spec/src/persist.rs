@@ -131,7 +131,8 @@ pub(crate) struct DenseManifest {
     pub(crate) baseline: Option<crate::persist_baseline::BaselineMethod>,
 }
 
-pub(crate) const DENSE_ROLE: &str = "baseline input: dense f16 K/V, not part of the compressed cache";
+pub(crate) const DENSE_ROLE: &str =
+    "baseline input: dense f16 K/V, not part of the compressed cache";
 
 // ---------------------------------------------------------------- writing
 
@@ -478,7 +479,12 @@ pub(crate) fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
     Ok(out)
 }
 
-pub(crate) fn expect_kind(sections: &[(u32, &[u8])], i: usize, want: u32, name: &str) -> Result<()> {
+pub(crate) fn expect_kind(
+    sections: &[(u32, &[u8])],
+    i: usize,
+    want: u32,
+    name: &str,
+) -> Result<()> {
     match sections.get(i) {
         None => Err(bad(format!("missing {name} section (section {i})"))),
         Some((k, _)) if *k != want => Err(bad(format!(

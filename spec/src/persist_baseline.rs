@@ -16,8 +16,8 @@ use crate::cache::DenseRows;
 use crate::config::KvShape;
 use crate::error::{MosaicError, Result};
 use crate::persist::{
-    as_format_error, bad, dense_payload, expect_kind, io_err, json, kind, parse_dense,
-    parse_json, read_sections, small, with_path, write_file, Buf, Cursor, DenseManifest,
+    as_format_error, bad, dense_payload, expect_kind, io_err, json, kind, parse_dense, parse_json,
+    read_sections, small, with_path, write_file, Buf, Cursor, DenseManifest,
 };
 use half::f16;
 use serde::{Deserialize, Serialize};
@@ -463,7 +463,11 @@ pub(crate) fn parse_dense_file(
     Ok((shape, m.baseline, rows))
 }
 
-fn parse_masks(payload: &[u8], shape: &KvShape, kept: usize) -> Result<Option<(Vec<Vec<usize>>, Vec<Vec<usize>>)>> {
+fn parse_masks(
+    payload: &[u8],
+    shape: &KvShape,
+    kept: usize,
+) -> Result<Option<(Vec<Vec<usize>>, Vec<Vec<usize>>)>> {
     let mut c = Cursor::new(payload, "channel masks");
     let heads = c.u32()? as usize;
     let stored_kept = c.u32()? as usize;
@@ -545,7 +549,8 @@ fn parse_baseline_file(sections: &[(u32, &[u8])]) -> Result<BaselineFile> {
                     KvqBlocks::VALUES
                 )));
             }
-            let per_token = shape.kv_heads * shape.head_dim / KvqBlocks::VALUES * format.block_bytes();
+            let per_token =
+                shape.kv_heads * shape.head_dim / KvqBlocks::VALUES * format.block_bytes();
             let n = tokens
                 .checked_mul(per_token)
                 .ok_or_else(|| bad(format!("kvq blocks: {tokens} tokens overflow")))?;

@@ -74,7 +74,9 @@ fn kvq(format: KvqBlocks, tokens: usize) -> BaselineFile {
     let mut side = || {
         let mut b = Vec::new();
         for _ in 0..blocks {
-            b.extend_from_slice(&f16::from_f32(0.01 + (rng.next() % 100) as f32 * 1e-3).to_le_bytes());
+            b.extend_from_slice(
+                &f16::from_f32(0.01 + (rng.next() % 100) as f32 * 1e-3).to_le_bytes(),
+            );
             for _ in 0..format.block_bytes() - 2 {
                 b.push(match format {
                     KvqBlocks::Q8_0 => (rng.next() % 255) as u8 ^ 0x80 | 1, // never 0x80 = -128
@@ -135,7 +137,10 @@ fn the_clis_dense_file_and_a_saved_full_or_quest_file_are_one_format() {
     let mut cli = Vec::new();
     write_dense(&mut cli, &shape, &rows).unwrap();
     assert_eq!(read_baseline(&cli).unwrap(), dense(None));
-    for m in [BaselineMethod::Full, BaselineMethod::Quest { token_rate: 0.15 }] {
+    for m in [
+        BaselineMethod::Full,
+        BaselineMethod::Quest { token_rate: 0.15 },
+    ] {
         let (s2, r2) = read_dense(&bytes(&dense(Some(m)))).unwrap();
         assert_eq!((s2, r2), (shape, rows.clone()));
     }
@@ -146,12 +151,20 @@ fn every_truncation_and_byte_flip_is_an_error() {
     for f in all_kinds() {
         let b = bytes(&f);
         for len in 0..b.len() {
-            assert!(read_baseline(&b[..len]).is_err(), "{} cut at {len}", f.describe());
+            assert!(
+                read_baseline(&b[..len]).is_err(),
+                "{} cut at {len}",
+                f.describe()
+            );
         }
         for i in 0..b.len() {
             let mut c = b.clone();
             c[i] ^= 0x10;
-            assert!(read_baseline(&c).is_err(), "{} flipped at {i}", f.describe());
+            assert!(
+                read_baseline(&c).is_err(),
+                "{} flipped at {i}",
+                f.describe()
+            );
         }
         let mut longer = b.clone();
         longer.push(0);
@@ -225,24 +238,57 @@ fn refused(b: &[u8], needle: &str) {
 #[test]
 fn crafted_manifests_are_refused() {
     let quest = dense(Some(BaselineMethod::Quest { token_rate: 0.15 }));
-    refused(&crafted(&quest, 0, json_edit("0.15", "1.5")), "token_rate 1.5");
-    refused(&crafted(&quest, 0, json_edit("\"quest\"", "\"quests\"")), "dense manifest");
     refused(
-        &crafted(&quest, 0, json_edit("\"token_rate\"", "\"ratio\":1,\"token_rate\"")),
+        &crafted(&quest, 0, json_edit("0.15", "1.5")),
+        "token_rate 1.5",
+    );
+    refused(
+        &crafted(&quest, 0, json_edit("\"quest\"", "\"quests\"")),
+        "dense manifest",
+    );
+    refused(
+        &crafted(
+            &quest,
+            0,
+            json_edit("\"token_rate\"", "\"ratio\":1,\"token_rate\""),
+        ),
         "ratio",
     );
     refused(
-        &crafted(&quest, 0, json_edit("\"quest\",\"token_rate\":0.15", "\"naive2d\",\"token_rate\":0.15,\"retention\":0.25")),
+        &crafted(
+            &quest,
+            0,
+            json_edit(
+                "\"quest\",\"token_rate\":0.15",
+                "\"naive2d\",\"token_rate\":0.15,\"retention\":0.25",
+            ),
+        ),
         "full or quest",
     );
     let n = naive2d(19);
     refused(&crafted(&n, 0, json_edit("0.25", "0")), "retention 0");
     // A retention that changes the mask width: the masks section disagrees.
     refused(&crafted(&n, 0, json_edit("0.25", "0.5")), "16");
-    refused(&crafted(&n, 0, json_edit("\"kv_heads\":2,\"q_heads\":4", "\"kv_heads\":3,\"q_heads\":4")), "kv_heads 3");
+    refused(
+        &crafted(
+            &n,
+            0,
+            json_edit(
+                "\"kv_heads\":2,\"q_heads\":4",
+                "\"kv_heads\":3,\"q_heads\":4",
+            ),
+        ),
+        "kv_heads 3",
+    );
     let k = kvq(KvqBlocks::Q8_0, 17);
-    refused(&crafted(&k, 0, json_edit("\"kvq8\"", "\"full\"")), "dense file");
-    refused(&crafted(&k, 0, json_edit("\"head_dim\":32", "\"head_dim\":48")), "multiple of 32");
+    refused(
+        &crafted(&k, 0, json_edit("\"kvq8\"", "\"full\"")),
+        "dense file",
+    );
+    refused(
+        &crafted(&k, 0, json_edit("\"head_dim\":32", "\"head_dim\":48")),
+        "multiple of 32",
+    );
 }
 
 #[test]
@@ -251,7 +297,10 @@ fn crafted_masks_and_rows_are_refused() {
     // masks payload: heads u32, kept u32, then key masks, value masks (u32 dims)
     refused(&crafted(&n, 1, u32_at(0, 3)), "3 heads");
     refused(&crafted(&n, 1, u32_at(4, 7)), "7 channels");
-    refused(&crafted(&n, 1, u32_at(8, 99)), "strictly ascending dims below 32");
+    refused(
+        &crafted(&n, 1, u32_at(8, 99)),
+        "strictly ascending dims below 32",
+    );
     refused(&crafted(&n, 1, u32_at(8 + 4, 0)), "strictly ascending");
     refused(&crafted(&n, 1, |p| p.truncate(p.len() - 4)), "masks");
     // No masks while rows are held.
@@ -264,12 +313,16 @@ fn crafted_masks_and_rows_are_refused() {
     );
     // A NaN among the masked rows (payload: tokens u64, then f16 keys).
     refused(
-        &crafted(&n, 2, |p| p[8 + 6..8 + 8].copy_from_slice(&f16::NAN.to_le_bytes())),
+        &crafted(&n, 2, |p| {
+            p[8 + 6..8 + 8].copy_from_slice(&f16::NAN.to_le_bytes())
+        }),
         "naive2d masked rows",
     );
     let full = dense(Some(BaselineMethod::Full));
     refused(
-        &crafted(&full, 1, |p| p[8..10].copy_from_slice(&f16::INFINITY.to_le_bytes())),
+        &crafted(&full, 1, |p| {
+            p[8..10].copy_from_slice(&f16::INFINITY.to_le_bytes())
+        }),
         "dense rows",
     );
 }
@@ -281,7 +334,9 @@ fn crafted_kvq_blocks_are_refused() {
         // payload: tokens u64, then key blocks, then value blocks
         let at_block = |b: usize| 8 + b * bb;
         refused(
-            &crafted(&k, 1, move |p| p[at_block(5)..at_block(5) + 2].copy_from_slice(&f16::NAN.to_le_bytes())),
+            &crafted(&k, 1, move |p| {
+                p[at_block(5)..at_block(5) + 2].copy_from_slice(&f16::NAN.to_le_bytes())
+            }),
             "kvq key blocks",
         );
         let values_start = 17 * KV * (D / 32);
@@ -292,18 +347,28 @@ fn crafted_kvq_blocks_are_refused() {
             }),
             "kvq value blocks",
         );
-        refused(&crafted(&k, 1, |p| p[..8].copy_from_slice(&16u64.to_le_bytes())), "trailing");
-        refused(&crafted(&k, 1, |p| p[..8].copy_from_slice(&u64::MAX.to_le_bytes())), "kvq blocks");
+        refused(
+            &crafted(&k, 1, |p| p[..8].copy_from_slice(&16u64.to_le_bytes())),
+            "trailing",
+        );
+        refused(
+            &crafted(&k, 1, |p| p[..8].copy_from_slice(&u64::MAX.to_le_bytes())),
+            "kvq blocks",
+        );
     }
     let k = kvq(KvqBlocks::Q8_0, 17);
     refused(&crafted(&k, 1, |p| p[8 + 2] = 0x80), "kvq key blocks"); // quant -128
     refused(
-        &crafted(&k, 1, |p| p[8..10].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes())),
+        &crafted(&k, 1, |p| {
+            p[8..10].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes())
+        }),
         "kvq key blocks",
     );
     // q4_0 scales are signed (d = max / -8): a negative one loads.
     let k4 = kvq(KvqBlocks::Q4_0, 3);
-    let b = crafted(&k4, 1, |p| p[8..10].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes()));
+    let b = crafted(&k4, 1, |p| {
+        p[8..10].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes())
+    });
     assert!(read_baseline(&b).is_ok());
 }
 
@@ -352,11 +417,18 @@ fn each_reader_names_the_kind_of_file_it_was_given() {
     let mut mkv = Vec::new();
     write_cache(&mut mkv, &cache, &[], &[]).unwrap();
     let e = read_baseline(&mkv).unwrap_err();
-    assert!(e.to_string().contains("compressed MosaicKV cache (cache.mkv)"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("compressed MosaicKV cache (cache.mkv)"),
+        "{e}"
+    );
     for (f, named) in [
         (naive2d(19), "naive2d baseline file"),
         (kvq(KvqBlocks::Q4_0, 2), "kvq4 baseline file"),
-        (dense(Some(BaselineMethod::Quest { token_rate: 0.15 })), "quest baseline file"),
+        (
+            dense(Some(BaselineMethod::Quest { token_rate: 0.15 })),
+            "quest baseline file",
+        ),
     ] {
         let e = read_cache(&bytes(&f)).unwrap_err();
         assert!(is_format(&e) && e.to_string().contains(named), "{e}");
@@ -370,7 +442,11 @@ fn each_reader_names_the_kind_of_file_it_was_given() {
         (dense(None), "full", true),
         (dense(None), "quest", false),
         (dense(Some(BaselineMethod::Full)), "quest", false),
-        (dense(Some(BaselineMethod::Quest { token_rate: 0.15 })), "full", false),
+        (
+            dense(Some(BaselineMethod::Quest { token_rate: 0.15 })),
+            "full",
+            false,
+        ),
         (naive2d(19), "naive2d", true),
         (naive2d(19), "kvq8", false),
         (kvq(KvqBlocks::Q8_0, 2), "kvq4", false),
@@ -385,7 +461,10 @@ fn each_reader_names_the_kind_of_file_it_was_given() {
                 assert!(!ok, "{} as {want}: {e}", f.describe());
                 let text = e.to_string();
                 assert!(is_format(&e), "{e}");
-                assert!(text.contains(&f.describe()) && text.contains(&format!("not a {want}")), "{e}");
+                assert!(
+                    text.contains(&f.describe()) && text.contains(&format!("not a {want}")),
+                    "{e}"
+                );
                 assert!(text.contains(&path.display().to_string()), "{e}");
             }
         }
