@@ -305,7 +305,10 @@ fn validate_kvq(f: &KvqFile) -> Result<()> {
 
 fn describe_method(m: Option<BaselineMethod>) -> String {
     match m {
-        None => "a dense baseline input file (the dense.mkv of `mosaickv compress`, no baseline recorded)".into(),
+        None => {
+            "a dense baseline file (the dense.mkv of `mosaickv compress`, no baseline recorded)"
+                .into()
+        }
         Some(BaselineMethod::Full) => "a full baseline file (dense.mkv)".into(),
         Some(BaselineMethod::Quest { token_rate }) => {
             format!("a quest baseline file (dense.mkv, token_rate {token_rate})")
@@ -313,9 +316,7 @@ fn describe_method(m: Option<BaselineMethod>) -> String {
         Some(BaselineMethod::Naive2d {
             token_rate,
             retention,
-        }) => format!(
-            "a naive2d baseline file (token_rate {token_rate}, retention {retention})"
-        ),
+        }) => format!("a naive2d baseline file (token_rate {token_rate}, retention {retention})"),
         Some(k @ (BaselineMethod::Kvq8 | BaselineMethod::Kvq4)) => {
             format!("a {} baseline file", k.name())
         }
