@@ -290,13 +290,19 @@ fn validate_kvq(f: &KvqFile) -> Result<()> {
         }
         for (b, block) in bytes.chunks_exact(bb).enumerate() {
             let d = f16::from_le_bytes([block[0], block[1]]);
-            let q8_bad = f.format == KvqBlocks::Q8_0
-                && (d.is_sign_negative() || block[2..].iter().any(|&q| q as i8 == i8::MIN));
-            if !d.is_finite() || q8_bad {
+            if !d.is_finite() {
                 return Err(MosaicError::NonFinite {
                     what,
                     index: b * KvqBlocks::VALUES,
                 });
+            }
+            if f.format == KvqBlocks::Q8_0
+                && (d.is_sign_negative() || block[2..].iter().any(|&q| q as i8 == i8::MIN))
+            {
+                return Err(bad(format!(
+                    "{what}: block {b} is not as ggml's q8_0 quantizer writes it \
+                     (negative scale or a quant of -128)"
+                )));
             }
         }
     }
@@ -327,7 +333,7 @@ fn describe_method(m: Option<BaselineMethod>) -> String {
 /// baseline file whose manifest parses, the method recorded in it.
 pub(crate) fn describe_sections(sections: &[(u32, &[u8])]) -> String {
     match sections.first() {
-        Some((kind::MANIFEST, _)) => "a compressed MosaicKV cache (cache.mkv)".into(),
+        Some((kind::MANIFEST, _)) => "a compressed cache (cache.mkv)".into(),
         Some((kind::DENSE_MANIFEST, p)) => match parse_json::<DenseManifest>(p, "") {
             Ok(m) => describe_method(m.baseline),
             Err(_) => "a dense baseline file (dense.mkv)".into(),

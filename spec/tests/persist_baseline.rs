@@ -418,8 +418,7 @@ fn each_reader_names_the_kind_of_file_it_was_given() {
     write_cache(&mut mkv, &cache, &[], &[]).unwrap();
     let e = read_baseline(&mkv).unwrap_err();
     assert!(
-        e.to_string()
-            .contains("compressed MosaicKV cache (cache.mkv)"),
+        e.to_string().contains("compressed cache (cache.mkv)"),
         "{e}"
     );
     for (f, named) in [

@@ -96,7 +96,7 @@ def saved_files(tmp_path):
 
 
 FOUND = {
-    "cache": "a compressed MosaicKV cache (cache.mkv)",
+    "cache": "a compressed cache (cache.mkv)",
     "full": "a full baseline file (dense.mkv)",
     "quest": "a quest baseline file (dense.mkv, token_rate 0.2)",
     "naive2d": "a naive2d baseline file (token_rate 0.2, retention 0.25)",
