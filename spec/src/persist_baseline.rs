@@ -215,7 +215,7 @@ fn validate_dense_file(
     crate::check::validate_dense(shape, rows, "dense rows")
 }
 
-/// Naive 2-D: masks absent only while no row is held; else per side `kv_heads` masks of
+/// Naive 2-D: masks absent exactly while no row is held; else per side `kv_heads` masks of
 /// exactly `kept` strictly ascending dims below `head_dim`; `tokens * kv_heads * kept` finite
 /// f16 keys and as many values.
 fn validate_naive2d(f: &Naive2dFile) -> Result<()> {
@@ -229,6 +229,15 @@ fn validate_naive2d(f: &Naive2dFile) -> Result<()> {
             })
         }
         None => {}
+        // A cache fixes its masks with its first rows; masks without rows would make the
+        // next prefill keep them instead of fitting its own.
+        Some(_) if f.rows.tokens == 0 => {
+            return Err(MosaicError::ShapeMismatch {
+                what: "naive2d channel masks",
+                expected: "none before any row".into(),
+                got: format!("{} heads' masks", f.shape.kv_heads),
+            })
+        }
         Some((km, vm)) => {
             for (side, masks) in [("key", km), ("value", vm)] {
                 if masks.len() != kv {

@@ -311,6 +311,14 @@ fn crafted_masks_and_rows_are_refused() {
         }),
         "masks for the 19 rows",
     );
+    // Masks without rows.
+    refused(
+        &crafted(&n, 2, |p| {
+            p.clear();
+            p.extend_from_slice(&0u64.to_le_bytes());
+        }),
+        "none before any row",
+    );
     // A NaN among the masked rows (payload: tokens u64, then f16 keys).
     refused(
         &crafted(&n, 2, |p| {
