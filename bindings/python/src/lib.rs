@@ -528,9 +528,7 @@ impl _Cache {
                     ("full", "cpu") => Kind::Full(DenseF16Cache::from_file(&file).map_err(at)?),
                     ("full", _) => Kind::FullReference(FullCache::from_file(&file).map_err(at)?),
                     ("quest", "cpu") => Kind::Quest(QuestF16Cache::from_file(&file).map_err(at)?),
-                    ("quest", _) => {
-                        Kind::QuestReference(QuestCache::from_file(&file).map_err(at)?)
-                    }
+                    ("quest", _) => Kind::QuestReference(QuestCache::from_file(&file).map_err(at)?),
                     ("naive2d", _) => Kind::Naive2d(Naive2dCache::from_file(&file).map_err(at)?),
                     (m, b) => {
                         let (r, o) = kvq_formats(if m == "kvq8" { 8 } else { 4 })?;
