@@ -8,7 +8,12 @@ use crate::attend::{
 use crate::backend::contig;
 use crate::simd::{fast_exp, Path};
 use half::f16;
-use mosaickv_spec::{rules, validate, KvCache, KvShape, MemoryReport, MosaicError, Result};
+use mosaickv_spec::persist_baseline::{
+    widen_rows, BaselineFile, BaselineMethod, KvqBlocks, KvqFile,
+};
+use mosaickv_spec::{
+    rules, validate, DenseRows, KvCache, KvShape, MemoryReport, MosaicError, Result,
+};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use rayon::prelude::*;
 
@@ -889,4 +894,138 @@ impl KvCache for KvqCache {
 /// A contiguous row-major copy of a 3-D view.
 fn contig3(a: &ArrayView3<f32>) -> Vec<f32> {
     a.iter().copied().collect()
+}
+
+// ---------------------------------------------------------------- files (SPEC.md 15.5-15.6)
+
+impl F16Store {
+    /// The rows `[tokens][kv_heads][d]` (the store keeps them per head).
+    fn rows(&self) -> DenseRows {
+        let d = self.shape.head_dim;
+        let flat = |per_head: &[Vec<f16>]| {
+            let mut out = Vec::with_capacity(self.tokens * per_head.len() * d);
+            for t in 0..self.tokens {
+                for h in per_head {
+                    out.extend_from_slice(&h[t * d..(t + 1) * d]);
+                }
+            }
+            out
+        };
+        DenseRows {
+            tokens: self.tokens,
+            keys: flat(&self.keys),
+            values: flat(&self.values),
+        }
+    }
+}
+
+/// Rebuilds a dense cache from the rows of its file: `prefill` with them widened (exact), so
+/// every f16 and every Quest page bound is the saved cache's.
+fn refill(cache: &mut dyn KvCache, rows: &DenseRows) -> Result<()> {
+    if rows.tokens > 0 {
+        let s = cache.shape();
+        let (k, v) = widen_rows(rows, s.kv_heads, s.head_dim)?;
+        cache.prefill(k.view(), v.view())?;
+    }
+    Ok(())
+}
+
+impl DenseF16Cache {
+    /// The cache as its file holds it (SPEC.md section 15.5: a dense file, method `full`).
+    pub fn to_file(&self) -> BaselineFile {
+        BaselineFile::Dense {
+            shape: self.store.shape,
+            method: Some(BaselineMethod::Full),
+            rows: self.store.rows(),
+        }
+    }
+
+    /// The cache a `full` dense file (or the CLI's dense input file) holds; another kind of
+    /// file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile) -> Result<Self> {
+        match file {
+            BaselineFile::Dense {
+                shape,
+                method: None | Some(BaselineMethod::Full),
+                rows,
+            } => {
+                file.validate()?;
+                let mut c = Self::new(*shape)?;
+                refill(&mut c, rows)?;
+                Ok(c)
+            }
+            other => Err(other.not_a("full")),
+        }
+    }
+}
+
+impl QuestF16Cache {
+    /// The cache as its file holds it (SPEC.md section 15.5: a dense file, method `quest`).
+    pub fn to_file(&self) -> BaselineFile {
+        BaselineFile::Dense {
+            shape: self.store.shape,
+            method: Some(BaselineMethod::Quest {
+                token_rate: self.token_rate,
+            }),
+            rows: self.store.rows(),
+        }
+    }
+
+    /// The cache a `quest` dense file holds; another kind of file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile) -> Result<Self> {
+        match file {
+            BaselineFile::Dense {
+                shape,
+                method: Some(BaselineMethod::Quest { token_rate }),
+                rows,
+            } => {
+                file.validate()?;
+                let mut c = Self::new(*shape, *token_rate)?;
+                refill(&mut c, rows)?;
+                Ok(c)
+            }
+            other => Err(other.not_a("quest")),
+        }
+    }
+}
+
+impl KvqCache {
+    fn blocks(format: KvqFormat) -> KvqBlocks {
+        match format {
+            KvqFormat::Q8_0 => KvqBlocks::Q8_0,
+            KvqFormat::Q4_0 => KvqBlocks::Q4_0,
+        }
+    }
+
+    /// The cache as its file holds it (SPEC.md section 15.6): the ggml blocks in llama.cpp's
+    /// order (token, KV head, block), the bytes of the reference's file.
+    pub fn to_file(&self) -> BaselineFile {
+        BaselineFile::Kvq(KvqFile {
+            shape: self.shape,
+            format: Self::blocks(self.format),
+            tokens: self.tokens,
+            keys: self.key_bytes(),
+            values: self.value_bytes(),
+        })
+    }
+
+    /// The cache a kvq8 / kvq4 file holds (`want` is the format the caller expects), its
+    /// blocks split back per KV head; another kind of file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile, want: KvqFormat) -> Result<Self> {
+        match file {
+            BaselineFile::Kvq(f) if f.format == Self::blocks(want) => {
+                file.validate()?;
+                let mut c = Self::new(f.shape, want)?;
+                let rb = c.row_bytes();
+                for (src, dst) in [(&f.keys, &mut c.keys), (&f.values, &mut c.values)] {
+                    for (i, row) in src.chunks_exact(rb).enumerate() {
+                        dst[i % f.shape.kv_heads].extend_from_slice(row);
+                    }
+                }
+                c.tokens = f.tokens;
+                Ok(c)
+            }
+            other => Err(other.not_a(want.name())),
+        }
+    }
 }

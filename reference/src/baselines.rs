@@ -1,9 +1,12 @@
 //! SPEC.md section 12: the baselines (Full, Quest, naive 2-D), same `KvCache` API.
 
 use half::f16;
+use mosaickv_spec::persist_baseline::{
+    widen_rows, BaselineFile, BaselineMethod, KvqBlocks, KvqFile, Naive2dFile,
+};
 use mosaickv_spec::rules::f16_storable as check_f16_range;
 use mosaickv_spec::validate::{prompt_kv, queries as check_queries, token_kv};
-use mosaickv_spec::{KvCache, KvShape, MemoryReport, MosaicError, Result};
+use mosaickv_spec::{DenseRows, KvCache, KvShape, MemoryReport, MosaicError, Result};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
 /// Quest's page size (SPEC.md section 12).
@@ -1172,6 +1175,174 @@ impl KvCache for KvqCache {
             values: blocks * (self.format.block_bytes() - 2),
             block_meta: blocks * 2,
             ..MemoryReport::default()
+        }
+    }
+}
+
+// ---------------------------------------------------------------- files (SPEC.md 15.5-15.6)
+
+/// A prompt's rows `[tokens][kv_heads][width]` from a store's per-token, per-head f16 lists.
+fn flat_rows(tokens: usize, keys: &[Vec<Vec<f16>>], values: &[Vec<Vec<f16>>]) -> DenseRows {
+    let flat = |x: &[Vec<Vec<f16>>]| x.iter().flatten().flatten().copied().collect();
+    DenseRows {
+        tokens,
+        keys: flat(keys),
+        values: flat(values),
+    }
+}
+
+/// Rebuilds a dense cache from the rows of its file: `prefill` with them widened (exact), so
+/// every f16 and every Quest page bound is the saved cache's.
+fn refill(cache: &mut dyn KvCache, rows: &DenseRows, width: usize) -> Result<()> {
+    if rows.tokens > 0 {
+        let (k, v) = widen_rows(rows, cache.shape().kv_heads, width)?;
+        cache.prefill(k.view(), v.view())?;
+    }
+    Ok(())
+}
+
+impl FullCache {
+    /// The cache as its file holds it (SPEC.md section 15.5: a dense file, method `full`).
+    pub fn to_file(&self) -> BaselineFile {
+        let s = &self.store;
+        BaselineFile::Dense {
+            shape: s.shape,
+            method: Some(BaselineMethod::Full),
+            rows: flat_rows(s.tokens, &s.keys, &s.values),
+        }
+    }
+
+    /// The cache a file holds (a `full` dense file, or the CLI's dense input file); another
+    /// kind of file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile) -> Result<Self> {
+        match file {
+            BaselineFile::Dense {
+                shape,
+                method: None | Some(BaselineMethod::Full),
+                rows,
+            } => {
+                file.validate()?;
+                let mut c = Self::new(*shape);
+                refill(&mut c, rows, shape.head_dim)?;
+                Ok(c)
+            }
+            other => Err(other.not_a("full")),
+        }
+    }
+}
+
+impl QuestCache {
+    /// The cache as its file holds it (SPEC.md section 15.5: a dense file, method `quest`).
+    pub fn to_file(&self) -> BaselineFile {
+        let s = &self.store;
+        BaselineFile::Dense {
+            shape: s.shape,
+            method: Some(BaselineMethod::Quest {
+                token_rate: s.token_rate,
+            }),
+            rows: flat_rows(s.tokens, &s.keys, &s.values),
+        }
+    }
+
+    /// The cache a `quest` dense file holds; another kind of file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile) -> Result<Self> {
+        match file {
+            BaselineFile::Dense {
+                shape,
+                method: Some(BaselineMethod::Quest { token_rate }),
+                rows,
+            } => {
+                file.validate()?;
+                let mut c = Self::new(*shape, *token_rate)?;
+                refill(&mut c, rows, shape.head_dim)?;
+                Ok(c)
+            }
+            other => Err(other.not_a("quest")),
+        }
+    }
+}
+
+impl Naive2dCache {
+    /// The cache as its file holds it (SPEC.md section 15.6): masks and masked f16 rows.
+    pub fn to_file(&self) -> BaselineFile {
+        let (masks, rows) = match &self.store {
+            None => (None, DenseRows::default()),
+            Some(s) => (
+                Some((s.key_dims.clone(), s.value_dims.clone())),
+                flat_rows(s.tokens, &s.keys, &s.values),
+            ),
+        };
+        BaselineFile::Naive2d(Naive2dFile {
+            shape: self.shape,
+            token_rate: self.token_rate,
+            retention: self.retention,
+            masks,
+            rows,
+        })
+    }
+
+    /// The cache a naive2d file holds: its masks, then its rows pushed in order (each put back
+    /// at its masked dims of a zero row; only those dims are stored, so the f16 values and
+    /// page bounds are the saved cache's). Another kind of file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile) -> Result<Self> {
+        let BaselineFile::Naive2d(f) = file else {
+            return Err(file.not_a("naive2d"));
+        };
+        file.validate()?;
+        let mut c = Self::new(f.shape, f.token_rate, f.retention)?;
+        if let Some((km, vm)) = &f.masks {
+            let (kv, d, w) = (f.shape.kv_heads, f.shape.head_dim, f.kept());
+            let mut store = PagedStore::new(c.shape, c.token_rate, km.clone(), vm.clone());
+            let mut key = ndarray::Array2::<f32>::zeros((kv, d));
+            let mut value = ndarray::Array2::<f32>::zeros((kv, d));
+            for t in 0..f.rows.tokens {
+                for h in 0..kv {
+                    let at = (t * kv + h) * w;
+                    for (j, (&ki, &vi)) in km[h].iter().zip(&vm[h]).enumerate() {
+                        key[[h, ki]] = f.rows.keys[at + j].to_f32();
+                        value[[h, vi]] = f.rows.values[at + j].to_f32();
+                    }
+                }
+                store.push(key.view(), value.view());
+            }
+            c.store = Some(store);
+        }
+        Ok(c)
+    }
+}
+
+impl KvqCache {
+    /// The cache as its file holds it (SPEC.md section 15.6): the ggml blocks as stored.
+    pub fn to_file(&self) -> BaselineFile {
+        BaselineFile::Kvq(KvqFile {
+            shape: self.shape,
+            format: match self.format {
+                KvqFormat::Q8_0 => KvqBlocks::Q8_0,
+                KvqFormat::Q4_0 => KvqBlocks::Q4_0,
+            },
+            tokens: self.tokens,
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+        })
+    }
+
+    /// The cache a kvq8 / kvq4 file holds (`want` is the format the caller expects); another
+    /// kind of file is `BadFormat` naming it.
+    pub fn from_file(file: &BaselineFile, want: KvqFormat) -> Result<Self> {
+        let want_blocks = match want {
+            KvqFormat::Q8_0 => KvqBlocks::Q8_0,
+            KvqFormat::Q4_0 => KvqBlocks::Q4_0,
+        };
+        match file {
+            BaselineFile::Kvq(f) if f.format == want_blocks => {
+                file.validate()?;
+                let mut c = Self::new(f.shape, want)?;
+                c.tokens = f.tokens;
+                c.keys = f.keys.clone();
+                c.values = f.values.clone();
+                Ok(c)
+            }
+            other => Err(other.not_a(want.name())),
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod layout;
 pub mod persist;
+pub mod persist_baseline;
 pub mod query;
 pub mod rules;
 pub mod traits;

@@ -83,13 +83,22 @@ pub mod kind {
     pub const DENSE_MANIFEST: u32 = 16;
     /// The dense f16 rows of a dense baseline file.
     pub const DENSE_ROWS: u32 = 17;
+    /// JSON: shape and method of a naive 2-D or kvq baseline cache file (SPEC.md section
+    /// 15.6). Always first in such a file.
+    pub const BASELINE_MANIFEST: u32 = 18;
+    /// The naive 2-D baseline's channel masks per KV head.
+    pub const CHANNEL_MASKS: u32 = 19;
+    /// The naive 2-D baseline's f16 rows of the masked channels.
+    pub const MASKED_ROWS: u32 = 20;
+    /// The kvq8 / kvq4 baseline's ggml blocks.
+    pub const KVQ_BLOCKS: u32 = 21;
 }
 
-fn bad(msg: impl Into<String>) -> MosaicError {
+pub(crate) fn bad(msg: impl Into<String>) -> MosaicError {
     MosaicError::BadFormat(msg.into())
 }
 
-fn io_err(what: &str, e: std::io::Error) -> MosaicError {
+pub(crate) fn io_err(what: &str, e: std::io::Error) -> MosaicError {
     MosaicError::Io(format!("{what}: {e}"))
 }
 
@@ -116,24 +125,29 @@ struct Manifest {
 /// The manifest section of a dense baseline file (JSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct DenseManifest {
-    shape: KvShape,
-    role: String,
+pub(crate) struct DenseManifest {
+    pub(crate) shape: KvShape,
+    pub(crate) role: String,
+    /// Which baseline cache the rows are (SPEC.md section 15.5): absent in the input file
+    /// `mosaickv compress` writes, `full` or `quest` in a baseline cache's saved file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) baseline: Option<crate::persist_baseline::BaselineMethod>,
 }
 
-const DENSE_ROLE: &str = "baseline input: dense f16 K/V, not part of the compressed cache";
+pub(crate) const DENSE_ROLE: &str =
+    "baseline input: dense f16 K/V, not part of the compressed cache";
 
 // ---------------------------------------------------------------- writing
 
 /// Little-endian payload builder.
 #[derive(Default)]
-struct Buf(Vec<u8>);
+pub(crate) struct Buf(pub(crate) Vec<u8>);
 
 impl Buf {
-    fn u32(&mut self, x: u32) {
+    pub(crate) fn u32(&mut self, x: u32) {
         self.0.extend_from_slice(&x.to_le_bytes());
     }
-    fn u64(&mut self, x: usize) {
+    pub(crate) fn u64(&mut self, x: usize) {
         self.0.extend_from_slice(&(x as u64).to_le_bytes());
     }
     fn f64(&mut self, x: f64) {
@@ -148,7 +162,7 @@ impl Buf {
     fn i8s(&mut self, xs: &[i8]) {
         self.0.extend(xs.iter().map(|&x| x as u8));
     }
-    fn f16s(&mut self, xs: &[f16]) {
+    pub(crate) fn f16s(&mut self, xs: &[f16]) {
         self.0.reserve(2 * xs.len());
         for x in xs {
             self.0.extend_from_slice(&x.to_le_bytes());
@@ -156,7 +170,7 @@ impl Buf {
     }
 }
 
-fn small(x: usize, what: &str) -> Result<u32> {
+pub(crate) fn small(x: usize, what: &str) -> Result<u32> {
     u32::try_from(x).map_err(|_| {
         MosaicError::InvalidConfig(format!("{what} {x} does not fit the format's u32 field"))
     })
@@ -170,7 +184,7 @@ fn section_crc(kind: u32, payload: &[u8]) -> u32 {
     h.finalize()
 }
 
-fn write_file(w: &mut impl Write, sections: &[(u32, Vec<u8>)]) -> Result<()> {
+pub(crate) fn write_file(w: &mut impl Write, sections: &[(u32, Vec<u8>)]) -> Result<()> {
     let count = small(sections.len(), "section count")?;
     let mut head = Vec::with_capacity(FILE_HEADER_BYTES);
     head.extend_from_slice(&MAGIC);
@@ -194,7 +208,7 @@ fn write_file(w: &mut impl Write, sections: &[(u32, Vec<u8>)]) -> Result<()> {
     w.flush().map_err(|e| io_err("flushing", e))
 }
 
-fn dense_payload(rows: &DenseRows) -> Vec<u8> {
+pub(crate) fn dense_payload(rows: &DenseRows) -> Vec<u8> {
     let mut b = Buf::default();
     b.u64(rows.tokens);
     b.f16s(&rows.keys);
@@ -240,7 +254,7 @@ fn head_payload(seg: usize, head: usize, h: &HeadSegment) -> Result<Vec<u8>> {
     Ok(b.0)
 }
 
-fn json<T: Serialize>(x: &T) -> Result<Vec<u8>> {
+pub(crate) fn json<T: Serialize>(x: &T) -> Result<Vec<u8>> {
     serde_json::to_vec(x)
         .map_err(|e| MosaicError::InvalidConfig(format!("manifest does not serialize: {e}")))
 }
@@ -298,6 +312,7 @@ pub fn write_dense(w: &mut impl Write, shape: &KvShape, rows: &DenseRows) -> Res
     let manifest = DenseManifest {
         shape: *shape,
         role: DENSE_ROLE.to_string(),
+        baseline: None,
     };
     write_file(
         w,
@@ -311,14 +326,14 @@ pub fn write_dense(w: &mut impl Write, shape: &KvShape, rows: &DenseRows) -> Res
 // ---------------------------------------------------------------- reading
 
 /// Bounds-checked little-endian reader over one payload.
-struct Cursor<'a> {
+pub(crate) struct Cursor<'a> {
     bytes: &'a [u8],
     pos: usize,
     what: &'a str,
 }
 
 impl<'a> Cursor<'a> {
-    fn new(bytes: &'a [u8], what: &'a str) -> Self {
+    pub(crate) fn new(bytes: &'a [u8], what: &'a str) -> Self {
         Self {
             bytes,
             pos: 0,
@@ -328,7 +343,7 @@ impl<'a> Cursor<'a> {
     fn remaining(&self) -> usize {
         self.bytes.len() - self.pos
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if n > self.remaining() {
             return Err(bad(format!(
                 "{}: needs {n} more bytes at offset {}, only {} left",
@@ -341,7 +356,7 @@ impl<'a> Cursor<'a> {
         self.pos += n;
         Ok(s)
     }
-    fn u32(&mut self) -> Result<u32> {
+    pub(crate) fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(
             self.take(4)?.try_into().expect("4 bytes"),
         ))
@@ -352,7 +367,7 @@ impl<'a> Cursor<'a> {
         ))
     }
     /// A u64 count or length as usize.
-    fn size(&mut self, field: &str) -> Result<usize> {
+    pub(crate) fn size(&mut self, field: &str) -> Result<usize> {
         let x = self.u64()?;
         usize::try_from(x)
             .map_err(|_| bad(format!("{}: {field} {x} does not fit in memory", self.what)))
@@ -363,7 +378,7 @@ impl<'a> Cursor<'a> {
         ))
     }
     /// `n` elements of `size` bytes, checked against the remaining bytes before allocating.
-    fn array(&mut self, n: usize, size: usize, field: &str) -> Result<&'a [u8]> {
+    pub(crate) fn array(&mut self, n: usize, size: usize, field: &str) -> Result<&'a [u8]> {
         let len = n
             .checked_mul(size)
             .ok_or_else(|| bad(format!("{}: {field} count {n} overflows", self.what)))?;
@@ -379,14 +394,14 @@ impl<'a> Cursor<'a> {
     fn i8s(&mut self, n: usize, field: &str) -> Result<Vec<i8>> {
         Ok(self.array(n, 1, field)?.iter().map(|&x| x as i8).collect())
     }
-    fn f16s(&mut self, n: usize, field: &str) -> Result<Vec<f16>> {
+    pub(crate) fn f16s(&mut self, n: usize, field: &str) -> Result<Vec<f16>> {
         let raw = self.array(n, 2, field)?;
         Ok(raw
             .chunks_exact(2)
             .map(|c| f16::from_le_bytes([c[0], c[1]]))
             .collect())
     }
-    fn finish(&self) -> Result<()> {
+    pub(crate) fn finish(&self) -> Result<()> {
         if self.remaining() != 0 {
             return Err(bad(format!(
                 "{}: {} unexpected trailing bytes",
@@ -399,7 +414,7 @@ impl<'a> Cursor<'a> {
 }
 
 /// Splits a file into verified `(kind, payload)` sections.
-fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
+pub(crate) fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
     if bytes.len() < 8 || bytes[..8] != MAGIC {
         return Err(bad(
             "not a MosaicKV file (the magic bytes `MOSAICKV` are missing)",
@@ -467,7 +482,12 @@ fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
     Ok(out)
 }
 
-fn expect_kind(sections: &[(u32, &[u8])], i: usize, want: u32, name: &str) -> Result<()> {
+pub(crate) fn expect_kind(
+    sections: &[(u32, &[u8])],
+    i: usize,
+    want: u32,
+    name: &str,
+) -> Result<()> {
     match sections.get(i) {
         None => Err(bad(format!("missing {name} section (section {i})"))),
         Some((k, _)) if *k != want => Err(bad(format!(
@@ -477,11 +497,11 @@ fn expect_kind(sections: &[(u32, &[u8])], i: usize, want: u32, name: &str) -> Re
     }
 }
 
-fn parse_json<'de, T: Deserialize<'de>>(payload: &'de [u8], what: &str) -> Result<T> {
+pub(crate) fn parse_json<'de, T: Deserialize<'de>>(payload: &'de [u8], what: &str) -> Result<T> {
     serde_json::from_slice(payload).map_err(|e| bad(format!("{what}: {e}")))
 }
 
-fn parse_dense(payload: &[u8], shape: &KvShape, what: &str) -> Result<DenseRows> {
+pub(crate) fn parse_dense(payload: &[u8], shape: &KvShape, what: &str) -> Result<DenseRows> {
     let mut c = Cursor::new(payload, what);
     let tokens = c.size("tokens")?;
     let n = tokens
@@ -587,7 +607,7 @@ fn parse_head(payload: &[u8], shape: &KvShape, seg: usize, head: usize) -> Resul
 }
 
 /// Turns a validation error of a loaded file into `BadFormat` (keeping `CorruptPacked`).
-fn as_format_error(e: MosaicError) -> MosaicError {
+pub(crate) fn as_format_error(e: MosaicError) -> MosaicError {
     match e {
         MosaicError::BadFormat(_) | MosaicError::CorruptPacked(_) => e,
         other => bad(format!("invalid content: {other}")),
@@ -599,10 +619,11 @@ fn as_format_error(e: MosaicError) -> MosaicError {
 /// is `BadFormat` or `CorruptPacked`.
 pub fn read_cache(bytes: &[u8]) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)> {
     let sections = read_sections(bytes)?;
-    if let Some((kind::DENSE_MANIFEST, _)) = sections.first() {
-        return Err(bad(
-            "this is a dense baseline file (dense.mkv), not a compressed cache",
-        ));
+    if let Some((kind::DENSE_MANIFEST | kind::BASELINE_MANIFEST, _)) = sections.first() {
+        return Err(bad(format!(
+            "this is {}, not a compressed cache",
+            crate::persist_baseline::describe_sections(&sections)
+        )));
     }
     expect_kind(&sections, 0, kind::MANIFEST, "manifest")?;
     let m: Manifest = parse_json(sections[0].1, "manifest")?;
@@ -667,26 +688,18 @@ pub fn read_cache(bytes: &[u8]) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)>
     Ok((cache, host_keys, host_values))
 }
 
-/// Reads a dense baseline file written by [`write_dense`]: its shape and rows.
+/// Reads a dense baseline file written by [`write_dense`] (or a full / quest cache's file,
+/// SPEC.md section 15.5): its shape and rows, validated as
+/// [`crate::persist_baseline::BaselineFile::validate`] says.
 pub fn read_dense(bytes: &[u8]) -> Result<(KvShape, DenseRows)> {
     let sections = read_sections(bytes)?;
-    if let Some((kind::MANIFEST, _)) = sections.first() {
-        return Err(bad(
-            "this is a compressed cache (cache.mkv), not a dense baseline file",
-        ));
-    }
-    expect_kind(&sections, 0, kind::DENSE_MANIFEST, "dense manifest")?;
-    let m: DenseManifest = parse_json(sections[0].1, "dense manifest")?;
-    let shape = KvShape::new(m.shape.kv_heads, m.shape.q_heads, m.shape.head_dim)
-        .map_err(as_format_error)?;
-    if sections.len() != 2 {
+    if let Some((kind::MANIFEST | kind::BASELINE_MANIFEST, _)) = sections.first() {
         return Err(bad(format!(
-            "dense file has {} sections, expected 2",
-            sections.len()
+            "this is {}, not a dense baseline file",
+            crate::persist_baseline::describe_sections(&sections)
         )));
     }
-    expect_kind(&sections, 1, kind::DENSE_ROWS, "dense rows")?;
-    let rows = parse_dense(sections[1].1, &shape, "dense rows")?;
+    let (shape, _, rows) = crate::persist_baseline::parse_dense_file(&sections)?;
     Ok((shape, rows))
 }
 
@@ -756,7 +769,7 @@ pub fn load_dense(path: &Path) -> Result<(KvShape, DenseRows)> {
     read_dense(&bytes).map_err(|e| with_path(path, e))
 }
 
-fn with_path(path: &Path, e: MosaicError) -> MosaicError {
+pub(crate) fn with_path(path: &Path, e: MosaicError) -> MosaicError {
     match e {
         MosaicError::BadFormat(m) => MosaicError::BadFormat(format!("{}: {m}", path.display())),
         MosaicError::CorruptPacked(m) => {

@@ -48,6 +48,9 @@ def main():
         "quest (20 % tokens)": mosaickv.QuestCache(kv_heads, head_dim, token_rate=0.2),
         "full (dense f16)": mosaickv.FullCache(kv_heads, head_dim),
     }
+    if head_dim % 32 == 0:  # ggml's blocks hold 32 values (the fixtures' head_dim is 16)
+        methods["kvq8 (llama.cpp q8_0)"] = mosaickv.Kvq8Cache(kv_heads, head_dim)
+        methods["kvq4 (llama.cpp q4_0)"] = mosaickv.Kvq4Cache(kv_heads, head_dim)
     dense = 4 * kv_heads * head_dim  # bytes per token of dense f16 K and V
     for name, cache in methods.items():
         cache.prefill(k, v)

@@ -11,9 +11,12 @@
 //! (`Python::detach`); the mutex is taken inside, so a second thread waiting
 //! for the same cache never holds the GIL while it waits.
 
+use mosaickv_optimized::baselines::{KvqCache as OptKvqCache, KvqFormat as OptKvqFormat};
 use mosaickv_optimized::{DenseF16Cache, LiveCache, Mode, QuestF16Cache};
+use mosaickv_reference::baselines::{KvqCache, KvqFormat};
 use mosaickv_reference::{FullCache, MosaicCache, Naive2dCache, QuestCache};
 use mosaickv_spec::persist::{load_cache, save_cache};
+use mosaickv_spec::persist_baseline::{load_baseline, save_baseline, BaselineFile};
 use mosaickv_spec::{
     ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
     SideStrategy, ValueDtype,
@@ -148,6 +151,10 @@ enum Kind {
     Quest(QuestF16Cache),
     QuestReference(QuestCache),
     Naive2d(Naive2dCache),
+    /// `Kvq8Cache` / `Kvq4Cache(backend="cpu")`: the optimized llama.cpp q8_0 / q4_0 cache.
+    Kvq(OptKvqCache),
+    /// `Kvq8Cache` / `Kvq4Cache(backend="reference")`.
+    KvqReference(KvqCache),
 }
 
 impl Kind {
@@ -162,6 +169,8 @@ impl Kind {
             Kind::Quest(c) => c,
             Kind::QuestReference(c) => c,
             Kind::Naive2d(c) => c,
+            Kind::Kvq(c) => c,
+            Kind::KvqReference(c) => c,
         }
     }
 
@@ -176,6 +185,8 @@ impl Kind {
             Kind::Quest(c) => c,
             Kind::QuestReference(c) => c,
             Kind::Naive2d(c) => c,
+            Kind::Kvq(c) => c,
+            Kind::KvqReference(c) => c,
         }
     }
 
@@ -190,6 +201,8 @@ impl Kind {
             Kind::Quest(c) => c.set_q_heads(q),
             Kind::QuestReference(c) => c.set_q_heads(q),
             Kind::Naive2d(c) => c.set_q_heads(q),
+            Kind::Kvq(c) => c.set_q_heads(q),
+            Kind::KvqReference(c) => c.set_q_heads(q),
         }
     }
 
@@ -205,7 +218,7 @@ impl Kind {
 
     fn backend(&self) -> &'static str {
         match self {
-            Kind::Live(_) | Kind::Full(_) | Kind::Quest(_) => "cpu",
+            Kind::Live(_) | Kind::Full(_) | Kind::Quest(_) | Kind::Kvq(_) => "cpu",
             #[cfg(feature = "cuda")]
             Kind::Cuda(..) => "cuda",
             _ => "reference",
@@ -457,20 +470,78 @@ impl _Cache {
         backend: &str,
     ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
-        match backend {
-            "reference" => {}
-            other => {
-                return Err(to_py(
-                    py,
-                    MosaicError::BackendUnavailable(format!(
-                        "naive2d exists only on the reference backend, not `{other}`"
-                    )),
-                ))
-            }
+        if backend != "reference" {
+            return Err(to_py(py, naive2d_reference_only(backend)));
         }
         Ok(Self::new(Kind::Naive2d(
             Naive2dCache::new(shape, token_rate, retention).or_raise(py)?,
         )))
+    }
+
+    #[staticmethod]
+    fn kvq(
+        py: Python<'_>,
+        kv_heads: usize,
+        head_dim: usize,
+        bits: u32,
+        backend: &str,
+    ) -> PyResult<Self> {
+        let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
+        let (r, o) = kvq_formats(bits).or_raise(py)?;
+        let kind = match backend {
+            "cpu" => Kind::Kvq(OptKvqCache::new(shape, o).or_raise(py)?),
+            "reference" => Kind::KvqReference(KvqCache::new(shape, r).or_raise(py)?),
+            "cuda" => return Err(to_py(py, cuda_baseline())),
+            other => {
+                return Err(to_py(
+                    py,
+                    unknown_backend(other, "\"cpu\" or \"reference\""),
+                ))
+            }
+        };
+        Ok(Self::new(kind))
+    }
+
+    /// SPEC 15.5-15.6: a baseline cache file written by `save` of the baseline `method`
+    /// (`full`, `quest`, `naive2d`, `kvq8`, `kvq4`); `full` also reads the `dense.mkv` of
+    /// `mosaickv compress`. Another kind of file is `BadFormat` naming what it is.
+    #[staticmethod]
+    fn load_baseline(py: Python<'_>, path: PathBuf, method: &str, backend: &str) -> PyResult<Self> {
+        let kind = py
+            .detach(|| -> mosaickv_spec::Result<Kind> {
+                if method == "naive2d" && backend != "reference" {
+                    return Err(naive2d_reference_only(backend));
+                }
+                match backend {
+                    "cpu" | "reference" => {}
+                    "cuda" => return Err(cuda_baseline()),
+                    other => return Err(unknown_backend(other, "\"cpu\" or \"reference\"")),
+                }
+                let file = load_baseline(&path, method)?;
+                let at = |e: MosaicError| match e {
+                    MosaicError::BadFormat(m) => {
+                        MosaicError::BadFormat(format!("{}: {m}", path.display()))
+                    }
+                    other => other,
+                };
+                Ok(match (method, backend) {
+                    ("full", "cpu") => Kind::Full(DenseF16Cache::from_file(&file).map_err(at)?),
+                    ("full", _) => Kind::FullReference(FullCache::from_file(&file).map_err(at)?),
+                    ("quest", "cpu") => Kind::Quest(QuestF16Cache::from_file(&file).map_err(at)?),
+                    ("quest", _) => Kind::QuestReference(QuestCache::from_file(&file).map_err(at)?),
+                    ("naive2d", _) => Kind::Naive2d(Naive2dCache::from_file(&file).map_err(at)?),
+                    (m, b) => {
+                        let (r, o) = kvq_formats(if m == "kvq8" { 8 } else { 4 })?;
+                        if b == "cpu" {
+                            Kind::Kvq(OptKvqCache::from_file(&file, o).map_err(at)?)
+                        } else {
+                            Kind::KvqReference(KvqCache::from_file(&file, r).map_err(at)?)
+                        }
+                    }
+                })
+            })
+            .or_raise(py)?;
+        Ok(Self::new(kind))
     }
 
     /// SPEC 15: a cache file as written by `save` or `mosaickv compress` (its `cache.mkv`).
@@ -617,10 +688,25 @@ impl _Cache {
         Ok(Some(list))
     }
 
-    /// SPEC 15: writes the cache file (MosaicKV caches only).
+    /// SPEC 15: writes the cache file: `cache.mkv` (15.3) for MosaicKV, a dense file (15.5)
+    /// for full and Quest, a baseline cache file (15.6) for naive 2-D and kvq.
     fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         py.detach(|| -> mosaickv_spec::Result<()> {
             let mut g = self.lock();
+            let baseline: Option<BaselineFile> = match &*g {
+                Kind::Full(c) => Some(c.to_file()),
+                Kind::FullReference(c) => Some(c.to_file()),
+                Kind::Quest(c) => Some(c.to_file()),
+                Kind::QuestReference(c) => Some(c.to_file()),
+                Kind::Naive2d(c) => Some(c.to_file()),
+                Kind::Kvq(c) => Some(c.to_file()),
+                Kind::KvqReference(c) => Some(c.to_file()),
+                _ => None,
+            };
+            if let Some(file) = baseline {
+                drop(g);
+                return save_baseline(&path, &file);
+            }
             match &mut *g {
                 Kind::Live(c) => c.save(&path),
                 #[cfg(feature = "cuda")]
@@ -630,11 +716,28 @@ impl _Cache {
                     save_cache(&path, c.compressed(), k, v)
                 }
                 _ => Err(MosaicError::InvalidConfig(
-                    "only a MosaicKV cache can be saved (a baseline has no file format)".into(),
+                    "this cache has no file format".into(),
                 )),
             }
         })
         .or_raise(py)
+    }
+}
+
+fn naive2d_reference_only(backend: &str) -> MosaicError {
+    MosaicError::BackendUnavailable(format!(
+        "naive2d exists only on the reference backend, not `{backend}`"
+    ))
+}
+
+/// The reference's and the optimized crate's names of llama.cpp's `q8_0` (8) / `q4_0` (4).
+fn kvq_formats(bits: u32) -> mosaickv_spec::Result<(KvqFormat, OptKvqFormat)> {
+    match bits {
+        8 => Ok((KvqFormat::Q8_0, OptKvqFormat::Q8_0)),
+        4 => Ok((KvqFormat::Q4_0, OptKvqFormat::Q4_0)),
+        b => Err(MosaicError::InvalidConfig(format!(
+            "kvq has 8 (q8_0) or 4 (q4_0) bits, not {b}"
+        ))),
     }
 }
 

@@ -39,6 +39,8 @@ __all__ = [
     "FullCache",
     "QuestCache",
     "Naive2dCache",
+    "Kvq8Cache",
+    "Kvq4Cache",
     "SideStrategy",
     "HeadStrategy",
     "SegmentInfo",
@@ -300,37 +302,85 @@ class Cache(_Base):
         return self
 
 
-class FullCache(_Base):
+class _Baseline(_Base):
+    """``save`` / ``load`` of a baseline cache (SPEC section 15.5 or 15.6)."""
+
+    _method: str = ""
+    _file: str = ""
+
+    def save(self, path: PathLike) -> None:
+        """Writes the cache to ``path`` (the file kind is in the class docstring). Loading
+        it back with :meth:`load` gives a cache whose :meth:`attend` output is identical
+        bit for bit and whose :meth:`memory` is equal. Releases the GIL."""
+        self._inner.save(os.fspath(path))
+
+    @classmethod
+    def load(cls, path: PathLike, backend: str = "cpu") -> "_Baseline":
+        """Reads a file written by this class's :meth:`save`. Every length, checksum and
+        rule of SPEC sections 15.4-15.6 is checked: a damaged file, or a file of another
+        kind (a ``cache.mkv``, another baseline's file), raises :class:`BadFormatError`
+        naming what it found; a missing one :class:`IoError` (both ``OSError``)."""
+        self = cls.__new__(cls)
+        self._inner = _Cache.load_baseline(os.fspath(path), cls._method, backend)
+        return self
+
+
+class FullCache(_Baseline):
     """Baseline: dense f16 K/V, exact attention over every token (SPEC section 12, Full).
 
     ``backend="cpu"`` is the optimized ``DenseF16Cache``; ``"reference"`` the f64 oracle.
+
+    Methods: :meth:`prefill`, :meth:`append`, :meth:`attend` (SPEC section 12),
+    ``len()``, :meth:`memory` (13), :meth:`save` / :meth:`load`: a dense baseline file
+    (SPEC section 15.5, ``dense.mkv``, method ``full``). :meth:`load` also reads the
+    ``dense.mkv`` that ``mosaickv compress`` writes (its rows are a full cache's).
     """
+
+    _method = "full"
 
     def __init__(self, kv_heads: int, head_dim: int, backend: str = "cpu") -> None:
         kv_heads, head_dim = _dims(kv_heads, head_dim)
         self._inner = _Cache.full(kv_heads, head_dim, backend)
 
 
-class QuestCache(_Base):
+class QuestCache(_Baseline):
     """Baseline: Quest (SPEC section 12): dense f16 K/V, pages of 16 tokens with
     per-dim key min/max; ``ceil(ceil(token_rate * n) / 16)`` pages attended.
 
     ``backend="cpu"`` is the optimized ``QuestF16Cache``; ``"reference"`` the oracle.
+
+    Methods: :meth:`prefill`, :meth:`append`, :meth:`attend` (SPEC section 12),
+    ``len()``, :meth:`memory` (13), :meth:`save` / :meth:`load`: a dense baseline file
+    (SPEC section 15.5, ``dense.mkv``) recording method ``quest`` and ``token_rate``.
     """
+
+    _method = "quest"
 
     def __init__(self, kv_heads: int, head_dim: int, token_rate: float = 0.2, backend: str = "cpu") -> None:
         kv_heads, head_dim = _dims(kv_heads, head_dim)
         self._inner = _Cache.quest(kv_heads, head_dim, float(token_rate), backend)
 
 
-class Naive2dCache(_Base):
+class Naive2dCache(_Baseline):
     """Baseline: the paper's naive 2-D strawman (SPEC section 12): per head one
     channel mask of the ``ceil(retention * head_dim)`` highest-energy dims of
     the prompt, then Quest on the masked K/V.
 
     Only the reference implementation exists (there is no optimized naive 2-D),
-    so ``backend`` can only be ``"reference"``.
+    so ``backend`` can only be ``"reference"`` (also for :meth:`load`).
+
+    Methods: :meth:`prefill`, :meth:`append`, :meth:`attend` (SPEC section 12),
+    ``len()``, :meth:`memory` (13), :meth:`save` / :meth:`load`: a baseline cache
+    file (SPEC section 15.6) holding the masks and the masked f16 rows.
     """
+
+    _method = "naive2d"
+
+    @classmethod
+    def load(cls, path: PathLike, backend: str = "reference") -> "Naive2dCache":
+        """Reads a file written by :meth:`save` (SPEC section 15.6); errors as
+        :meth:`FullCache.load`."""
+        return super().load(path, backend)
 
     def __init__(
         self,
@@ -342,3 +392,50 @@ class Naive2dCache(_Base):
     ) -> None:
         kv_heads, head_dim = _dims(kv_heads, head_dim)
         self._inner = _Cache.naive2d(kv_heads, head_dim, float(token_rate), float(retention), backend)
+
+
+class _KvqCache(_Baseline):
+    _bits = 0
+
+    def __init__(self, kv_heads: int, head_dim: int, backend: str = "cpu") -> None:
+        kv_heads, head_dim = _dims(kv_heads, head_dim)
+        self._inner = _Cache.kvq(kv_heads, head_dim, self._bits, backend)
+
+
+class Kvq8Cache(_KvqCache):
+    """Baseline: llama.cpp's ``q8_0`` KV cache (SPEC section 12, kvq8).
+
+    Each K and V row is stored as ggml blocks of 32 values: an f16 scale ``d``
+    then 32 int8 quants, ``x = q * d`` (34 bytes per 32 values); ``head_dim`` must
+    be a multiple of 32 (:class:`InvalidConfigError` otherwise). Attention is
+    ggml's CPU flash-attention row, all f32: the query is quantized to ``q8_0``
+    too, then an online softmax over every token. A block whose scale would not
+    be a finite f16 raises :class:`NonFiniteError`.
+
+    ``backend="cpu"`` is the optimized cache, ``"reference"`` the readable one
+    (the same output bits).
+
+    Methods: :meth:`prefill`, :meth:`append`, :meth:`attend` (SPEC section 12),
+    ``len()``, :meth:`memory` (13: the quants as ``values``, the f16 scales as
+    ``block_meta``), :meth:`save` / :meth:`load`: a baseline cache file (SPEC
+    section 15.6) holding the ggml blocks.
+    """
+
+    _method = "kvq8"
+    _bits = 8
+
+
+class Kvq4Cache(_KvqCache):
+    """Baseline: llama.cpp's ``q4_0`` KV cache (SPEC section 12, kvq4).
+
+    As :class:`Kvq8Cache`, with ``q4_0`` blocks: an f16 scale ``d`` then 16 bytes
+    of nibbles (element ``j`` in the low nibble of byte ``j``, element ``j + 16``
+    in its high nibble), ``x = (q - 8) * d`` (18 bytes per 32 values). The query
+    is still quantized to ``q8_0``, as ggml does.
+
+    Methods: :meth:`prefill`, :meth:`append`, :meth:`attend` (SPEC section 12),
+    ``len()``, :meth:`memory` (13), :meth:`save` / :meth:`load` (SPEC section 15.6).
+    """
+
+    _method = "kvq4"
+    _bits = 4
