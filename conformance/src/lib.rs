@@ -671,11 +671,20 @@ pub fn stores_quantized(b: &dyn Backend) -> bool {
 /// The default configuration as `b` can run it: itself, or with f16 values only on a backend
 /// that stores no int8/int4 records ([`stores_quantized`]).
 pub fn default_config_for(b: &dyn Backend) -> CompressConfig {
-    let mut cfg = CompressConfig::default();
-    if !stores_quantized(b) {
-        cfg.value_dtypes = vec![mosaickv_spec::ValueDtype::F16];
+    if stores_quantized(b) {
+        CompressConfig::default()
+    } else {
+        f16_default()
     }
-    cfg
+}
+
+/// The default configuration with f16 values only (the CUDA kernels store no int8/int4
+/// records, docs/GPU.md).
+pub fn f16_default() -> CompressConfig {
+    CompressConfig {
+        value_dtypes: vec![mosaickv_spec::ValueDtype::F16],
+        ..CompressConfig::default()
+    }
 }
 
 /// Stamps the conformance suite out for one backend:

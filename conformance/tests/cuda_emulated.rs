@@ -278,7 +278,7 @@ mod device_paths {
         let cfg = CompressConfig {
             token_rate: 0.02,
             input_segment_len: 1024,
-            ..CompressConfig::default()
+            ..mosaickv_conformance::f16_default()
         };
         let cache = reference_cache(shape, &cfg, 3000, 5, 9).unwrap();
         let q = queries(4, 64, 9);
@@ -316,7 +316,7 @@ mod device_paths {
     #[test]
     fn a_batch_attends_each_sequence() {
         let shape = KvShape::new(2, 4, 64).unwrap();
-        let cfg = CompressConfig::default();
+        let cfg = mosaickv_conformance::f16_default();
         let a = reference_cache(shape, &cfg, 300, 7, 1).unwrap();
         let b = reference_cache(shape, &cfg, 500, 3, 2).unwrap();
         let backend = shared();
@@ -385,7 +385,7 @@ fn quantized_layouts_are_refused_with_a_typed_error() {
     for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
         let cfg = CompressConfig {
             value_dtypes: vec![dtype],
-            ..CompressConfig::default()
+            ..mosaickv_conformance::f16_default()
         };
         let side = mosaickv_reference::ReferenceBackend
             .fit_side(rows.view(), Side::Key, &cfg)

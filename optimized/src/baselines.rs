@@ -966,6 +966,7 @@ impl QuestF16Cache {
             shape: self.store.shape,
             method: Some(BaselineMethod::Quest {
                 token_rate: self.token_rate,
+                min_budget_tokens: self.min_budget_tokens,
             }),
             rows: self.store.rows(),
         }
@@ -976,11 +977,15 @@ impl QuestF16Cache {
         match file {
             BaselineFile::Dense {
                 shape,
-                method: Some(BaselineMethod::Quest { token_rate }),
+                method:
+                    Some(BaselineMethod::Quest {
+                        token_rate,
+                        min_budget_tokens,
+                    }),
                 rows,
             } => {
                 file.validate()?;
-                let mut c = Self::new(*shape, *token_rate)?;
+                let mut c = Self::new(*shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens);
                 refill(&mut c, rows)?;
                 Ok(c)
             }

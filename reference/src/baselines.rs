@@ -1239,6 +1239,7 @@ impl QuestCache {
             shape: s.shape,
             method: Some(BaselineMethod::Quest {
                 token_rate: s.token_rate,
+                min_budget_tokens: s.min_budget_tokens,
             }),
             rows: flat_rows(s.tokens, &s.keys, &s.values),
         }
@@ -1249,11 +1250,15 @@ impl QuestCache {
         match file {
             BaselineFile::Dense {
                 shape,
-                method: Some(BaselineMethod::Quest { token_rate }),
+                method:
+                    Some(BaselineMethod::Quest {
+                        token_rate,
+                        min_budget_tokens,
+                    }),
                 rows,
             } => {
                 file.validate()?;
-                let mut c = Self::new(*shape, *token_rate)?;
+                let mut c = Self::new(*shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens);
                 refill(&mut c, rows, shape.head_dim)?;
                 Ok(c)
             }
@@ -1276,6 +1281,7 @@ impl Naive2dCache {
             shape: self.shape,
             token_rate: self.token_rate,
             retention: self.retention,
+            min_budget_tokens: self.min_budget_tokens,
             masks,
             rows,
         })
@@ -1289,10 +1295,17 @@ impl Naive2dCache {
             return Err(file.not_a("naive2d"));
         };
         file.validate()?;
-        let mut c = Self::new(f.shape, f.token_rate, f.retention)?;
+        let mut c = Self::new(f.shape, f.token_rate, f.retention)?
+            .with_min_budget_tokens(f.min_budget_tokens);
         if let Some((km, vm)) = &f.masks {
             let (kv, d, w) = (f.shape.kv_heads, f.shape.head_dim, f.kept());
-            let mut store = PagedStore::new(c.shape, c.token_rate, km.clone(), vm.clone());
+            let mut store = PagedStore::new(
+                c.shape,
+                c.token_rate,
+                c.min_budget_tokens,
+                km.clone(),
+                vm.clone(),
+            );
             let mut key = ndarray::Array2::<f32>::zeros((kv, d));
             let mut value = ndarray::Array2::<f32>::zeros((kv, d));
             for t in 0..f.rows.tokens {

@@ -25,15 +25,30 @@ use std::io::Write;
 use std::path::Path;
 
 /// Which baseline cache a file holds, with the parameters it was built with (SPEC.md
-/// section 12). Serialized in the manifest as `{"method": "quest", "token_rate": 0.2}`.
+/// section 12). Serialized in the manifest as `{"method": "quest", "token_rate": 0.2,
+/// "min_budget_tokens": 256}` (the budget floor of section 8.3; omitted when 0).
+#[allow(clippy::derive_partial_eq_without_eq)]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "method", rename_all = "lowercase", deny_unknown_fields)]
 pub enum BaselineMethod {
     Full,
-    Quest { token_rate: f64 },
-    Naive2d { token_rate: f64, retention: f64 },
+    Quest {
+        token_rate: f64,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        min_budget_tokens: usize,
+    },
+    Naive2d {
+        token_rate: f64,
+        retention: f64,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        min_budget_tokens: usize,
+    },
     Kvq8,
     Kvq4,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
 }
 
 impl BaselineMethod {
@@ -61,10 +76,11 @@ impl BaselineMethod {
             }
         };
         match *self {
-            BaselineMethod::Quest { token_rate } => rate("token_rate", token_rate),
+            BaselineMethod::Quest { token_rate, .. } => rate("token_rate", token_rate),
             BaselineMethod::Naive2d {
                 token_rate,
                 retention,
+                ..
             } => rate("token_rate", token_rate).and(rate("retention", retention)),
             _ => Ok(()),
         }
@@ -79,6 +95,8 @@ pub struct Naive2dFile {
     pub shape: KvShape,
     pub token_rate: f64,
     pub retention: f64,
+    /// The budget floor of SPEC.md section 8.3 (0: none).
+    pub min_budget_tokens: usize,
     /// `(key masks, value masks)`, one list per KV head; `None` before any row arrived.
     pub masks: Option<(Vec<Vec<usize>>, Vec<Vec<usize>>)>,
     pub rows: DenseRows,
@@ -161,6 +179,7 @@ impl BaselineFile {
             BaselineFile::Naive2d(f) => Some(BaselineMethod::Naive2d {
                 token_rate: f.token_rate,
                 retention: f.retention,
+                min_budget_tokens: f.min_budget_tokens,
             }),
             BaselineFile::Kvq(f) => Some(f.format.method()),
         }
@@ -325,12 +344,13 @@ fn describe_method(m: Option<BaselineMethod>) -> String {
                 .into()
         }
         Some(BaselineMethod::Full) => "a full baseline file (dense.mkv)".into(),
-        Some(BaselineMethod::Quest { token_rate }) => {
+        Some(BaselineMethod::Quest { token_rate, .. }) => {
             format!("a quest baseline file (dense.mkv, token_rate {token_rate})")
         }
         Some(BaselineMethod::Naive2d {
             token_rate,
             retention,
+            ..
         }) => format!("a naive2d baseline file (token_rate {token_rate}, retention {retention})"),
         Some(k @ (BaselineMethod::Kvq8 | BaselineMethod::Kvq4)) => {
             format!("a {} baseline file", k.name())
@@ -529,6 +549,7 @@ fn parse_baseline_file(sections: &[(u32, &[u8])]) -> Result<BaselineFile> {
         BaselineMethod::Naive2d {
             token_rate,
             retention,
+            min_budget_tokens,
         } => {
             expect_count(sections, 3, "naive2d file")?;
             let kept = kept_channels(retention, shape.head_dim);
@@ -544,6 +565,7 @@ fn parse_baseline_file(sections: &[(u32, &[u8])]) -> Result<BaselineFile> {
                 shape,
                 token_rate,
                 retention,
+                min_budget_tokens,
                 masks,
                 rows,
             })

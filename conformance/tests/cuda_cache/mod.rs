@@ -64,7 +64,7 @@ fn flush_config() -> CompressConfig {
     CompressConfig {
         buffer_capacity: 32,
         block_sizes: vec![16, 32],
-        ..CompressConfig::default()
+        ..mosaickv_conformance::f16_default()
     }
 }
 
@@ -179,11 +179,11 @@ fn reencoded_pair(prompt: usize, seed: u64) -> (CompressedCache, CompressedCache
     let (k, v) = structured_kv(prompt, SHAPE.0, SHAPE.2, seed);
     let a_cfg = CompressConfig {
         block_sizes: vec![32],
-        ..CompressConfig::default()
+        ..mosaickv_conformance::f16_default()
     };
     let mut b_cfg = CompressConfig {
         block_sizes: vec![16],
-        ..CompressConfig::default()
+        ..mosaickv_conformance::f16_default()
     };
     if let mosaickv_spec::ChannelPolicy::LossThreshold {
         key_loss,
@@ -209,7 +209,7 @@ fn reencoded_pair(prompt: usize, seed: u64) -> (CompressedCache, CompressedCache
 pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
     let (a, re) = reencoded_pair(400, 21);
     let other =
-        mosaickv_conformance::reference_cache(shape(), &CompressConfig::default(), 200, 3, 5)
+        mosaickv_conformance::reference_cache(shape(), &mosaickv_conformance::f16_default(), 200, 3, 5)
             .unwrap();
     assert_eq!(a.segments.len(), re.segments.len());
     let (sa, sr) = (&a.segments[0], &re.segments[0]);
@@ -302,7 +302,7 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
 pub fn bad_input_is_a_typed_error_and_keeps_the_cache(gpu: Arc<Gpu>) {
     let (a, re) = reencoded_pair(400, 31);
     let other =
-        mosaickv_conformance::reference_cache(shape(), &CompressConfig::default(), 200, 3, 6)
+        mosaickv_conformance::reference_cache(shape(), &mosaickv_conformance::f16_default(), 200, 3, 6)
             .unwrap();
     let mut cc = CudaCache::new(gpu.clone(), &[&a, &other], opts()).unwrap();
     let (_, flat) = batch_queries(2, 12);
@@ -430,7 +430,7 @@ pub fn swaps_that_change_the_segment_count_move_the_later_segments(gpu: Arc<Gpu>
     let build = |input_segment_len: usize| {
         let cfg = CompressConfig {
             input_segment_len,
-            ..CompressConfig::default()
+            ..mosaickv_conformance::f16_default()
         };
         let mut c = MosaicCache::new(shape(), cfg).unwrap();
         c.prefill(k.view(), v.view()).unwrap();
@@ -453,7 +453,7 @@ pub fn swaps_that_change_the_segment_count_move_the_later_segments(gpu: Arc<Gpu>
         })
         .expect("a coarse segment covering two fine ones in the middle");
     let other =
-        mosaickv_conformance::reference_cache(shape(), &CompressConfig::default(), 200, 3, 8)
+        mosaickv_conformance::reference_cache(shape(), &mosaickv_conformance::f16_default(), 200, 3, 8)
             .unwrap();
     let mut cc = CudaCache::new(gpu.clone(), &[&other, &fine], opts()).unwrap();
     check_batch(&cc, &[&other, &fine], 60, "before");
