@@ -185,7 +185,13 @@ pub fn teacher_forced(
         )));
     }
     let split = tokens.len() - positions;
-    let pre = model.prefill(&tokens[..split])?;
+    // the attention loss (SPEC.md section 11.1) needs the prefill's query statistics; without
+    // them its caches would fall back to the energy loss
+    let pre = if methods.iter().any(|m| m.wants_query_stats()) {
+        model.prefill_with_stats(&tokens[..split])?
+    } else {
+        model.prefill(&tokens[..split])?
+    };
     let run = |m: &Method| -> Result<(Vec<Vec<f32>>, f64), CliError> {
         let mut caches = m.new_caches(model.config())?;
         pre.fill(&mut caches)?;
