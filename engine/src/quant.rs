@@ -120,18 +120,22 @@ enum Rows<'a> {
 }
 
 impl Rows<'_> {
-    /// Row `r` dotted with the activation `x`.
+    /// Row `r` dotted with each of the `N` activations `xs`; each result is the same bit for bit
+    /// whatever `N`.
     #[inline]
-    fn dot(&self, r: usize, x: &QVec, kernel: Kernel) -> f32 {
+    fn dot<const N: usize>(&self, r: usize, xs: [&QVec; N], kernel: Kernel) -> [f32; N] {
         match *self {
-            Self::Q4_1 { qs, dm, nb } => kernel.dot_q4_1(
-                &qs[r * nb * 16..(r + 1) * nb * 16],
-                &dm[r * nb..(r + 1) * nb],
-                x,
-            ),
+            Self::Q4_1 { qs, dm, nb } => {
+                let (q, s) = (
+                    &qs[r * nb * 16..(r + 1) * nb * 16],
+                    &dm[r * nb..(r + 1) * nb],
+                );
+                xs.map(|x| kernel.dot_q4_1(q, s, x))
+            }
             Self::Q8_0 { qs, d, cols } => {
                 let nb = cols / QK;
-                kernel.dot_q8_0(&qs[r * cols..(r + 1) * cols], &d[r * nb..(r + 1) * nb], x)
+                let (q, s) = (&qs[r * cols..(r + 1) * cols], &d[r * nb..(r + 1) * nb]);
+                xs.map(|x| kernel.dot_q8_0(q, s, x))
             }
             Self::KQuant {
                 raw,
@@ -139,10 +143,7 @@ impl Rows<'_> {
                 row_bytes,
             } => {
                 let row = &raw[r * row_bytes..(r + 1) * row_bytes];
-                match format {
-                    KFormat::Q4K => kernel.dot_q4_k(row, &x.k),
-                    KFormat::Q6K => kernel.dot_q6_k(row, &x.k),
-                }
+                kernel.dot_k(format, row, xs.map(|x| &x.k))
             }
         }
     }
@@ -411,7 +412,7 @@ impl QMatrix {
             let x = &xq[0];
             out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
                 for (i, y) in o.iter_mut().enumerate() {
-                    *y = view.dot(ci * chunk + i, x, kernel);
+                    [*y] = view.dot(ci * chunk + i, [x], kernel);
                 }
             });
             return;
@@ -422,8 +423,16 @@ impl QMatrix {
             .enumerate()
             .for_each(|(ci, o)| {
                 for (i, ys) in o.chunks_exact_mut(batch).enumerate() {
-                    for (y, x) in ys.iter_mut().zip(xq) {
-                        *y = view.dot(ci * chunk + i, x, kernel);
+                    let r = ci * chunk + i;
+                    // four activations per kernel call, the rest one by one
+                    let mut quads = ys.chunks_exact_mut(4);
+                    let mut xs = xq.chunks_exact(4);
+                    for (y, x) in (&mut quads).zip(&mut xs) {
+                        let y: &mut [f32; 4] = y.try_into().expect("4");
+                        *y = view.dot(r, [&x[0], &x[1], &x[2], &x[3]], kernel);
+                    }
+                    for (y, x) in quads.into_remainder().iter_mut().zip(xs.remainder()) {
+                        [*y] = view.dot(r, [x], kernel);
                     }
                 }
             });
@@ -654,23 +663,18 @@ impl Kernel {
         }
     }
 
+    /// A k-quant row dotted with `N` activations at once (the weight unpacked once for all).
     #[inline]
-    fn dot_q4_k(self, row: &[u8], x: &Q8K) -> f32 {
-        match self {
-            Self::Portable => dot_q4_k_portable(row, x),
+    fn dot_k<const N: usize>(self, format: KFormat, row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
+        match (self, format) {
+            (Self::Portable, KFormat::Q4K) => xs.map(|x| dot_q4_k_portable(row, x)),
+            (Self::Portable, KFormat::Q6K) => xs.map(|x| dot_q6_k_portable(row, x)),
             // SAFETY: as in `dot_q4_1`.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dot_q4_k(row, x) },
-        }
-    }
-
-    #[inline]
-    fn dot_q6_k(self, row: &[u8], x: &Q8K) -> f32 {
-        match self {
-            Self::Portable => dot_q6_k_portable(row, x),
+            (Self::Avx2, KFormat::Q4K) => unsafe { avx2::dot_q4_k(row, xs) },
             // SAFETY: as in `dot_q4_1`.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dot_q6_k(row, x) },
+            (Self::Avx2, KFormat::Q6K) => unsafe { avx2::dot_q6_k(row, xs) },
         }
     }
 }
@@ -869,84 +873,84 @@ mod avx2 {
         hsum(_mm256_add_ps(acc0, acc1))
     }
 
-    /// Q4_K row x Q8_K activation (the layout of `dot_q4_k_portable`). Per block: the nibbles
-    /// of each 32 bytes against the 64 activation bytes they multiply, `maddubs` (u8 0..15 x
-    /// i8: pair sums within i16), `madd` by the sub-block scale into i32, then one float
-    /// multiply-add per block; the mins term is a scalar sum over the 8 sub-blocks.
+    /// Q4_K row x `N` Q8_K activations (the layout of `dot_q4_k_portable`). Per block: the
+    /// nibbles of each 32 bytes, unpacked once, against the 64 bytes of each activation they
+    /// multiply, `maddubs` (u8 0..15 x i8: pair sums within i16), `madd` by the sub-block scale
+    /// into i32, then one float multiply-add per block; the mins term is a scalar sum over the 8
+    /// sub-blocks. Each activation's result goes through the same operations in the same order
+    /// whatever `N`, so it is the same bit for bit.
     /// Safety: the CPU has avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_q4_k(row: &[u8], x: &Q8K) -> f32 {
+    pub(super) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
         let nb = row.len() / Q4_K_BYTES;
-        assert!(
-            row.len() == nb * Q4_K_BYTES
-                && x.qs.len() == nb * QK_K
-                && x.d.len() == nb
-                && x.bsums.len() == nb * 16
-        );
+        assert_eq!(row.len(), nb * Q4_K_BYTES);
+        for x in xs {
+            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+        }
         let mask = _mm256_set1_epi8(0x0F);
-        let mut acc = _mm256_setzero_ps();
-        let mut mins = 0f32;
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0f32; N];
         for b in 0..nb {
             let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
             let (d, dmin) = (super::f16_at(blk, 0), super::f16_at(blk, 2));
             let (s, m) = super::q4_k_scales(&blk[4..16]);
-            let bs = &x.bsums[b * 16..(b + 1) * 16];
-            let msum: i32 = (0..8)
-                .map(|j| m[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32))
-                .sum();
-            let dx = x.d[b];
-            mins += dx * dmin * msum as f32;
-            let (qp, xp) = (blk.as_ptr().add(16), x.qs.as_ptr().add(b * QK_K));
-            let mut isum = _mm256_setzero_si256();
+            let mut isum = [_mm256_setzero_si256(); N];
+            let qp = blk.as_ptr().add(16);
             // SAFETY (loads): 4 x 32 bytes of the block's 128 nibble bytes; 8 x 32 activation
             // bytes of block b, inside the asserted lengths
             for j in 0..4 {
                 let w = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
                 let lo = _mm256_and_si256(w, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-                let x0 = _mm256_loadu_si256(xp.add(64 * j) as *const __m256i);
-                let x1 = _mm256_loadu_si256(xp.add(64 * j + 32) as *const __m256i);
-                let p0 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(lo, x0),
+                let (s0, s1) = (
                     _mm256_set1_epi16(s[2 * j] as i16),
-                );
-                let p1 = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(hi, x1),
                     _mm256_set1_epi16(s[2 * j + 1] as i16),
                 );
-                isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+                for (x, isum) in xs.iter().zip(isum.iter_mut()) {
+                    let xp = x.qs.as_ptr().add(b * QK_K + 64 * j);
+                    let x0 = _mm256_loadu_si256(xp as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xp.add(32) as *const __m256i);
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0);
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1);
+                    *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(p0, p1));
+                }
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(isum), acc);
+            for i in 0..N {
+                let x = xs[i];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let msum: i32 = (0..8)
+                    .map(|j| m[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32))
+                    .sum();
+                let dx = x.d[b];
+                mins[i] += dx * dmin * msum as f32;
+                acc[i] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+            }
         }
-        hsum(acc) - mins
+        std::array::from_fn(|i| hsum(acc[i]) - mins[i])
     }
 
-    /// Q6_K row x Q8_K activation (the layout of `dot_q6_k_portable`). Per half block: the
-    /// 6-bit values of four groups of 32 assembled from `ql` and `qh` by shifts and masks (no
-    /// bit crosses a byte after the mask), `maddubs` against the activation (u8 0..63 x i8),
-    /// `madd` by the two sub-block scales of the group into i32. The `-32` offset is taken
-    /// out with the activation's block sums.
+    /// Q6_K row x `N` Q8_K activations (the layout of `dot_q6_k_portable`). Per half block:
+    /// the 6-bit values of four groups of 32 assembled once from `ql` and `qh` by shifts and
+    /// masks (no bit crosses a byte after the mask), `maddubs` against each activation (u8 0..63
+    /// x i8), `madd` by the two sub-block scales of the group into i32. The `-32` offset is
+    /// taken out with the activation's block sums. The same bit for bit whatever `N`.
     /// Safety: the CPU has avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_q6_k(row: &[u8], x: &Q8K) -> f32 {
+    pub(super) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
         let nb = row.len() / Q6_K_BYTES;
-        assert!(
-            row.len() == nb * Q6_K_BYTES
-                && x.qs.len() == nb * QK_K
-                && x.d.len() == nb
-                && x.bsums.len() == nb * 16
-        );
+        assert_eq!(row.len(), nb * Q6_K_BYTES);
+        for x in xs {
+            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+        }
         let m4 = _mm256_set1_epi8(0x0F);
         let m30 = _mm256_set1_epi8(0x30);
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..nb {
             let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
             let d = super::f16_at(blk, 208);
             let sc = &blk[192..208];
-            let bs = &x.bsums[b * 16..(b + 1) * 16];
-            let offset: i32 = (0..16).map(|s| sc[s] as i8 as i32 * bs[s] as i32).sum();
-            let xp = x.qs.as_ptr().add(b * QK_K);
-            let mut isum = _mm256_setzero_si256();
+            let mut isum = [_mm256_setzero_si256(); N];
             // SAFETY (loads): ql bytes 0..128, qh bytes 128..192 of the block; 8 x 32
             // activation bytes of block b, inside the asserted lengths
             for h in 0..2 {
@@ -974,20 +978,30 @@ mod avx2 {
                 ];
                 for (k, q) in groups.into_iter().enumerate() {
                     let s = 8 * h + 2 * k;
-                    let v = _mm256_loadu_si256(xp.add(128 * h + 32 * k) as *const __m256i);
                     // low 128 bits: sub-block s, high: s + 1
                     let scale = _mm256_set_m128i(
                         _mm_set1_epi16(sc[s + 1] as i8 as i16),
                         _mm_set1_epi16(sc[s] as i8 as i16),
                     );
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), scale);
-                    isum = _mm256_add_epi32(isum, p);
+                    for (x, isum) in xs.iter().zip(isum.iter_mut()) {
+                        let xp = x.qs.as_ptr().add(b * QK_K + 128 * h + 32 * k);
+                        let v = _mm256_loadu_si256(xp as *const __m256i);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), scale);
+                        *isum = _mm256_add_epi32(*isum, p);
+                    }
                 }
             }
-            let isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(isum), acc);
+            for i in 0..N {
+                let x = xs[i];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let offset: i32 = (0..16).map(|s| sc[s] as i8 as i32 * bs[s] as i32).sum();
+                let isum =
+                    _mm256_sub_epi32(isum[i], _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+                acc[i] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(isum), acc[i]);
+            }
         }
-        hsum(acc)
+        std::array::from_fn(|i| hsum(acc[i]))
     }
 }
 
@@ -1426,6 +1440,97 @@ mod timing {
                     m.bytes() as f64 / s / 1e9
                 );
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod kquant_timing {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+
+    /// Qwen2.5-1.5B's decode matrices: candle's `QMatMul` (its Q8_K rounding and `vec_dot`, as
+    /// built here) against this crate's kernels, interleaved in one process.
+    /// `cargo test --release -p mosaickv-engine quant::kquant_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn kquant_matvec_throughput() {
+        for (name, rows, cols, dtype) in [
+            ("gate+up Q4_K 17920x1536", 17920, 1536, GgmlDType::Q4K),
+            ("down Q6_K 1536x8960", 1536, 8960, GgmlDType::Q6K),
+            ("down Q4_K 1536x8960", 1536, 8960, GgmlDType::Q4K),
+            ("LM head rows Q6_K 32768x1536", 32768, 1536, GgmlDType::Q6K),
+        ] {
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 500.0)
+                .collect();
+            let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+            let q = Arc::new(QTensor::quantize(&t, dtype).unwrap());
+            let m = QMatrix::ggml(q.clone()).unwrap();
+            let mm = QMatMul::from_arc(q).unwrap();
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32).sin()).collect();
+            let xt = Tensor::from_slice(&x, (1, cols), &Device::Cpu).unwrap();
+            let mut xq = QVec::default();
+            let mut out = vec![0f32; rows];
+            let reps = 20;
+            let mut best = [f64::INFINITY; 3];
+            for _ in 0..3 {
+                let t0 = std::time::Instant::now();
+                for _ in 0..reps {
+                    let y = mm.forward(&xt).unwrap().flatten_all().unwrap();
+                    std::hint::black_box(y.to_vec1::<f32>().unwrap());
+                }
+                best[0] = best[0].min(t0.elapsed().as_secs_f64() / reps as f64);
+                for (i, kernel) in [Kernel::Portable, Kernel::detect()].into_iter().enumerate() {
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..reps {
+                        xq.quantize(&x);
+                        m.matvec_with(&xq, &mut out, kernel);
+                    }
+                    best[i + 1] = best[i + 1].min(t0.elapsed().as_secs_f64() / reps as f64);
+                }
+            }
+            // a prefill chunk of 64 tokens through the batched product
+            let xb: Vec<f32> = (0..64 * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let xbq: Vec<QVec> = xb
+                .chunks_exact(cols)
+                .map(|x| {
+                    let mut q = QVec::default();
+                    q.quantize(x);
+                    q
+                })
+                .collect();
+            let mut ob = vec![0f32; 64 * rows];
+            let t0 = std::time::Instant::now();
+            m.matmul_batch(&xb, &xbq, &mut ob).unwrap();
+            let batch_s = t0.elapsed().as_secs_f64();
+            let wf = t.t().unwrap();
+            let xbt = Tensor::from_slice(&xb, (64, cols), &Device::Cpu).unwrap();
+            let t0 = std::time::Instant::now();
+            std::hint::black_box(xbt.matmul(&wf).unwrap());
+            let f32_s = t0.elapsed().as_secs_f64();
+            let gmac = |s: f64| 64.0 * (rows * cols) as f64 / s / 1e9;
+            eprintln!(
+                "{name}: batch of 64 {:.1} ms, {:.1} GMAC/s; f32 GEMM (weights already f32) \
+                 {:.1} ms, {:.1} GMAC/s",
+                batch_s * 1e3,
+                gmac(batch_s),
+                f32_s * 1e3,
+                gmac(f32_s)
+            );
+            let gb = |s: f64| m.bytes() as f64 / s / 1e9;
+            eprintln!(
+                "{name} ({:.1} MB): candle QMatMul {:.2} ms ({:.1} GB/s), ours portable {:.2} ms, \
+                 ours {:?} {:.2} ms ({:.1} GB/s), {} threads",
+                m.bytes() as f64 / 1e6,
+                best[0] * 1e3,
+                gb(best[0]),
+                best[1] * 1e3,
+                Kernel::detect(),
+                best[2] * 1e3,
+                gb(best[2]),
+                rayon::current_num_threads()
+            );
         }
     }
 }

@@ -291,9 +291,10 @@ impl Model {
         let group = c.q_heads / c.kv_heads;
         let scale = 1.0 / (d as f64).sqrt();
         let mut x = self.embed_tokens(tokens)?;
+        let weights = self.prefill_weights();
         for (li, l) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
-            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            let mut qkv = self.matmul_t(&h, &l.wqkv, &l.q.wqkv, weights)?;
             if let Some(b) = &l.bqkv {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -339,8 +340,8 @@ impl Model {
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((n, qd))?;
-            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
-            x = (&x + self.mlp(l, &x)?)?;
+            x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, weights)?)?;
+            x = (&x + self.mlp(l, &x, weights)?)?;
         }
         state.len = total;
         self.logits(&x.narrow(0, n - 1, 1)?)

@@ -204,7 +204,7 @@ impl Model {
         let mut out = Array2::<f32>::zeros((c.q_heads, c.head_dim));
         for (layer, (l, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
-            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            let mut qkv = self.matmul_t(&h, &l.wqkv, &l.q.wqkv, DecodeWeights::F32)?;
             if let Some(b) = &l.bqkv {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -229,8 +229,8 @@ impl Model {
                 .map_err(cache_err)?;
             let attn =
                 Tensor::from_slice(out.as_slice().expect("standard layout"), (1, qd), &self.dev)?;
-            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
-            x = (&x + self.mlp(l, &x)?)?;
+            x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, DecodeWeights::F32)?)?;
+            x = (&x + self.mlp(l, &x, DecodeWeights::F32)?)?;
         }
         self.logits(&x)
     }
