@@ -29,7 +29,8 @@ struct Args {
     /// Decode weights: quantized (default) or f32.
     #[arg(long, default_value = "quantized")]
     weights: String,
-    /// Prefill weights: the model's default (`default`: f32 when resident, else quantized),
+    /// Prefill weights: the model's default for the prompt length (`default`, see
+    /// `Model::prefill_weights`),
     /// `quantized` or `f32`.
     #[arg(long, default_value = "default")]
     prefill_weights: String,
@@ -105,13 +106,17 @@ fn main() -> BoxResult<()> {
     let t = Instant::now();
     let model = Model::load(&resolve_model(args.model.as_deref())?)?;
     let load_s = t.elapsed().as_secs_f64();
-    let prefill_weights = match args.prefill_weights.as_str() {
-        "default" => model.prefill_weights(),
-        "quantized" => DecodeWeights::Quantized,
-        "f32" => DecodeWeights::F32,
-        w => {
-            return Err(format!("--prefill-weights {w}: expected default, quantized or f32").into())
-        }
+    let prefill_weights = |n: usize| -> BoxResult<DecodeWeights> {
+        Ok(match args.prefill_weights.as_str() {
+            "default" => model.prefill_weights(n),
+            "quantized" => DecodeWeights::Quantized,
+            "f32" => DecodeWeights::F32,
+            w => {
+                return Err(
+                    format!("--prefill-weights {w}: expected default, quantized or f32").into(),
+                )
+            }
+        })
     };
     for &n in &args.lengths {
         let ids = prompt_tokens(&model, n)?;
@@ -120,6 +125,7 @@ fn main() -> BoxResult<()> {
             continue;
         }
         let t = Instant::now();
+        let prefill_weights = prefill_weights(n)?;
         let pre = model.prefill_using(&ids, prefill_weights)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let ns = Arc::new(AtomicU64::new(0));

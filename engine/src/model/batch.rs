@@ -291,7 +291,7 @@ impl Model {
         let group = c.q_heads / c.kv_heads;
         let scale = 1.0 / (d as f64).sqrt();
         let mut x = self.embed_tokens(tokens)?;
-        let weights = self.prefill_weights();
+        let weights = self.prefill_weights(n);
         for (li, l) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
             let mut qkv = self.matmul_t(&h, &l.wqkv, &l.q.wqkv, weights)?;

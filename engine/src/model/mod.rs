@@ -30,6 +30,10 @@ use weights::{Dense, Embedding};
 
 /// Tokens per quantized many-token product call (see `Model::matmul_t`).
 const GEMM_TOKENS: usize = 64;
+/// Longest prompt (or prefill chunk) that a model without resident f32 weights multiplies on
+/// its blocks ([`Model::prefill_weights`]): measured on Qwen2.5-1.5B (2 threads, loaded
+/// machine), both paths cost the same at about 160-200 tokens.
+pub const QUANTIZED_PREFILL_TOKENS: usize = 128;
 
 /// The architectures the engine runs (`general.architecture`), and what differs between them.
 /// Everything the forward pass needs to know about the architecture is copied into
@@ -230,12 +234,14 @@ impl Model {
         Ok(candle_nn::ops::rms_norm(x, w, self.cfg.rms_eps as f32)?)
     }
 
-    /// The weights a many-token product (prefill, chunked prefill) multiplies with: the f32
-    /// values when they are resident (SmolLM2), else the blocks with 8-bit activations, as
-    /// llama.cpp computes (Qwen2.5-1.5B: dequantizing 1.3 G weights on every prefill cost more
-    /// than the products of a short prompt; see docs/PERFORMANCE.md section 6).
-    pub fn prefill_weights(&self) -> DecodeWeights {
-        if self.lm_head.is_resident() {
+    /// The weights a many-token product (prefill, chunked prefill) of `n` tokens multiplies
+    /// with: the f32 values when they are resident (SmolLM2). Otherwise (Qwen2.5-1.5B) the f32
+    /// path pays a fixed cost per prefill (dequantizing 1.3 G weights, stacking and packing
+    /// them for the GEMM) that the blocks with 8-bit activations do not, but their products
+    /// cost about twice as much per token; so prompts of at most [`QUANTIZED_PREFILL_TOKENS`]
+    /// use the blocks, longer ones the f32 GEMM (docs/PERFORMANCE.md section 6).
+    pub fn prefill_weights(&self, n: usize) -> DecodeWeights {
+        if self.lm_head.is_resident() || n > QUANTIZED_PREFILL_TOKENS {
             DecodeWeights::F32
         } else {
             DecodeWeights::Quantized

@@ -66,25 +66,25 @@ impl Model {
     /// Dense prefill of a prompt. Attention is causal and chunked: queries in blocks of 256
     /// rows, keys in blocks of 1024 with an online softmax, so no n x n matrix is formed.
     pub fn prefill(&self, tokens: &[u32]) -> Result<Prefill> {
-        self.prefill_impl(tokens, false, false, self.prefill_weights())
+        self.prefill_impl(tokens, false, false, self.prefill_weights(tokens.len()))
     }
 
-    /// [`Model::prefill`] with a choice of weights for its products (default:
-    /// [`Model::prefill_weights`]); for comparing the two arithmetics.
+    /// [`Model::prefill`] with a choice of weights for its products (by default
+    /// [`Model::prefill_weights`] of the prompt's length); for comparing the two arithmetics.
     pub fn prefill_using(&self, tokens: &[u32], weights: DecodeWeights) -> Result<Prefill> {
         self.prefill_impl(tokens, false, false, weights)
     }
 
     /// [`Model::prefill`] that also keeps every layer's post-RoPE queries (`Prefill::queries`).
     pub fn prefill_with_queries(&self, tokens: &[u32]) -> Result<Prefill> {
-        self.prefill_impl(tokens, true, false, self.prefill_weights())
+        self.prefill_impl(tokens, true, false, self.prefill_weights(tokens.len()))
     }
 
     /// [`Model::prefill`] that also collects every layer's query statistics for the attention
     /// loss (`Prefill::query_stats`, SPEC.md section 11.1): the key second moment over every
     /// prompt query, the value weights from the last [`STATS_SAMPLE`] positions.
     pub fn prefill_with_stats(&self, tokens: &[u32]) -> Result<Prefill> {
-        self.prefill_impl(tokens, false, true, self.prefill_weights())
+        self.prefill_impl(tokens, false, true, self.prefill_weights(tokens.len()))
     }
 
     fn prefill_impl(
