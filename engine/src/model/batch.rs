@@ -2,11 +2,11 @@
 //!
 //! Each sequence brings its own token, RoPE position and per-layer caches (so its own method and
 //! length). Per layer, the weight products run once for the whole batch
-//! ([`crate::quant::RowStack::matmul_batch`]: each Q4_1/Q8_0 weight row is read once per step,
-//! not once per sequence; Q4_K/Q6_K matrices go through candle's QMatMul once on the
-//! `[batch, cols]` activations), with the model's own rules as in single decode (Q/K/V biases
-//! when the architecture has them, its RoPE pairing), and the attention of every sequence runs in one rayon pass over the sequences, each
-//! cache splitting its own work over (KV head, token span) items as in single decode. Every
+//! ([`crate::quant::RowStack::matmul_batch`], the same dispatch and row kernels as single
+//! decode: each weight row is read once per step, not once per sequence; a Q4_K/Q6_K row is
+//! unpacked once for four sequences), with the model's own rules as in single decode (Q/K/V
+//! biases when the architecture has them, its RoPE pairing), and the attention of every
+//! sequence runs in one rayon pass over the sequences, each cache splitting its own work over (KV head, token span) items as in single decode. Every
 //! per-sequence operation is the one [`Model::decode_step`] runs, in the same order, so a
 //! sequence's logits in a batch equal its logits decoded alone bit for bit.
 
