@@ -29,6 +29,11 @@ struct Args {
     /// Decode weights: quantized (default) or f32.
     #[arg(long, default_value = "quantized")]
     weights: String,
+    /// Prefill weights: the model's default for the prompt length (`default`, see
+    /// `Model::prefill_weights`),
+    /// `quantized` or `f32`.
+    #[arg(long, default_value = "default")]
+    prefill_weights: String,
     /// KV-cache method for the decode steps (`full`, `mosaic`, ...; see `Method::parse`).
     #[arg(long, default_value = "full")]
     method: String,
@@ -101,6 +106,18 @@ fn main() -> BoxResult<()> {
     let t = Instant::now();
     let model = Model::load(&resolve_model(args.model.as_deref())?)?;
     let load_s = t.elapsed().as_secs_f64();
+    let prefill_weights = |n: usize| -> BoxResult<DecodeWeights> {
+        Ok(match args.prefill_weights.as_str() {
+            "default" => model.prefill_weights(n),
+            "quantized" => DecodeWeights::Quantized,
+            "f32" => DecodeWeights::F32,
+            w => {
+                return Err(
+                    format!("--prefill-weights {w}: expected default, quantized or f32").into(),
+                )
+            }
+        })
+    };
     for &n in &args.lengths {
         let ids = prompt_tokens(&model, n)?;
         if args.tokens_only {
@@ -108,7 +125,8 @@ fn main() -> BoxResult<()> {
             continue;
         }
         let t = Instant::now();
-        let pre = model.prefill(&ids)?;
+        let prefill_weights = prefill_weights(n)?;
+        let pre = model.prefill_using(&ids, prefill_weights)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let ns = Arc::new(AtomicU64::new(0));
         let mut caches: Vec<Box<dyn LayerKv>> = method
@@ -148,6 +166,7 @@ fn main() -> BoxResult<()> {
             "decode_ms": 1e3 * decode_s / args.steps.max(1) as f64,
             "decode_kv_ms": 1e3 * kv_s / args.steps.max(1) as f64,
             "weights": args.weights,
+            "prefill_weights": format!("{prefill_weights:?}").to_lowercase(),
             "decode_weight_bytes": model.decode_weight_bytes(weights),
             "threads": rayon::current_num_threads(),
             "generated": generated,

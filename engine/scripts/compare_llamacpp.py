@@ -5,6 +5,7 @@ Usage:  python3 -m pip install llama-cpp-python numpy
         cargo build --release -p mosaickv-engine --example bench
         python3 engine/scripts/compare_llamacpp.py [--lengths 1024,3072,6144] [--steps 32]
             [--methods full,mosaic] [--threads 2] [--json FILE] [--model GGUF|qwen2.5-1.5b]
+            [--llama-kv f16,q4_0]
 
 The prompts are the first N tokens of a fixed filler text, tokenized by our engine
 (`bench --tokens-only`; the golden test checks that our tokenizer agrees with llama.cpp's), so
@@ -12,7 +13,8 @@ both engines see exactly the same token ids. For each length:
 
 * llama.cpp (llama-cpp-python, n_ctx 8192, n_threads and n_threads_batch = --threads,
   n_batch 512): `eval(prompt)` timed as prefill, then --steps greedy `eval([token])` steps timed
-  as decode (full f16 KV cache, llama.cpp's default).
+  as decode, with each KV-cache type of --llama-kv (default f16, llama.cpp's default; q8_0 and
+  q4_0 run with flash attention on, which llama.cpp needs for a quantized V cache).
 * ours: the `bench` example (one process per method, JSON lines on stdout): prefill, then
   --steps greedy decode steps on the method's cache; `fill_s` (the method compressing the
   prompt's K/V) is reported apart from prefill.
@@ -87,9 +89,19 @@ def run_bench(bench, args, extra, lengths=None):
     return [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
 
 
-def load_llama(args):
+# llama.cpp KV-cache types (--llama-kv): ggml type id and bytes per element (q8_0: 34 bytes per
+# block of 32, q4_0: 18)
+KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
+
+
+def load_llama(args, kv="f16"):
+    """llama.cpp with its default f16 KV cache, or a quantized one (type_k = type_v; llama.cpp
+    needs flash attention for a quantized V cache, so it is on for those)."""
     from llama_cpp import Llama
 
+    extra = {}
+    if kv != "f16":
+        extra = {"type_k": KV_TYPES[kv][0], "type_v": KV_TYPES[kv][0], "flash_attn": True}
     return Llama(
         model_path=args.model,
         n_ctx=8192,
@@ -98,10 +110,22 @@ def load_llama(args):
         n_threads_batch=args.threads,
         logits_all=False,
         verbose=False,
+        **extra,
     )
 
 
-def llama_cpp(llm, args, n, toks):
+def kv_elems_per_token(llm):
+    """K and V elements per token over all layers, from the GGUF header."""
+    md = llm.metadata
+    a = md["general.architecture"]
+    layers = int(md[f"{a}.block_count"])
+    kv_heads = int(md[f"{a}.attention.head_count_kv"])
+    head_dim = int(md.get(f"{a}.attention.key_length") or
+                   int(md[f"{a}.embedding_length"]) // int(md[f"{a}.attention.head_count"]))
+    return 2 * layers * kv_heads * head_dim
+
+
+def llama_cpp(llm, args, n, toks, kv="f16"):
     import numpy as np
     from llama_cpp import __version__
 
@@ -120,6 +144,8 @@ def llama_cpp(llm, args, n, toks):
     decode_s = time.perf_counter() - t
     rec = {
         "engine": "llama.cpp",
+        "kv": kv,
+        "kv_bytes": n * kv_elems_per_token(llm) * KV_TYPES[kv][1],
         "version": __version__,
         "length": n,
         "prefill_s": prefill_s,
@@ -128,7 +154,7 @@ def llama_cpp(llm, args, n, toks):
         "decode_ms": 1e3 * decode_s / args.steps,
         "generated": gen,
     }
-    print(f"llama.cpp {n}: prefill {prefill_s:.2f} s, decode {args.steps / decode_s:.1f} tok/s", file=sys.stderr)
+    print(f"llama.cpp/{kv} {n}: prefill {prefill_s:.2f} s, decode {args.steps / decode_s:.1f} tok/s", file=sys.stderr)
     return rec
 
 
@@ -154,6 +180,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine and length; the fastest is reported")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for idle CPUs before each run")
     ap.add_argument("--omp-wait-policy", default="passive", help="OMP_WAIT_POLICY for llama.cpp ('' = leave unset)")
+    ap.add_argument("--llama-kv", default="f16",
+                    help="llama.cpp KV-cache types to run, comma-separated (f16, q8_0, q4_0)")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.model = model_file(args.model)
@@ -170,16 +198,21 @@ def main():
     for n in args.lengths:
         assert len(prompts[n]) == n, f"prompt of {len(prompts[n])} tokens for length {n}"
 
-    llm = load_llama(args)
+    kvs = args.llama_kv.split(",")
+    for kv in kvs:
+        if kv not in KV_TYPES:
+            sys.exit(f"--llama-kv {kv}: expected one of {sorted(KV_TYPES)}")
+    llms = {kv: load_llama(args, kv) for kv in kvs}
     ref, ours, raw = [], [], []
-    # interleaved: each length, each repeat runs llama.cpp then each of our methods
+    # interleaved: each length, each repeat runs llama.cpp (each KV type) then each of our methods
     for n in args.lengths:
         runs = {}
         for _ in range(args.repeat):
-            idle = wait_quiet(args.quiet_wait)
-            r = llama_cpp(llm, args, n, prompts[n])
-            r["idle_before"] = idle
-            runs.setdefault("llama.cpp", []).append(r)
+            for kv, llm in llms.items():
+                idle = wait_quiet(args.quiet_wait)
+                r = llama_cpp(llm, args, n, prompts[n], kv)
+                r["idle_before"] = idle
+                runs.setdefault(f"llama.cpp/{kv}", []).append(r)
             for m in args.methods.split(","):
                 idle = wait_quiet(args.quiet_wait)
                 (o,) = run_bench(args.bench, args, ["--method", m], [n])
@@ -188,22 +221,25 @@ def main():
                 runs.setdefault(m, []).append(o)
                 print(f"ours/{m} {n}: prefill {o['prefill_s']:.2f} s, decode {o['decode_tok_s']:.1f} tok/s", file=sys.stderr)
         raw.append(runs)
-        ref.append(best(runs.pop("llama.cpp")))
+        ref.extend(best(runs.pop(f"llama.cpp/{kv}")) for kv in kvs)
         ours.extend(best(v) for v in runs.values())
 
-    by_len = {r["length"]: r for r in ref}
+    # ratios are against llama.cpp's first KV type (f16 by default)
+    by_len = {r["length"]: r for r in ref if r["kv"] == kvs[0]}
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}; "
           f"llama-cpp-python {ref[0]['version']}, n_threads {args.threads}; {args.steps} greedy decode steps; "
           f"fastest of {args.repeat} interleaved run(s); llama.cpp OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}")
     print()
-    print("| prompt tokens | engine / KV cache | prefill s | prefill vs llama.cpp | decode tok/s | decode ms/token "
-          "(KV part) | decode vs llama.cpp | KV MiB | CPU idle before |")
+    print(f"| prompt tokens | engine / KV cache | prefill s | prefill vs llama.cpp/{kvs[0]} | decode tok/s | "
+          f"decode ms/token (KV part) | decode vs llama.cpp/{kvs[0]} | KV MiB | CPU idle before |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     idle = lambda r: "-" if r.get("idle_before") is None else f"{100 * r['idle_before']:.0f} %"
     for n in args.lengths:
         r = by_len[n]
-        print(f"| {n} | llama.cpp / full f16 | {r['prefill_s']:.2f} | 1.00x | {r['decode_tok_s']:.1f} | "
-              f"{r['decode_ms']:.1f} | 1.00x | {n * 30 * 2 * 3 * 64 * 2 / 2**20:.1f} | {idle(r)} |")
+        for q in (q for q in ref if q["length"] == n):
+            print(f"| {n} | llama.cpp / full {q['kv']} | {q['prefill_s']:.2f} | {q['prefill_s'] / r['prefill_s']:.2f}x | "
+                  f"{q['decode_tok_s']:.1f} | {q['decode_ms']:.1f} | {q['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
+                  f"{q['kv_bytes'] / 2**20:.1f} | {idle(q)} |")
         for o in (o for o in ours if o["length"] == n):
             print(f"| {n} | ours / {o['method']} | {o['prefill_s']:.2f} | {o['prefill_s'] / r['prefill_s']:.2f}x | "
                   f"{o['decode_tok_s']:.1f} | {o['decode_ms']:.1f} ({o['decode_kv_ms']:.1f}) | "

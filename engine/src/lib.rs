@@ -41,7 +41,7 @@ pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};
 pub use model::{
     argmax, Arch, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill, RopeStyle,
-    STATS_SAMPLE,
+    QUANTIZED_PREFILL_TOKENS, STATS_SAMPLE,
 };
 pub use tokenizer::{ChatTemplate, Tok};
 

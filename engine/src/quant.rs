@@ -11,12 +11,25 @@
 //!   `sum(w * x) ~= d_w * d_x * sum(q * q_x) + m_w * s_x`;
 //! * Q8_0 weight `w = d_w * q`: `sum(w * x) ~= d_w * d_x * sum(q * q_x)`.
 //!
-//! Weights in the other ggml block formats (Q4_K, Q6_K, ...) keep their blocks and go through
-//! candle's quantized matmul (`QMatMul`: the activation quantized to the format's dot-product
-//! type, Q8_K for the k-quants, then ggml's `vec_dot`, AVX2 where candle has it). Weights
-//! stored as f32/f16 are quantized to Q8_0 at load. Rows are split over rayon.
-//! The AVX2 kernels are chosen at run time; a portable scalar kernel is the fallback and the
-//! oracle of the tests.
+//! The k-quant weights of Q4_K_M files (Q4_K, Q6_K: blocks of 256) keep their blocks too, and
+//! are multiplied by kernels of this crate against the activation quantized to Q8_K (ggml's
+//! rule: per block of 256 `d = max / -128` with the sign of the largest |x|, `q = round(x / d)`
+//! capped at 127, and the sums of each 16 `q`):
+//!
+//! * Q4_K (144 bytes: `d`, `dmin`, 8 6-bit scales and 8 6-bit mins, 256 nibbles), weight
+//!   `w = d * sc_j * q - dmin * m_j` in sub-block j of 32:
+//!   `sum(w * x) ~= d_x * (d * sum_j sc_j * sum(q * q_x) - dmin * sum_j m_j * sum(q_x))`;
+//! * Q6_K (210 bytes: 4 low and 2 high bits of 256 6-bit `q`, 16 i8 scales, `d`), weight
+//!   `w = d * sc_s * (q - 32)` in sub-block s of 16:
+//!   `sum(w * x) ~= d_x * d * sum_s sc_s * (sum(q * q_x) - 32 * sum(q_x))`.
+//!
+//! Weights in any other ggml block format go through candle's quantized matmul (`QMatMul`).
+//! Weights stored as f32/f16 are quantized to Q8_0 at load. Every product, single vector or
+//! batch, runs through one dispatch ([`QMatrix::matmul_batch`]): output rows are split over
+//! rayon, each task calls the row kernel of the matrix's format for each activation.
+//! The AVX2 kernels are chosen at run time (candle's own k-quant kernels are compiled in only
+//! when the whole build targets AVX2, which this workspace does not); a portable scalar kernel
+//! is the fallback and the oracle of the tests.
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -24,8 +37,83 @@ use half::f16;
 use rayon::prelude::*;
 use std::sync::Arc;
 
-/// Elements per block (all formats here).
+/// Elements per block (Q4_1, Q8_0 and the Q8_1 activation).
 pub(crate) const QK: usize = 32;
+/// Elements per k-quant block (Q4_K, Q6_K and the Q8_K activation).
+pub(crate) const QK_K: usize = 256;
+
+/// Size of one ggml block in bytes.
+const Q4_1_BYTES: usize = 20;
+const Q8_0_BYTES: usize = 34;
+const Q4_K_BYTES: usize = 144;
+const Q6_K_BYTES: usize = 210;
+
+/// The k-quant block formats this crate multiplies itself (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KFormat {
+    Q4K,
+    Q6K,
+}
+
+impl KFormat {
+    pub(crate) fn of(dtype: candle_core::quantized::GgmlDType) -> Option<Self> {
+        use candle_core::quantized::GgmlDType;
+        match dtype {
+            GgmlDType::Q4K => Some(Self::Q4K),
+            GgmlDType::Q6K => Some(Self::Q6K),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4K => Q4_K_BYTES,
+            Self::Q6K => Q6_K_BYTES,
+        }
+    }
+
+    /// The f32 values of whole blocks (`out.len() == 256 * blocks`), with the arithmetic of
+    /// ggml's and candle's dequantization (`(d * sc) * q - dmin * m`, `(d * sc) * (q - 32)`),
+    /// so the same values bit for bit; the layouts are those of `dot_q4_k_portable` and
+    /// `dot_q6_k_portable`.
+    pub(crate) fn dequantize(self, blocks: &[u8], out: &mut [f32]) {
+        assert_eq!(
+            blocks.len() * QK_K,
+            out.len() * self.block_bytes(),
+            "block count"
+        );
+        for (blk, y) in blocks
+            .chunks_exact(self.block_bytes())
+            .zip(out.chunks_exact_mut(QK_K))
+        {
+            match self {
+                Self::Q4K => {
+                    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                    let (s, m) = q4_k_scales(&blk[4..16]);
+                    for (j, y) in y.chunks_exact_mut(32).enumerate() {
+                        let bytes = &blk[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+                        let (d1, m1) = (d * s[j] as f32, dmin * m[j] as f32);
+                        let shift = 4 * (j % 2);
+                        for (y, &q) in y.iter_mut().zip(bytes) {
+                            *y = d1 * ((q >> shift) & 0x0F) as f32 - m1;
+                        }
+                    }
+                }
+                Self::Q6K => {
+                    let (ql, qh, sc) = (&blk[..128], &blk[128..192], &blk[192..208]);
+                    let d = f16_at(blk, 208);
+                    for (i, y) in y.iter_mut().enumerate() {
+                        let (h, k, l) = (i / 128, i % 128 / 32, i % 32);
+                        let lo = ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2)) & 0x0F;
+                        let hi = (qh[32 * h + l] >> (2 * k)) & 3;
+                        let q = (lo | hi << 4) as i8 - 32;
+                        *y = d * sc[i / 16] as i8 as f32 * q as f32;
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// A weight matrix `[rows, cols]` (row-major, `cols % 32 == 0`) in a block format.
 #[derive(Debug, Clone)]
@@ -45,6 +133,15 @@ pub(crate) enum QMatrix {
         qs: Vec<i8>,
         d: Vec<f32>,
     },
+    /// Q4_K or Q6_K blocks in ggml's byte layout (`cols % 256 == 0`), read in place from the
+    /// tensor candle loaded (the prefill's dequantization reads the same bytes, so they are held
+    /// once).
+    KQuant {
+        rows: usize,
+        cols: usize,
+        format: KFormat,
+        q: Arc<QTensor>,
+    },
     /// Another ggml block format, multiplied by candle's `QMatMul` (see the module doc).
     Ggml {
         rows: usize,
@@ -54,20 +151,71 @@ pub(crate) enum QMatrix {
     },
 }
 
-/// Size of one ggml block in bytes.
-const Q4_1_BYTES: usize = 20;
-const Q8_0_BYTES: usize = 34;
+/// One product's view of a matrix's rows, for the row kernels.
+enum Rows<'a> {
+    Q4_1 {
+        qs: &'a [u8],
+        dm: &'a [[f32; 2]],
+        nb: usize,
+    },
+    Q8_0 {
+        qs: &'a [i8],
+        d: &'a [f32],
+        cols: usize,
+    },
+    KQuant {
+        raw: &'a [u8],
+        format: KFormat,
+        row_bytes: usize,
+    },
+}
+
+impl Rows<'_> {
+    /// Row `r` dotted with each of the `N` activations `xs`; each result is the same bit for bit
+    /// whatever `N`.
+    #[inline]
+    fn dot<const N: usize>(&self, r: usize, xs: [&QVec; N], kernel: Kernel) -> [f32; N] {
+        match *self {
+            Self::Q4_1 { qs, dm, nb } => {
+                let (q, s) = (
+                    &qs[r * nb * 16..(r + 1) * nb * 16],
+                    &dm[r * nb..(r + 1) * nb],
+                );
+                xs.map(|x| kernel.dot_q4_1(q, s, x))
+            }
+            Self::Q8_0 { qs, d, cols } => {
+                let nb = cols / QK;
+                let (q, s) = (&qs[r * cols..(r + 1) * cols], &d[r * nb..(r + 1) * nb]);
+                xs.map(|x| kernel.dot_q8_0(q, s, x))
+            }
+            Self::KQuant {
+                raw,
+                format,
+                row_bytes,
+            } => {
+                let row = &raw[r * row_bytes..(r + 1) * row_bytes];
+                kernel.dot_k(format, row, xs.map(|x| &x.k))
+            }
+        }
+    }
+}
 
 impl QMatrix {
     pub(crate) fn rows(&self) -> usize {
         match self {
-            Self::Q4_1 { rows, .. } | Self::Q8_0 { rows, .. } | Self::Ggml { rows, .. } => *rows,
+            Self::Q4_1 { rows, .. }
+            | Self::Q8_0 { rows, .. }
+            | Self::KQuant { rows, .. }
+            | Self::Ggml { rows, .. } => *rows,
         }
     }
 
     pub(crate) fn cols(&self) -> usize {
         match self {
-            Self::Q4_1 { cols, .. } | Self::Q8_0 { cols, .. } | Self::Ggml { cols, .. } => *cols,
+            Self::Q4_1 { cols, .. }
+            | Self::Q8_0 { cols, .. }
+            | Self::KQuant { cols, .. }
+            | Self::Ggml { cols, .. } => *cols,
         }
     }
 
@@ -76,11 +224,12 @@ impl QMatrix {
         match self {
             Self::Q4_1 { qs, dm, .. } => qs.len() + dm.len() * 8,
             Self::Q8_0 { qs, d, .. } => qs.len() + d.len() * 4,
-            Self::Ggml { q, .. } => q.storage_size_in_bytes(),
+            Self::KQuant { q, .. } | Self::Ggml { q, .. } => q.storage_size_in_bytes(),
         }
     }
 
-    /// A 2-D block-quantized tensor `[rows, cols]` kept in its own blocks, for candle's
+    /// A 2-D block-quantized tensor `[rows, cols]` kept in its own blocks: Q4_K/Q6_K (with
+    /// `cols % 256 == 0`) for this crate's kernels, any other block format for candle's
     /// `QMatMul`. `None` for f32/f16 tensors (not block formats) or another rank.
     pub(crate) fn ggml(q: Arc<QTensor>) -> Option<Self> {
         use candle_core::quantized::GgmlDType;
@@ -88,6 +237,21 @@ impl QMatrix {
             return None;
         }
         let (rows, cols) = q.shape().dims2().ok()?;
+        if let Some(format) = KFormat::of(q.dtype()) {
+            let size_ok = q.storage_size_in_bytes() == rows * cols / QK_K * format.block_bytes();
+            // the bytes must be readable in place (CPU storage)
+            let cpu = q
+                .data()
+                .is_ok_and(|d| matches!(d, std::borrow::Cow::Borrowed(_)));
+            if cols % QK_K == 0 && rows > 0 && size_ok && cpu {
+                return Some(Self::KQuant {
+                    rows,
+                    cols,
+                    format,
+                    q,
+                });
+            }
+        }
         let mm = QMatMul::from_arc(q.clone()).ok()?;
         Some(Self::Ggml { rows, cols, q, mm })
     }
@@ -195,61 +359,56 @@ impl QMatrix {
         (cols % QK == 0 && cols > 0 && rows > 0).then_some(rows * cols / QK)
     }
 
-    /// `out[r] = sum_c self[r, c] * x[c]`; `xq` is `x` as quantized by [`QVec::quantize`]
-    /// (used by the Q4_1/Q8_0 kernels; `Ggml` quantizes `x` itself).
+    /// The row view of a matrix with its own kernels; `None` for `Ggml`.
+    fn row_view(&self) -> candle_core::Result<Option<Rows<'_>>> {
+        Ok(match self {
+            Self::Q4_1 { qs, dm, cols, .. } => Some(Rows::Q4_1 {
+                qs,
+                dm,
+                nb: cols / QK,
+            }),
+            Self::Q8_0 { qs, d, cols, .. } => Some(Rows::Q8_0 { qs, d, cols: *cols }),
+            Self::KQuant {
+                q, cols, format, ..
+            } => {
+                let raw = match q.data()? {
+                    std::borrow::Cow::Borrowed(raw) => raw,
+                    // `ggml` only builds `KQuant` over CPU storage, which lends its bytes
+                    std::borrow::Cow::Owned(_) => unreachable!("KQuant over CPU storage"),
+                };
+                Some(Rows::KQuant {
+                    raw,
+                    format: *format,
+                    row_bytes: cols / QK_K * format.block_bytes(),
+                })
+            }
+            Self::Ggml { .. } => None,
+        })
+    }
+
+    /// `out[r] = sum_c self[r, c] * x[c]`; `xq` is `x` as quantized by [`QVec::quantize`].
+    /// The single-vector case of [`QMatrix::matmul_batch`].
     /// Panics if the shapes differ (callers build both from the model's config).
     pub(crate) fn matvec(&self, x: &[f32], xq: &QVec, out: &mut [f32]) -> candle_core::Result<()> {
-        if let Self::Ggml { cols, mm, .. } = self {
-            assert_eq!(x.len(), *cols, "activation length");
-            let y = mm
-                .forward(&Tensor::from_slice(x, (1, *cols), &Device::Cpu)?)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            out.copy_from_slice(&y);
-            return Ok(());
-        }
-        self.matvec_with(xq, out, Kernel::detect());
-        Ok(())
+        self.matmul_batch(x, std::slice::from_ref(xq), out)
     }
 
-    /// The Q4_1/Q8_0 product with a chosen kernel. Panics on `Ggml` (see [`QMatrix::matvec`]).
+    /// [`QMatrix::matvec`] with a chosen kernel (tests compare the kernels). Panics on `Ggml`.
+    #[cfg(test)]
     pub(crate) fn matvec_with(&self, x: &QVec, out: &mut [f32], kernel: Kernel) {
-        let (rows, cols) = (self.rows(), self.cols());
-        assert_eq!(x.len(), cols, "activation length");
-        assert_eq!(out.len(), rows, "output length");
-        let nb = cols / QK;
-        // enough chunks to balance the threads, large enough to amortize the task overhead
-        let chunk = (rows / (8 * rayon::current_num_threads().max(1))).clamp(16, 512);
-        out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
-            let r0 = ci * chunk;
-            for (i, y) in o.iter_mut().enumerate() {
-                let r = r0 + i;
-                *y = match self {
-                    Self::Q4_1 { qs, dm, .. } => {
-                        let (q, s) = (
-                            &qs[r * nb * 16..(r + 1) * nb * 16],
-                            &dm[r * nb..(r + 1) * nb],
-                        );
-                        kernel.dot_q4_1(q, s, x)
-                    }
-                    Self::Q8_0 { qs, d, .. } => {
-                        let (q, s) = (&qs[r * cols..(r + 1) * cols], &d[r * nb..(r + 1) * nb]);
-                        kernel.dot_q8_0(q, s, x)
-                    }
-                    Self::Ggml { .. } => unreachable!("Ggml matrices multiply in matvec"),
-                };
-            }
-        });
+        let rows = self.row_view().unwrap().expect("a format with own kernels");
+        self.product(&rows, std::slice::from_ref(x), out, kernel);
     }
 
-    /// The batched product of a decode step over many sequences (`[batch, cols]` times the
-    /// transposed weight): `out[b * rows + r] = sum_c self[r, c] * x[b * cols + c]`; `xq[b]` is
-    /// row `b` of `x` as quantized by [`QVec::quantize`]. For Q4_1/Q8_0 each weight row is read
-    /// once for the whole batch (it stays in cache while every activation is dotted with it), so
-    /// the weight bytes a step reads do not grow with the batch; every entry is the kernel call
-    /// [`QMatrix::matvec`] makes. `Ggml` runs candle's QMatMul once on the `[batch, cols]`
-    /// tensor (it quantizes each row on its own and runs the same `vec_dot` per row and weight
-    /// row as for one row). So row `b` equals `matvec(x[b])` bit for bit in every format.
+    /// The product of a decode step over many sequences (`[batch, cols]` times the transposed
+    /// weight): `out[b * rows + r] = sum_c self[r, c] * x[b * cols + c]`; `xq[b]` is row `b` of
+    /// `x` as quantized by [`QVec::quantize`]. Output rows are split over rayon; each weight row
+    /// is read once for the whole batch (it stays in cache while every activation is dotted with
+    /// it), so the weight bytes a step reads do not grow with the batch. Every entry is one call
+    /// of the format's row kernel on one activation, whatever the batch, so row `b` equals the
+    /// single-vector product of `x[b]` bit for bit. `Ggml` runs candle's QMatMul on the
+    /// `[batch, cols]` tensor (it quantizes each row on its own and runs the same `vec_dot` per
+    /// row and weight row as for one row, so the same holds).
     /// Panics if the shapes differ (callers build both from the model's config).
     pub(crate) fn matmul_batch(
         &self,
@@ -260,45 +419,66 @@ impl QMatrix {
         let (rows, cols) = (self.rows(), self.cols());
         let batch = xq.len();
         assert_eq!(x.len(), batch * cols, "activation length");
-        assert!(xq.iter().all(|x| x.len() == cols), "activation length");
         assert_eq!(out.len(), batch * rows, "output length");
         if batch == 0 {
             return Ok(());
         }
-        if let Self::Ggml { mm, .. } = self {
-            let y = mm
-                .forward(&Tensor::from_slice(x, (batch, cols), &Device::Cpu)?)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            out.copy_from_slice(&y);
-            return Ok(());
+        match self.row_view()? {
+            Some(view) => self.product(&view, xq, out, Kernel::detect()),
+            None => {
+                let Self::Ggml { mm, .. } = self else {
+                    unreachable!("only Ggml lacks a row view")
+                };
+                let y = mm
+                    .forward(&Tensor::from_slice(x, (batch, cols), &Device::Cpu)?)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                out.copy_from_slice(&y);
+            }
         }
-        let kernel = Kernel::detect();
-        let nb = cols / QK;
+        Ok(())
+    }
+
+    /// The one dispatch of every own-kernel product: output rows in parallel chunks, each row
+    /// dotted with every activation. One activation writes `out` in place; a batch fills a
+    /// `[rows][batch]` scratch first (each task owns whole rows) and transposes it.
+    fn product(&self, view: &Rows<'_>, xq: &[QVec], out: &mut [f32], kernel: Kernel) {
+        let (rows, cols, batch) = (self.rows(), self.cols(), xq.len());
+        assert!(xq.iter().all(|x| x.len() == cols), "activation length");
+        assert_eq!(out.len(), batch * rows, "output length");
+        if matches!(view, Rows::KQuant { .. }) {
+            assert!(
+                xq.iter().all(|x| x.k.d.len() * QK_K == cols),
+                "activation not quantized to Q8_K"
+            );
+        }
+        // enough chunks to balance the threads, large enough to amortize the task overhead
         let chunk = (rows / (8 * rayon::current_num_threads().max(1))).clamp(16, 512);
-        // [rows][batch] in parallel row chunks, then transposed into [batch][rows]
+        if batch == 1 {
+            let x = &xq[0];
+            out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
+                for (i, y) in o.iter_mut().enumerate() {
+                    [*y] = view.dot(ci * chunk + i, [x], kernel);
+                }
+            });
+            return;
+        }
         let mut by_row = vec![0f32; rows * batch];
         by_row
             .par_chunks_mut(chunk * batch)
             .enumerate()
             .for_each(|(ci, o)| {
-                let r0 = ci * chunk;
                 for (i, ys) in o.chunks_exact_mut(batch).enumerate() {
-                    let r = r0 + i;
-                    for (y, x) in ys.iter_mut().zip(xq) {
-                        *y = match self {
-                            Self::Q4_1 { qs, dm, .. } => kernel.dot_q4_1(
-                                &qs[r * nb * 16..(r + 1) * nb * 16],
-                                &dm[r * nb..(r + 1) * nb],
-                                x,
-                            ),
-                            Self::Q8_0 { qs, d, .. } => kernel.dot_q8_0(
-                                &qs[r * cols..(r + 1) * cols],
-                                &d[r * nb..(r + 1) * nb],
-                                x,
-                            ),
-                            Self::Ggml { .. } => unreachable!("Ggml returned above"),
-                        };
+                    let r = ci * chunk + i;
+                    // four activations per kernel call, the rest one by one
+                    let mut quads = ys.chunks_exact_mut(4);
+                    let mut xs = xq.chunks_exact(4);
+                    for (y, x) in (&mut quads).zip(&mut xs) {
+                        let y: &mut [f32; 4] = y.try_into().expect("4");
+                        *y = view.dot(r, [&x[0], &x[1], &x[2], &x[3]], kernel);
+                    }
+                    for (y, x) in quads.into_remainder().iter_mut().zip(xs.remainder()) {
+                        [*y] = view.dot(r, [x], kernel);
                     }
                 }
             });
@@ -307,7 +487,6 @@ impl QMatrix {
                 out[b * rows + r] = y;
             }
         }
-        Ok(())
     }
 }
 
@@ -384,7 +563,9 @@ impl RowStack {
     }
 }
 
-/// An activation vector quantized to 8 bits per block of 32 (llama.cpp's Q8_1).
+/// An activation vector quantized to 8 bits per block of 32 (llama.cpp's Q8_1), and, when its
+/// length is a multiple of 256, also per block of 256 (Q8_K, for the k-quant weights). Quantized
+/// once per layer input and reused by every matrix that multiplies it (Q, K, V; gate, up).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct QVec {
     qs: Vec<i8>,
@@ -392,6 +573,57 @@ pub(crate) struct QVec {
     d: Vec<f32>,
     /// Per block `d * sum(q)`.
     s: Vec<f32>,
+    /// The Q8_K copy; empty when the length is not a multiple of 256.
+    k: Q8K,
+}
+
+/// An activation in Q8_K blocks of 256 (structure of arrays).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Q8K {
+    /// 256 values per block, in -128..=127.
+    qs: Vec<i8>,
+    /// Per block scale: `x ~= d * q`.
+    d: Vec<f32>,
+    /// Per block the 16 sums of 16 consecutive `q`.
+    bsums: Vec<i16>,
+}
+
+impl Q8K {
+    /// ggml's `quantize_row_q8_K` rule, as candle writes it: `d = max / -128` where `max` is the
+    /// value of largest magnitude (the first one on ties), `q = min(round(x / d), 127)` (half
+    /// away from zero); an all-zero block gets `d = 0`, `q = 0`.
+    fn quantize(&mut self, x: &[f32]) {
+        let nb = x.len() / QK_K;
+        self.qs.resize(nb * QK_K, 0);
+        self.d.resize(nb, 0.0);
+        self.bsums.resize(nb * QK_K / 16, 0);
+        for (b, src) in x.chunks_exact(QK_K).enumerate() {
+            let (mut amax, mut max) = (0f32, 0f32);
+            for &v in src {
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let dst = &mut self.qs[b * QK_K..(b + 1) * QK_K];
+            if amax == 0.0 {
+                self.d[b] = 0.0;
+                dst.fill(0);
+            } else {
+                let iscale = -128.0 / max;
+                for (q, &v) in dst.iter_mut().zip(src) {
+                    *q = (iscale * v).round().min(127.0) as i8;
+                }
+                self.d[b] = 1.0 / iscale;
+            }
+            for (s, q) in self.bsums[b * 16..(b + 1) * 16]
+                .iter_mut()
+                .zip(dst.chunks_exact(16))
+            {
+                *s = q.iter().map(|&v| v as i16).sum();
+            }
+        }
+    }
 }
 
 impl QVec {
@@ -419,6 +651,8 @@ impl QVec {
             self.d[b] = d;
             self.s[b] = d * sum as f32;
         }
+        let k_len = if x.len() % QK_K == 0 { x.len() } else { 0 };
+        self.k.quantize(&x[..k_len]);
     }
 }
 
@@ -474,6 +708,96 @@ impl Kernel {
             Self::Avx2 => unsafe { avx2::dot_q8_0(qs, d, x) },
         }
     }
+
+    /// A k-quant row dotted with `N` activations at once (the weight unpacked once for all).
+    #[inline]
+    fn dot_k<const N: usize>(self, format: KFormat, row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
+        match (self, format) {
+            (Self::Portable, KFormat::Q4K) => xs.map(|x| dot_q4_k_portable(row, x)),
+            (Self::Portable, KFormat::Q6K) => xs.map(|x| dot_q6_k_portable(row, x)),
+            // SAFETY: as in `dot_q4_1`.
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx2, KFormat::Q4K) => unsafe { avx2::dot_q4_k(row, xs) },
+            // SAFETY: as in `dot_q4_1`.
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx2, KFormat::Q6K) => unsafe { avx2::dot_q6_k(row, xs) },
+        }
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The 8 scales and 8 mins of a Q4_K block from its 12 packed bytes: 6 bits each; the first
+/// four of each in the low 6 bits of bytes 0..4 (scales) and 4..8 (mins), the last four in the
+/// nibbles of bytes 8..12 with their top 2 bits in the top bits of bytes 0..8.
+fn q4_k_scales(sc: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let (mut s, mut m) = ([0u8; 8], [0u8; 8]);
+    for j in 0..4 {
+        s[j] = sc[j] & 63;
+        m[j] = sc[j + 4] & 63;
+        s[j + 4] = (sc[j + 8] & 0x0F) | ((sc[j] >> 6) << 4);
+        m[j + 4] = (sc[j + 8] >> 4) | ((sc[j + 4] >> 6) << 4);
+    }
+    (s, m)
+}
+
+/// Q4_K row (ggml blocks of 144 bytes) x Q8_K activation. Sub-block j of 32 (scale `s[j]`, min
+/// `m[j]`) is the low nibbles of bytes 32 * (j / 2) .. + 32 for even j, the high nibbles for odd.
+fn dot_q4_k_portable(row: &[u8], x: &Q8K) -> f32 {
+    let mut sum = 0f32;
+    for (b, blk) in row.chunks_exact(Q4_K_BYTES).enumerate() {
+        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+        let (s, m) = q4_k_scales(&blk[4..16]);
+        let qs = &blk[16..];
+        let xq = &x.qs[b * QK_K..(b + 1) * QK_K];
+        let bs = &x.bsums[b * 16..(b + 1) * 16];
+        let (mut qsum, mut msum) = (0i32, 0i32);
+        for j in 0..8 {
+            let bytes = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+            let shift = 4 * (j % 2);
+            let dot: i32 = bytes
+                .iter()
+                .zip(&xq[32 * j..32 * j + 32])
+                .map(|(&q, &v)| ((q >> shift) & 0x0F) as i32 * v as i32)
+                .sum();
+            qsum += s[j] as i32 * dot;
+            msum += m[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+        }
+        sum += x.d[b] * (d * qsum as f32 - dmin * msum as f32);
+    }
+    sum
+}
+
+/// Q6_K row (ggml blocks of 210 bytes) x Q8_K activation. In each half h of 128 values, value
+/// `128 h + 32 k + l` (k in 0..4, l in 0..32) takes its low 4 bits from byte `64 h + l` (k = 0, 2)
+/// or `64 h + 32 + l` (k = 1, 3) of `ql` (low nibble for k < 2, high for k >= 2), and its top 2
+/// bits from bits `2 k, 2 k + 1` of byte `32 h + l` of `qh`; sub-block s of 16 has scale `sc[s]`.
+fn dot_q6_k_portable(row: &[u8], x: &Q8K) -> f32 {
+    let mut sum = 0f32;
+    for (b, blk) in row.chunks_exact(Q6_K_BYTES).enumerate() {
+        let (ql, qh, sc) = (&blk[..128], &blk[128..192], &blk[192..208]);
+        let d = f16_at(blk, 208);
+        let xq = &x.qs[b * QK_K..(b + 1) * QK_K];
+        let bs = &x.bsums[b * 16..(b + 1) * 16];
+        let mut sub = [0i32; 16];
+        for h in 0..2 {
+            for k in 0..4 {
+                for l in 0..32 {
+                    let lo = ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2)) & 0x0F;
+                    let hi = (qh[32 * h + l] >> (2 * k)) & 3;
+                    let i = 128 * h + 32 * k + l;
+                    sub[i / 16] += (lo | hi << 4) as i32 * xq[i] as i32;
+                }
+            }
+        }
+        let isum: i32 = (0..16)
+            .map(|s| sc[s] as i8 as i32 * (sub[s] - 32 * bs[s] as i32))
+            .sum();
+        sum += x.d[b] * d * isum as f32;
+    }
+    sum
 }
 
 fn dot_q4_1_portable(qs: &[u8], dm: &[[f32; 2]], x: &QVec) -> f32 {
@@ -505,7 +829,7 @@ fn dot_q8_0_portable(qs: &[i8], d: &[f32], x: &QVec) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{QVec, QK};
+    use super::{QVec, Q4_K_BYTES, Q6_K_BYTES, Q8K, QK, QK_K};
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -594,6 +918,137 @@ mod avx2 {
         }
         hsum(_mm256_add_ps(acc0, acc1))
     }
+
+    /// Q4_K row x `N` Q8_K activations (the layout of `dot_q4_k_portable`). Per block: the
+    /// nibbles of each 32 bytes, unpacked once, against the 64 bytes of each activation they
+    /// multiply, `maddubs` (u8 0..15 x i8: pair sums within i16), `madd` by the sub-block scale
+    /// into i32, then one float multiply-add per block; the mins term is a scalar sum over the 8
+    /// sub-blocks. Each activation's result goes through the same operations in the same order
+    /// whatever `N`, so it is the same bit for bit.
+    /// Safety: the CPU has avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
+        let nb = row.len() / Q4_K_BYTES;
+        assert_eq!(row.len(), nb * Q4_K_BYTES);
+        for x in xs {
+            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+        }
+        let mask = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0f32; N];
+        for b in 0..nb {
+            let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
+            let (d, dmin) = (super::f16_at(blk, 0), super::f16_at(blk, 2));
+            let (s, m) = super::q4_k_scales(&blk[4..16]);
+            let mut isum = [_mm256_setzero_si256(); N];
+            let qp = blk.as_ptr().add(16);
+            // SAFETY (loads): 4 x 32 bytes of the block's 128 nibble bytes; 8 x 32 activation
+            // bytes of block b, inside the asserted lengths
+            for j in 0..4 {
+                let w = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                let lo = _mm256_and_si256(w, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                let (s0, s1) = (
+                    _mm256_set1_epi16(s[2 * j] as i16),
+                    _mm256_set1_epi16(s[2 * j + 1] as i16),
+                );
+                for (x, isum) in xs.iter().zip(isum.iter_mut()) {
+                    let xp = x.qs.as_ptr().add(b * QK_K + 64 * j);
+                    let x0 = _mm256_loadu_si256(xp as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xp.add(32) as *const __m256i);
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0);
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1);
+                    *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(p0, p1));
+                }
+            }
+            for i in 0..N {
+                let x = xs[i];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let msum: i32 = (0..8)
+                    .map(|j| m[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32))
+                    .sum();
+                let dx = x.d[b];
+                mins[i] += dx * dmin * msum as f32;
+                acc[i] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(dx * d), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+            }
+        }
+        std::array::from_fn(|i| hsum(acc[i]) - mins[i])
+    }
+
+    /// Q6_K row x `N` Q8_K activations (the layout of `dot_q6_k_portable`). Per half block:
+    /// the 6-bit values of four groups of 32 assembled once from `ql` and `qh` by shifts and
+    /// masks (no bit crosses a byte after the mask), `maddubs` against each activation (u8 0..63
+    /// x i8), `madd` by the two sub-block scales of the group into i32. The `-32` offset is
+    /// taken out with the activation's block sums. The same bit for bit whatever `N`.
+    /// Safety: the CPU has avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
+        let nb = row.len() / Q6_K_BYTES;
+        assert_eq!(row.len(), nb * Q6_K_BYTES);
+        for x in xs {
+            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+        }
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m30 = _mm256_set1_epi8(0x30);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
+            let d = super::f16_at(blk, 208);
+            let sc = &blk[192..208];
+            let mut isum = [_mm256_setzero_si256(); N];
+            // SAFETY (loads): ql bytes 0..128, qh bytes 128..192 of the block; 8 x 32
+            // activation bytes of block b, inside the asserted lengths
+            for h in 0..2 {
+                let lp = blk.as_ptr().add(64 * h);
+                let ql0 = _mm256_loadu_si256(lp as *const __m256i);
+                let ql1 = _mm256_loadu_si256(lp.add(32) as *const __m256i);
+                let qh = _mm256_loadu_si256(blk.as_ptr().add(128 + 32 * h) as *const __m256i);
+                let groups = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql0, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql1, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                        _mm256_and_si256(qh, m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                    ),
+                ];
+                for (k, q) in groups.into_iter().enumerate() {
+                    let s = 8 * h + 2 * k;
+                    // low 128 bits: sub-block s, high: s + 1
+                    let scale = _mm256_set_m128i(
+                        _mm_set1_epi16(sc[s + 1] as i8 as i16),
+                        _mm_set1_epi16(sc[s] as i8 as i16),
+                    );
+                    for (x, isum) in xs.iter().zip(isum.iter_mut()) {
+                        let xp = x.qs.as_ptr().add(b * QK_K + 128 * h + 32 * k);
+                        let v = _mm256_loadu_si256(xp as *const __m256i);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), scale);
+                        *isum = _mm256_add_epi32(*isum, p);
+                    }
+                }
+            }
+            for i in 0..N {
+                let x = xs[i];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let offset: i32 = (0..16).map(|s| sc[s] as i8 as i32 * bs[s] as i32).sum();
+                let isum =
+                    _mm256_sub_epi32(isum[i], _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+                acc[i] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(isum), acc[i]);
+            }
+        }
+        std::array::from_fn(|i| hsum(acc[i]))
+    }
 }
 
 #[cfg(test)]
@@ -642,7 +1097,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, &q)| d[i / QK] * q as f32)
                 .collect(),
-            QMatrix::Ggml { q, .. } => q
+            QMatrix::KQuant { q, .. } | QMatrix::Ggml { q, .. } => q
                 .dequantize(&Device::Cpu)
                 .unwrap()
                 .flatten_all()
@@ -760,9 +1215,12 @@ mod tests {
         QMatrix::ggml(Arc::new(QTensor::quantize(&t, dtype).unwrap())).unwrap()
     }
 
-    /// Q4_K and Q6_K through candle's QMatMul against the f64 product of their dequantized
-    /// weights: the activation is rounded to 8 bits per block of 256 (Q8_K), so each element is
-    /// off by at most max|x| over its block / 127 / 2.
+    /// Q4_K and Q6_K, every kernel, against the f64 product of their dequantized weights
+    /// (candle's dequantization, an implementation independent of ours): the activation is
+    /// rounded to 8 bits per block of 256 (Q8_K), so each element is off by at most max|x| over
+    /// its block / 128 / 2 (and 1/127 where 127 caps the rounding). Also against candle's own
+    /// product (`QMatMul`: its Q8_K rounding and its `vec_dot`), which must agree to float
+    /// rounding, since both round the activation the same way.
     #[test]
     fn kquant_matvec_matches_dequantized_product() {
         use candle_core::quantized::GgmlDType;
@@ -770,35 +1228,132 @@ mod tests {
         for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
             for (rows, cols) in [(1, 256), (37, 512), (300, 1536)] {
                 let m = kquant(rows, cols, dtype, &mut seed);
+                assert!(
+                    matches!(m, QMatrix::KQuant { .. }),
+                    "{dtype:?}: own kernels"
+                );
                 assert_eq!((m.rows(), m.cols()), (rows, cols));
                 let w = dequant(&m);
-                let x: Vec<f32> = (0..cols)
+                let mut x: Vec<f32> = (0..cols)
                     .map(|i| rng(&mut seed) * if i % 7 == 0 { 8.0 } else { 1.0 })
                     .collect();
+                x[3] = -20.0; // a block whose extreme is negative (q = 127 after the sign flip)
                 let mut xq = QVec::default();
                 xq.quantize(&x);
-                let mut out = vec![0f32; rows];
-                m.matvec(&x, &xq, &mut out).unwrap();
-                for r in 0..rows {
-                    let row = &w[r * cols..(r + 1) * cols];
-                    let exact: f64 = row.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
-                    let bound: f64 = row
-                        .iter()
-                        .enumerate()
-                        .map(|(c, &a)| {
-                            let blk = &x[c / 256 * 256..(c / 256 + 1) * 256];
-                            let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-                            a.abs() as f64 * amax as f64 / 127.0 * 0.5
-                        })
-                        .sum::<f64>()
-                        * 1.01
-                        + 1e-4;
-                    assert!(
-                        (out[r] as f64 - exact).abs() <= bound,
-                        "{dtype:?} row {r}: {} vs {exact} (bound {bound})",
-                        out[r]
-                    );
+                let QMatrix::KQuant { q, .. } = &m else {
+                    unreachable!()
+                };
+                let candle = QMatMul::from_arc(q.clone())
+                    .unwrap()
+                    .forward(&Tensor::from_slice(&x, (1, cols), &Device::Cpu).unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                for kernel in kernels() {
+                    let mut out = vec![0f32; rows];
+                    m.matvec_with(&xq, &mut out, kernel);
+                    for r in 0..rows {
+                        let row = &w[r * cols..(r + 1) * cols];
+                        let exact: f64 =
+                            row.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let bound: f64 = row
+                            .iter()
+                            .enumerate()
+                            .map(|(c, &a)| {
+                                let blk = &x[c / 256 * 256..(c / 256 + 1) * 256];
+                                let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+                                a.abs() as f64 * amax as f64 / 127.0 * 0.5
+                            })
+                            .sum::<f64>()
+                            * 1.01
+                            + 1e-4;
+                        assert!(
+                            (out[r] as f64 - exact).abs() <= bound,
+                            "{dtype:?} {kernel:?} row {r}: {} vs {exact} (bound {bound})",
+                            out[r]
+                        );
+                        let scale: f32 = row.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+                        assert!(
+                            (out[r] - candle[r]).abs() <= 1e-5 * scale + 1e-6,
+                            "{dtype:?} {kernel:?} row {r}: {} vs candle {}",
+                            out[r],
+                            candle[r]
+                        );
+                    }
                 }
+            }
+        }
+    }
+
+    /// Raw k-quant blocks at the edges of their ranges (every 4- and 6-bit value, the largest
+    /// scales and mins, negative Q6_K scales) against activations that round to -128 and 127:
+    /// the AVX2 kernels give the portable kernels' integer sums (no i16 saturation, no bit
+    /// taken from the wrong byte), and the portable ones the dequantized product.
+    #[test]
+    fn kquant_kernels_agree_on_extreme_blocks() {
+        use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
+        let mut seed = 21u64;
+        let (rows, cols) = (6, 512);
+        for (dtype, bytes) in [(GgmlDType::Q4K, Q4_K_BYTES), (GgmlDType::Q6K, Q6_K_BYTES)] {
+            let mut raw = Vec::new();
+            for b in 0..rows * cols / QK_K {
+                let mut blk: Vec<u8> = (0..bytes)
+                    .map(|i| match b % 3 {
+                        0 => 0xFF,
+                        1 => (i * 37 + b) as u8,
+                        _ => ((rng(&mut seed) + 1.0) * 127.9) as u8,
+                    })
+                    .collect();
+                // finite f16 scales: 0.01 and 0.02 (Q4_K: d, dmin; Q6_K: d)
+                let (d, at) = (
+                    f16::from_f32(0.01).to_le_bytes(),
+                    if bytes == Q4_K_BYTES { 0 } else { 208 },
+                );
+                blk[at..at + 2].copy_from_slice(&d);
+                if bytes == Q4_K_BYTES {
+                    blk[2..4].copy_from_slice(&f16::from_f32(0.02).to_le_bytes());
+                }
+                raw.extend(blk);
+            }
+            let q = qtensor_from_ggml(dtype, &raw, vec![rows, cols], &Device::Cpu).unwrap();
+            let m = QMatrix::ggml(Arc::new(q)).unwrap();
+            let w = dequant(&m);
+            // +-1 everywhere: the first value of each block sets d, so -128 or +127 appear
+            let x: Vec<f32> = (0..cols)
+                .map(|j| if (j / 3) % 2 == 0 { 1.0 } else { -1.0 })
+                .collect();
+            let mut xq = QVec::default();
+            xq.quantize(&x);
+            assert!(xq.k.qs.contains(&-128) || xq.k.qs.contains(&127));
+            // the activation as the kernels see it: d * q per Q8_K block
+            let xd: Vec<f64> = (0..cols)
+                .map(|i| xq.k.d[i / QK_K] as f64 * xq.k.qs[i] as f64)
+                .collect();
+            let mut want = vec![0f32; rows];
+            m.matvec_with(&xq, &mut want, Kernel::Portable);
+            for r in 0..rows {
+                let exact: f64 = w[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(&xd)
+                    .map(|(&a, &b)| a as f64 * b)
+                    .sum();
+                assert!(
+                    (want[r] as f64 - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                    "{dtype:?} portable row {r}: {} vs {exact}",
+                    want[r]
+                );
+            }
+            let mut got = vec![0f32; rows];
+            m.matvec_with(&xq, &mut got, Kernel::detect());
+            for r in 0..rows {
+                assert!(
+                    (got[r] - want[r]).abs() <= 1e-5 * want[r].abs().max(1.0),
+                    "{dtype:?} row {r}: {} vs {}",
+                    got[r],
+                    want[r]
+                );
             }
         }
     }
@@ -931,6 +1486,97 @@ mod timing {
                     m.bytes() as f64 / s / 1e9
                 );
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod kquant_timing {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+
+    /// Qwen2.5-1.5B's decode matrices: candle's `QMatMul` (its Q8_K rounding and `vec_dot`, as
+    /// built here) against this crate's kernels, interleaved in one process.
+    /// `cargo test --release -p mosaickv-engine quant::kquant_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn kquant_matvec_throughput() {
+        for (name, rows, cols, dtype) in [
+            ("gate+up Q4_K 17920x1536", 17920, 1536, GgmlDType::Q4K),
+            ("down Q6_K 1536x8960", 1536, 8960, GgmlDType::Q6K),
+            ("down Q4_K 1536x8960", 1536, 8960, GgmlDType::Q4K),
+            ("LM head rows Q6_K 32768x1536", 32768, 1536, GgmlDType::Q6K),
+        ] {
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 500.0)
+                .collect();
+            let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+            let q = Arc::new(QTensor::quantize(&t, dtype).unwrap());
+            let m = QMatrix::ggml(q.clone()).unwrap();
+            let mm = QMatMul::from_arc(q).unwrap();
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32).sin()).collect();
+            let xt = Tensor::from_slice(&x, (1, cols), &Device::Cpu).unwrap();
+            let mut xq = QVec::default();
+            let mut out = vec![0f32; rows];
+            let reps = 20;
+            let mut best = [f64::INFINITY; 3];
+            for _ in 0..3 {
+                let t0 = std::time::Instant::now();
+                for _ in 0..reps {
+                    let y = mm.forward(&xt).unwrap().flatten_all().unwrap();
+                    std::hint::black_box(y.to_vec1::<f32>().unwrap());
+                }
+                best[0] = best[0].min(t0.elapsed().as_secs_f64() / reps as f64);
+                for (i, kernel) in [Kernel::Portable, Kernel::detect()].into_iter().enumerate() {
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..reps {
+                        xq.quantize(&x);
+                        m.matvec_with(&xq, &mut out, kernel);
+                    }
+                    best[i + 1] = best[i + 1].min(t0.elapsed().as_secs_f64() / reps as f64);
+                }
+            }
+            // a prefill chunk of 64 tokens through the batched product
+            let xb: Vec<f32> = (0..64 * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let xbq: Vec<QVec> = xb
+                .chunks_exact(cols)
+                .map(|x| {
+                    let mut q = QVec::default();
+                    q.quantize(x);
+                    q
+                })
+                .collect();
+            let mut ob = vec![0f32; 64 * rows];
+            let t0 = std::time::Instant::now();
+            m.matmul_batch(&xb, &xbq, &mut ob).unwrap();
+            let batch_s = t0.elapsed().as_secs_f64();
+            let wf = t.t().unwrap();
+            let xbt = Tensor::from_slice(&xb, (64, cols), &Device::Cpu).unwrap();
+            let t0 = std::time::Instant::now();
+            std::hint::black_box(xbt.matmul(&wf).unwrap());
+            let f32_s = t0.elapsed().as_secs_f64();
+            let gmac = |s: f64| 64.0 * (rows * cols) as f64 / s / 1e9;
+            eprintln!(
+                "{name}: batch of 64 {:.1} ms, {:.1} GMAC/s; f32 GEMM (weights already f32) \
+                 {:.1} ms, {:.1} GMAC/s",
+                batch_s * 1e3,
+                gmac(batch_s),
+                f32_s * 1e3,
+                gmac(f32_s)
+            );
+            let gb = |s: f64| m.bytes() as f64 / s / 1e9;
+            eprintln!(
+                "{name} ({:.1} MB): candle QMatMul {:.2} ms ({:.1} GB/s), ours portable {:.2} ms, \
+                 ours {:?} {:.2} ms ({:.1} GB/s), {} threads",
+                m.bytes() as f64 / 1e6,
+                best[0] * 1e3,
+                gb(best[0]),
+                best[1] * 1e3,
+                Kernel::detect(),
+                best[2] * 1e3,
+                gb(best[2]),
+                rayon::current_num_threads()
+            );
         }
     }
 }

@@ -53,12 +53,16 @@ const LOGIT_TOL: f32 = 0.5;
 const NEAR_TIE: f32 = 0.25;
 
 /// Qwen2.5-Coder-1.5B (Q4_K_M), the same argument as for SmolLM2: both sides read the same
-/// Q4_K/Q6_K blocks; our prefill dequantizes them and multiplies in f32, llama.cpp rounds each
-/// activation to Q8_K (8 bits per block of 256) and keeps its KV cache in f16; our decode step
-/// goes through candle's QMatMul, which rounds activations to Q8_K as llama.cpp does, but its
-/// prompt K/V come from our f32 prefill. Measured when the fixture was made (5 prompts, 12-550
-/// tokens, top-5 logits of size 12-21): prefill worst 0.14, quantized decode worst 0.30
-/// (raw_digits, a logit of 12.5), every other difference under 0.17; all greedy steps equal.
+/// Q4_K/Q6_K blocks; llama.cpp rounds each activation to Q8_K (8 bits per block of 256) and
+/// keeps its KV cache in f16. Our decode step rounds activations to Q8_K as llama.cpp does (the
+/// crate's k-quant kernels); our prefill does the same for prompts of at most
+/// `QUANTIZED_PREFILL_TOKENS` and dequantizes the blocks and multiplies in f32 for longer ones;
+/// our KV cache and attention are f32. Measured when the fixture was made (5 prompts, 12-550
+/// tokens, top-5 logits of size 12-21; f32 prefill for all, candle's QMatMul for decode):
+/// prefill worst 0.14, quantized decode worst 0.30 (raw_digits, a logit of 12.5), every other
+/// difference under 0.17; all greedy steps equal. With the crate's kernels and the quantized
+/// short-prompt prefill: prefill worst 0.27 (raw_france, a logit of 17.6), quantized decode
+/// worst 0.20; all greedy steps equal.
 /// 0.5, the SmolLM2 bound, leaves the same room for other llama.cpp builds. A real bug is far
 /// outside it: a wrong RoPE pairing or missing QKV biases changes the logits by whole units
 /// (see the SmolLM2 note above) and breaks greedy decoding at once.

@@ -2,11 +2,11 @@
 //!
 //! Each sequence brings its own token, RoPE position and per-layer caches (so its own method and
 //! length). Per layer, the weight products run once for the whole batch
-//! ([`crate::quant::RowStack::matmul_batch`]: each Q4_1/Q8_0 weight row is read once per step,
-//! not once per sequence; Q4_K/Q6_K matrices go through candle's QMatMul once on the
-//! `[batch, cols]` activations), with the model's own rules as in single decode (Q/K/V biases
-//! when the architecture has them, its RoPE pairing), and the attention of every sequence runs in one rayon pass over the sequences, each
-//! cache splitting its own work over (KV head, token span) items as in single decode. Every
+//! ([`crate::quant::RowStack::matmul_batch`], the same dispatch and row kernels as single
+//! decode: each weight row is read once per step, not once per sequence; a Q4_K/Q6_K row is
+//! unpacked once for four sequences), with the model's own rules as in single decode (Q/K/V
+//! biases when the architecture has them, its RoPE pairing), and the attention of every
+//! sequence runs in one rayon pass over the sequences, each cache splitting its own work over (KV head, token span) items as in single decode. Every
 //! per-sequence operation is the one [`Model::decode_step`] runs, in the same order, so a
 //! sequence's logits in a batch equal its logits decoded alone bit for bit.
 
@@ -291,9 +291,10 @@ impl Model {
         let group = c.q_heads / c.kv_heads;
         let scale = 1.0 / (d as f64).sqrt();
         let mut x = self.embed_tokens(tokens)?;
+        let weights = self.prefill_weights(n);
         for (li, l) in self.layers.iter().enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
-            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            let mut qkv = self.matmul_t(&h, &l.wqkv, &l.q.wqkv, weights)?;
             if let Some(b) = &l.bqkv {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -339,8 +340,8 @@ impl Model {
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((n, qd))?;
-            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
-            x = (&x + self.mlp(l, &x)?)?;
+            x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, weights)?)?;
+            x = (&x + self.mlp(l, &x, weights)?)?;
         }
         state.len = total;
         self.logits(&x.narrow(0, n - 1, 1)?)

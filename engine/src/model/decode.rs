@@ -8,12 +8,12 @@ use crate::{EngineError, Result};
 use candle_core::Tensor;
 use ndarray::{Array2, ArrayView2};
 
-/// Which weights a decode step multiplies with.
+/// Which weights a decode step (or a prefill, [`Model::prefill_using`]) multiplies with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeWeights {
-    /// The GGUF's block-quantized weights (Q4_1, Q8_0 LM head; Q4_K/Q6_K through candle's
-    /// QMatMul) times activations quantized to 8 bits per block (32; 256 for the k-quants), as
-    /// llama.cpp computes; reads 5x (Q4_1) to 7x (Q4_K_M) fewer bytes than f32.
+    /// The GGUF's block-quantized weights (Q4_1, Q8_0 LM head; Q4_K, Q6_K) times activations
+    /// quantized to 8 bits per block (32; 256 for the k-quants), as llama.cpp computes, with
+    /// this crate's kernels (`quant.rs`); reads 5x (Q4_1) to 7x (Q4_K_M) fewer bytes than f32.
     #[default]
     Quantized,
     /// The f32 weights prefill uses, f32 activations (slower, and much slower for a model whose
@@ -204,7 +204,7 @@ impl Model {
         let mut out = Array2::<f32>::zeros((c.q_heads, c.head_dim));
         for (layer, (l, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let h = self.rms(&x, &l.attn_norm)?;
-            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            let mut qkv = self.matmul_t(&h, &l.wqkv, &l.q.wqkv, DecodeWeights::F32)?;
             if let Some(b) = &l.bqkv {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -229,8 +229,8 @@ impl Model {
                 .map_err(cache_err)?;
             let attn =
                 Tensor::from_slice(out.as_slice().expect("standard layout"), (1, qd), &self.dev)?;
-            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
-            x = (&x + self.mlp(l, &x)?)?;
+            x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, DecodeWeights::F32)?)?;
+            x = (&x + self.mlp(l, &x, DecodeWeights::F32)?)?;
         }
         self.logits(&x)
     }

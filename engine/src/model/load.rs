@@ -204,9 +204,9 @@ impl Config {
     }
 }
 
-/// The decode-step copy of a 2-D weight: its own blocks when the GGUF stores Q4_1 or Q8_0
-/// (this crate's kernels), its blocks behind candle's `QMatMul` for the other block formats
-/// (Q4_K, Q6_K, ...), and f32/f16 values quantized to Q8_0.
+/// The decode-step copy of a 2-D weight: its own blocks when the GGUF stores Q4_1 or Q8_0, the
+/// tensor's Q4_K/Q6_K blocks read in place (this crate's kernels for all of them), its blocks
+/// behind candle's `QMatMul` for the other block formats, and f32/f16 values quantized to Q8_0.
 fn to_qmatrix(q: &Arc<QTensor>) -> Result<QMatrix> {
     let (rows, cols) = q.shape().dims2()?;
     let m = match q.dtype() {

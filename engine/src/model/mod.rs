@@ -28,6 +28,13 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use weights::{Dense, Embedding};
 
+/// Tokens per quantized many-token product call (see `Model::matmul_t`).
+const GEMM_TOKENS: usize = 64;
+/// Longest prompt (or prefill chunk) that a model without resident f32 weights multiplies on
+/// its blocks ([`Model::prefill_weights`]): measured on Qwen2.5-1.5B (2 threads, loaded
+/// machine), both paths cost the same at about 160-200 tokens.
+pub const QUANTIZED_PREFILL_TOKENS: usize = 128;
+
 /// The architectures the engine runs (`general.architecture`), and what differs between them.
 /// Everything the forward pass needs to know about the architecture is copied into
 /// [`Config`] at load (RoPE pairing, biases), so the forward pass never asks which one it runs.
@@ -227,14 +234,63 @@ impl Model {
         Ok(candle_nn::ops::rms_norm(x, w, self.cfg.rms_eps as f32)?)
     }
 
-    fn mlp(&self, l: &Layer, x: &Tensor) -> Result<Tensor> {
+    /// The weights a many-token product (prefill, chunked prefill) of `n` tokens multiplies
+    /// with: the f32 values when they are resident (SmolLM2). Otherwise (Qwen2.5-1.5B) the f32
+    /// path pays a fixed cost per prefill (dequantizing 1.3 G weights, stacking and packing
+    /// them for the GEMM) that the blocks with 8-bit activations do not, but their products
+    /// cost about twice as much per token; so prompts of at most [`QUANTIZED_PREFILL_TOKENS`]
+    /// use the blocks, longer ones the f32 GEMM (docs/PERFORMANCE.md section 6).
+    pub fn prefill_weights(&self, n: usize) -> DecodeWeights {
+        if self.lm_head.is_resident() || n > QUANTIZED_PREFILL_TOKENS {
+            DecodeWeights::F32
+        } else {
+            DecodeWeights::Quantized
+        }
+    }
+
+    /// `x [n, cols]` times the transposed weight (`w` f32 and `q` the same matrix's blocks):
+    /// `F32` through candle's f32 GEMM on `w` (dequantized on use when not resident);
+    /// `Quantized`: each row of `x` quantized once ([`QVec::quantize`]), then the blocks' row
+    /// kernels for every token ([`RowStack::matmul_batch`], [`GEMM_TOKENS`] tokens per call so
+    /// that their activations stay in cache while each weight row is read).
+    fn matmul_t(
+        &self,
+        x: &Tensor,
+        w: &Dense,
+        q: &RowStack,
+        weights: DecodeWeights,
+    ) -> Result<Tensor> {
+        match weights {
+            DecodeWeights::F32 => Ok(x.matmul(&w.tensor()?.t()?)?),
+            DecodeWeights::Quantized => {
+                let (n, cols) = x.dims2()?;
+                let rows = q.rows();
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; n * rows];
+                let mut xq: Vec<QVec> = Vec::new();
+                for (xc, oc) in xs
+                    .chunks(GEMM_TOKENS * cols)
+                    .zip(out.chunks_mut(GEMM_TOKENS * rows))
+                {
+                    xq.resize(xc.len() / cols, QVec::default());
+                    xq.par_iter_mut()
+                        .zip(xc.par_chunks(cols))
+                        .for_each(|(q, x)| q.quantize(x));
+                    q.matmul_batch(xc, &xq, oc)?;
+                }
+                Ok(Tensor::from_vec(out, (n, rows), &self.dev)?)
+            }
+        }
+    }
+
+    fn mlp(&self, l: &Layer, x: &Tensor, weights: DecodeWeights) -> Result<Tensor> {
         let h = self.rms(x, &l.ffn_norm)?;
-        let gu = h.matmul(&l.w_gate_up.tensor()?.t()?)?;
+        let gu = self.matmul_t(&h, &l.w_gate_up, &l.q.w_gate_up, weights)?;
         let f = self.cfg.ffn;
         let gate = gu.narrow(1, 0, f)?;
         let up = gu.narrow(1, f, f)?;
         let act = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok(act.matmul(&l.w_down.tensor()?.t()?)?)
+        self.matmul_t(&act, &l.w_down, &l.q.w_down, weights)
     }
 
     /// Logits of one hidden state `[1, hidden]`: with the f32 LM head when it is resident, else

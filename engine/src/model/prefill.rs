@@ -1,6 +1,6 @@
 //! The dense f32 prefill: every layer on the whole prompt, chunked causal attention.
 
-use super::Model;
+use super::{DecodeWeights, Model};
 use crate::kv::LayerKv;
 use crate::{EngineError, Result};
 use candle_core::Tensor;
@@ -66,22 +66,34 @@ impl Model {
     /// Dense prefill of a prompt. Attention is causal and chunked: queries in blocks of 256
     /// rows, keys in blocks of 1024 with an online softmax, so no n x n matrix is formed.
     pub fn prefill(&self, tokens: &[u32]) -> Result<Prefill> {
-        self.prefill_impl(tokens, false, false)
+        self.prefill_impl(tokens, false, false, self.prefill_weights(tokens.len()))
+    }
+
+    /// [`Model::prefill`] with a choice of weights for its products (by default
+    /// [`Model::prefill_weights`] of the prompt's length); for comparing the two arithmetics.
+    pub fn prefill_using(&self, tokens: &[u32], weights: DecodeWeights) -> Result<Prefill> {
+        self.prefill_impl(tokens, false, false, weights)
     }
 
     /// [`Model::prefill`] that also keeps every layer's post-RoPE queries (`Prefill::queries`).
     pub fn prefill_with_queries(&self, tokens: &[u32]) -> Result<Prefill> {
-        self.prefill_impl(tokens, true, false)
+        self.prefill_impl(tokens, true, false, self.prefill_weights(tokens.len()))
     }
 
     /// [`Model::prefill`] that also collects every layer's query statistics for the attention
     /// loss (`Prefill::query_stats`, SPEC.md section 11.1): the key second moment over every
     /// prompt query, the value weights from the last [`STATS_SAMPLE`] positions.
     pub fn prefill_with_stats(&self, tokens: &[u32]) -> Result<Prefill> {
-        self.prefill_impl(tokens, false, true)
+        self.prefill_impl(tokens, false, true, self.prefill_weights(tokens.len()))
     }
 
-    fn prefill_impl(&self, tokens: &[u32], keep_queries: bool, stats: bool) -> Result<Prefill> {
+    fn prefill_impl(
+        &self,
+        tokens: &[u32],
+        keep_queries: bool,
+        stats: bool,
+        weights: DecodeWeights,
+    ) -> Result<Prefill> {
         let n = tokens.len();
         if n == 0 {
             return Err(EngineError::Invalid("empty prompt".into()));
@@ -105,7 +117,7 @@ impl Model {
         let t_all = std::time::Instant::now();
         for l in &self.layers {
             let h = self.rms(&x, &l.attn_norm)?;
-            let mut qkv = h.matmul(&l.wqkv.tensor()?.t()?)?;
+            let mut qkv = self.matmul_t(&h, &l.wqkv, &l.q.wqkv, weights)?;
             if let Some(b) = &l.bqkv {
                 qkv = qkv.broadcast_add(b)?;
             }
@@ -156,8 +168,8 @@ impl Model {
             attn_time += t0.elapsed();
             keys.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), k).expect("shape"));
             values.push(Array3::from_shape_vec((n, c.kv_heads, c.head_dim), v).expect("shape"));
-            x = (x + attn.matmul(&l.wo.tensor()?.t()?)?)?;
-            x = (&x + self.mlp(l, &x)?)?;
+            x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, weights)?)?;
+            x = (&x + self.mlp(l, &x, weights)?)?;
         }
         let logits = self.logits(&x.narrow(0, n - 1, 1)?)?;
         if std::env::var_os("MOSAICKV_PROFILE").is_some() {

@@ -3,6 +3,7 @@
 //! (small models) or dequantized on each use (models whose f32 copy would not fit in memory
 //! comfortably: Qwen2.5-1.5B's would take 7 GB, its blocks take 1.1 GB).
 
+use crate::quant::KFormat;
 use crate::Result;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
 use candle_core::{Device, Tensor};
@@ -71,7 +72,8 @@ fn row_bytes(q: &QTensor) -> Option<(usize, usize, usize)> {
 }
 
 /// Dequantizes a 2-D block tensor to f32, `DEQ_ROWS` rows per rayon task (candle's own
-/// `dequantize` runs on one thread).
+/// `dequantize` runs on one thread): Q4_K/Q6_K by [`KFormat::dequantize`] straight into the
+/// output, other formats through candle per task.
 pub(super) fn dequantize_par(q: &QTensor) -> Result<Tensor> {
     let dev = Device::Cpu;
     let Some((rows, cols, rb)) = row_bytes(q) else {
@@ -79,6 +81,14 @@ pub(super) fn dequantize_par(q: &QTensor) -> Result<Tensor> {
     };
     let raw = q.data()?;
     let mut out = vec![0f32; rows * cols];
+    if let Some(format) = KFormat::of(q.dtype()) {
+        // Q4_K/Q6_K: straight into `out` (candle's path copies each task's bytes into a new
+        // tensor and its values out of one)
+        out.par_chunks_mut(DEQ_ROWS * cols)
+            .zip(raw.par_chunks(DEQ_ROWS * rb))
+            .for_each(|(o, r)| format.dequantize(r, o));
+        return Ok(Tensor::from_vec(out, (rows, cols), &dev)?);
+    }
     out.par_chunks_mut(DEQ_ROWS * cols)
         .zip(raw.par_chunks(DEQ_ROWS * rb))
         .try_for_each(|(o, r)| -> Result<()> {
@@ -118,6 +128,12 @@ impl Embedding {
                 let (_, cols, rb) = row_bytes(q).expect("checked in new");
                 let raw = q.data()?;
                 let mut out = vec![0f32; ids.len() * cols];
+                if let Some(format) = KFormat::of(q.dtype()) {
+                    for (o, &id) in out.chunks_mut(cols).zip(ids) {
+                        format.dequantize(&raw[id as usize * rb..(id as usize + 1) * rb], o);
+                    }
+                    return Ok(Tensor::from_vec(out, (ids.len(), cols), &dev)?);
+                }
                 out.par_chunks_mut(cols).zip(ids.par_iter()).try_for_each(
                     |(o, &id)| -> Result<()> {
                         let r = &raw[id as usize * rb..(id as usize + 1) * rb];
