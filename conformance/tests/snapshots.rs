@@ -24,10 +24,7 @@ fn packed_records_fixed_seed() {
         value_dtypes: vec![ValueDtype::F16],
         ..CompressConfig::default()
     };
-    for (d, cfg) in [
-        (32usize, f16_default),
-        (80, CompressConfig::paper_fixed()),
-    ] {
+    for (d, cfg) in [(32usize, f16_default), (80, CompressConfig::paper_fixed())] {
         let rows = structured_rows(6, d, 42);
         let side = ReferenceBackend
             .fit_side(rows.view(), Side::Key, &cfg)
@@ -84,7 +81,10 @@ fn default_config_fixed_seed() {
         out += &format!(
             "{side:?} layout={:?}\n{}\n",
             s.layout,
-            hex(&packed.bytes[..4 * s.layout.record_bytes()], s.layout.record_bytes())
+            hex(
+                &packed.bytes[..4 * s.layout.record_bytes()],
+                s.layout.record_bytes()
+            )
         );
     }
     let shape = KvShape::new(2, 4, 32).unwrap();
@@ -95,7 +95,11 @@ fn default_config_fixed_seed() {
     let mut o = Array2::<f32>::zeros((4, 32));
     cache.attend(q.view(), o.view_mut()).unwrap();
     for r in o.rows() {
-        out += &r.iter().map(|x| format!("{x:.5}")).collect::<Vec<_>>().join(" ");
+        out += &r
+            .iter()
+            .map(|x| format!("{x:.5}"))
+            .collect::<Vec<_>>()
+            .join(" ");
         out += "\n";
     }
     insta::assert_snapshot!(out);

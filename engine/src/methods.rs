@@ -523,13 +523,11 @@ impl Method {
                     Method::Quest { dense_layers, .. } if layer < *dense_layers => {
                         Box::new(FullKv::new(cfg.kv_heads, cfg.head_dim))
                     }
-                    Method::Quest { token_rate, .. } => {
-                        Box::new(KvAdapter(
-                            QuestCache::new(shape, *token_rate)
-                                .map_err(inv)?
-                                .with_min_budget_tokens(quest_min_budget()),
-                        ))
-                    }
+                    Method::Quest { token_rate, .. } => Box::new(KvAdapter(
+                        QuestCache::new(shape, *token_rate)
+                            .map_err(inv)?
+                            .with_min_budget_tokens(quest_min_budget()),
+                    )),
                     Method::QuestSink { .. } => Box::new(KvAdapter(
                         QuestSinkCache::new(shape, &self.quest_sink_config()?).map_err(inv)?,
                     )),

@@ -985,7 +985,8 @@ impl QuestF16Cache {
                 rows,
             } => {
                 file.validate()?;
-                let mut c = Self::new(*shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens);
+                let mut c =
+                    Self::new(*shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens);
                 refill(&mut c, rows)?;
                 Ok(c)
             }

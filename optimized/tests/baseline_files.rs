@@ -90,7 +90,11 @@ fn full_round_trips() {
 #[test]
 fn quest_round_trips() {
     round_trip(
-        || QuestF16Cache::new(shape(), 0.2).unwrap().with_min_budget_tokens(48),
+        || {
+            QuestF16Cache::new(shape(), 0.2)
+                .unwrap()
+                .with_min_budget_tokens(48)
+        },
         QuestF16Cache::to_file,
         QuestF16Cache::from_file,
     );
@@ -120,8 +124,12 @@ fn files_are_the_references() {
     fill(&mut full);
     fill(&mut full_ref);
     assert_eq!(full.to_file(), full_ref.to_file());
-    let mut quest = QuestF16Cache::new(shape(), 0.3).unwrap().with_min_budget_tokens(48);
-    let mut quest_ref = reference::QuestCache::new(shape(), 0.3).unwrap().with_min_budget_tokens(48);
+    let mut quest = QuestF16Cache::new(shape(), 0.3)
+        .unwrap()
+        .with_min_budget_tokens(48);
+    let mut quest_ref = reference::QuestCache::new(shape(), 0.3)
+        .unwrap()
+        .with_min_budget_tokens(48);
     fill(&mut quest);
     fill(&mut quest_ref);
     assert_eq!(quest.to_file(), quest_ref.to_file());

@@ -1258,7 +1258,8 @@ impl QuestCache {
                 rows,
             } => {
                 file.validate()?;
-                let mut c = Self::new(*shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens);
+                let mut c =
+                    Self::new(*shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens);
                 refill(&mut c, rows, shape.head_dim)?;
                 Ok(c)
             }
@@ -1545,6 +1546,7 @@ mod quest_sink_tests {
         let shape = KvShape::new(1, 2, d).unwrap();
         let cfg = CompressConfig {
             token_rate: 0.25,
+            min_budget_tokens: 0,
             ..CompressConfig::default()
         };
         let mut c = QuestSinkCache::new(shape, &cfg).unwrap();
@@ -1593,6 +1595,30 @@ mod quest_sink_tests {
         let m = c.memory();
         assert_eq!(m.device_bytes(), 111 * 4 * d + 7 * 4 * d);
         assert_eq!(m.dense, 7 * 4 * d);
+    }
+
+    #[test]
+    fn budget_floor_attends_every_page_of_a_short_prompt() {
+        let d = 16;
+        let shape = KvShape::new(1, 2, d).unwrap();
+        let x = kv(4 + 40, d);
+        let q = Array2::from_shape_fn((2, d), |(h, i)| (h as f32 - 0.5) * (i as f32 - 7.0) / 4.0);
+        let attended = |min_budget_tokens| {
+            let cfg = CompressConfig {
+                token_rate: 0.25,
+                min_budget_tokens,
+                ..CompressConfig::default()
+            };
+            let mut c = QuestSinkCache::new(shape, &cfg).unwrap();
+            c.prefill(x.view(), x.view()).unwrap();
+            c.attended_tokens(q.view()).unwrap()[0].len()
+        };
+        // SPEC 8.3: 40 paged tokens in pages of 16, 16, 8; ceil(0.25 * 40) = 10 takes one or
+        // two pages; a floor of 32 at least 32 tokens; a floor of 256 all 40
+        let none = attended(0);
+        assert!((4 + 8..=4 + 24).contains(&none), "{none}");
+        assert!(attended(32) >= 4 + 32);
+        assert_eq!(attended(256), 4 + 40);
     }
 
     #[test]

@@ -178,8 +178,10 @@ mod tests {
             start: 0,
             len: n,
         };
+        // f16 values: the query weighting alone decides (quantization error would enter both)
         let mut cfg = CompressConfig {
             block_sizes: vec![16],
+            value_dtypes: vec![mosaickv_spec::ValueDtype::F16],
             ..CompressConfig::default()
         };
         let energy = fit_side_with(rows.view(), Side::Key, &cfg, Some(ctx)).unwrap();

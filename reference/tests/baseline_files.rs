@@ -89,7 +89,11 @@ fn full_round_trips() {
 #[test]
 fn quest_round_trips() {
     round_trip(
-        || QuestCache::new(shape(), 0.2).unwrap().with_min_budget_tokens(48),
+        || {
+            QuestCache::new(shape(), 0.2)
+                .unwrap()
+                .with_min_budget_tokens(48)
+        },
         QuestCache::to_file,
         QuestCache::from_file,
     );
@@ -98,7 +102,11 @@ fn quest_round_trips() {
 #[test]
 fn naive2d_round_trips_with_its_masks() {
     round_trip(
-        || Naive2dCache::new(shape(), 0.2, 0.25).unwrap().with_min_budget_tokens(48),
+        || {
+            Naive2dCache::new(shape(), 0.2, 0.25)
+                .unwrap()
+                .with_min_budget_tokens(48)
+        },
         Naive2dCache::to_file,
         Naive2dCache::from_file,
     );

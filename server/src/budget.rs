@@ -159,7 +159,11 @@ mod tests {
         assert_eq!(fixed.per_token, 30 * 3 * (2 * 40 + 9));
         // quantized values: int8 r = 48 is 8 + 4 (minimum and scale) + 48 = 60 B, int4 r = 48
         // is 8 + 4 + 24 = 36 B; with f16 allowed too, f16 is the largest
-        let per_token = |m: &str| Footprint::of(&Method::parse(m).unwrap(), &cfg()).unwrap().per_token;
+        let per_token = |m: &str| {
+            Footprint::of(&Method::parse(m).unwrap(), &cfg())
+                .unwrap()
+                .per_token
+        };
         assert_eq!(per_token("mosaic:dt=int8"), 30 * 3 * (2 * 60 + 9));
         assert_eq!(per_token("mosaic:dt=int4"), 30 * 3 * (2 * 36 + 9));
         assert_eq!(per_token("mosaic:dt=int4/int8/f16"), per_token("mosaic"));

@@ -101,7 +101,10 @@ fn all_kinds() -> Vec<BaselineFile> {
     vec![
         dense(None),
         dense(Some(BaselineMethod::Full)),
-        dense(Some(BaselineMethod::Quest { token_rate: 0.15, min_budget_tokens: 64 })),
+        dense(Some(BaselineMethod::Quest {
+            token_rate: 0.15,
+            min_budget_tokens: 64,
+        })),
         naive2d(0),
         naive2d(19),
         kvq(KvqBlocks::Q8_0, 0),
@@ -140,7 +143,10 @@ fn the_clis_dense_file_and_a_saved_full_or_quest_file_are_one_format() {
     assert_eq!(read_baseline(&cli).unwrap(), dense(None));
     for m in [
         BaselineMethod::Full,
-        BaselineMethod::Quest { token_rate: 0.15, min_budget_tokens: 0 },
+        BaselineMethod::Quest {
+            token_rate: 0.15,
+            min_budget_tokens: 0,
+        },
     ] {
         let (s2, r2) = read_dense(&bytes(&dense(Some(m)))).unwrap();
         assert_eq!((s2, r2), (shape, rows.clone()));
@@ -238,7 +244,10 @@ fn refused(b: &[u8], needle: &str) {
 
 #[test]
 fn crafted_manifests_are_refused() {
-    let quest = dense(Some(BaselineMethod::Quest { token_rate: 0.15, min_budget_tokens: 0 }));
+    let quest = dense(Some(BaselineMethod::Quest {
+        token_rate: 0.15,
+        min_budget_tokens: 0,
+    }));
     refused(
         &crafted(&quest, 0, json_edit("0.15", "1.5")),
         "token_rate 1.5",
@@ -413,7 +422,10 @@ fn invalid_caches_are_refused_before_writing() {
         write_baseline(&mut Vec::new(), &k),
         Err(MosaicError::ShapeMismatch { .. })
     ));
-    let q = dense(Some(BaselineMethod::Quest { token_rate: 0.0, min_budget_tokens: 0 }));
+    let q = dense(Some(BaselineMethod::Quest {
+        token_rate: 0.0,
+        min_budget_tokens: 0,
+    }));
     assert!(matches!(
         write_baseline(&mut Vec::new(), &q),
         Err(MosaicError::InvalidConfig(_))
@@ -434,7 +446,10 @@ fn each_reader_names_the_kind_of_file_it_was_given() {
         (naive2d(19), "naive2d baseline file"),
         (kvq(KvqBlocks::Q4_0, 2), "kvq4 baseline file"),
         (
-            dense(Some(BaselineMethod::Quest { token_rate: 0.15, min_budget_tokens: 0 })),
+            dense(Some(BaselineMethod::Quest {
+                token_rate: 0.15,
+                min_budget_tokens: 0,
+            })),
             "quest baseline file",
         ),
     ] {
@@ -451,7 +466,10 @@ fn each_reader_names_the_kind_of_file_it_was_given() {
         (dense(None), "quest", false),
         (dense(Some(BaselineMethod::Full)), "quest", false),
         (
-            dense(Some(BaselineMethod::Quest { token_rate: 0.15, min_budget_tokens: 0 })),
+            dense(Some(BaselineMethod::Quest {
+                token_rate: 0.15,
+                min_budget_tokens: 0,
+            })),
             "full",
             false,
         ),

@@ -208,9 +208,14 @@ fn reencoded_pair(prompt: usize, seed: u64) -> (CompressedCache, CompressedCache
 /// back reuses the freed room.
 pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
     let (a, re) = reencoded_pair(400, 21);
-    let other =
-        mosaickv_conformance::reference_cache(shape(), &mosaickv_conformance::f16_default(), 200, 3, 5)
-            .unwrap();
+    let other = mosaickv_conformance::reference_cache(
+        shape(),
+        &mosaickv_conformance::f16_default(),
+        200,
+        3,
+        5,
+    )
+    .unwrap();
     assert_eq!(a.segments.len(), re.segments.len());
     let (sa, sr) = (&a.segments[0], &re.segments[0]);
     assert_eq!((sa.start, sa.len), (sr.start, sr.len));
@@ -301,9 +306,14 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
 /// Bad input is a typed error and leaves the cache as it was (same answers, same memory).
 pub fn bad_input_is_a_typed_error_and_keeps_the_cache(gpu: Arc<Gpu>) {
     let (a, re) = reencoded_pair(400, 31);
-    let other =
-        mosaickv_conformance::reference_cache(shape(), &mosaickv_conformance::f16_default(), 200, 3, 6)
-            .unwrap();
+    let other = mosaickv_conformance::reference_cache(
+        shape(),
+        &mosaickv_conformance::f16_default(),
+        200,
+        3,
+        6,
+    )
+    .unwrap();
     let mut cc = CudaCache::new(gpu.clone(), &[&a, &other], opts()).unwrap();
     let (_, flat) = batch_queries(2, 12);
     let out0 = cc.attend(&flat).unwrap();
@@ -452,9 +462,14 @@ pub fn swaps_that_change_the_segment_count_move_the_later_segments(gpu: Arc<Gpu>
                 .map(|s| (i, s.clone()))
         })
         .expect("a coarse segment covering two fine ones in the middle");
-    let other =
-        mosaickv_conformance::reference_cache(shape(), &mosaickv_conformance::f16_default(), 200, 3, 8)
-            .unwrap();
+    let other = mosaickv_conformance::reference_cache(
+        shape(),
+        &mosaickv_conformance::f16_default(),
+        200,
+        3,
+        8,
+    )
+    .unwrap();
     let mut cc = CudaCache::new(gpu.clone(), &[&other, &fine], opts()).unwrap();
     check_batch(&cc, &[&other, &fine], 60, "before");
     // Two segments become one: the later segments move down a slot.
