@@ -154,7 +154,7 @@ impl Default for CompressConfig {
             min_segment_len: 4_096,
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
-            value_dtypes: vec![ValueDtype::Int4, ValueDtype::Int8, ValueDtype::F16],
+            value_dtypes: vec![ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4],
             loss: LossPolicy::Energy,
         }
     }
