@@ -430,7 +430,7 @@ mod tests {
     fn value_dtypes_parse_default_and_validate() {
         assert_eq!(
             CompressConfig::default().value_dtypes,
-            vec![ValueDtype::F16]
+            vec![ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4]
         );
         assert_eq!(
             CompressConfig::paper_fixed().value_dtypes,

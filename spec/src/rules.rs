@@ -337,7 +337,10 @@ mod tests {
 
     #[test]
     fn choose_ties_follow_the_rule() {
-        let mut cfg = CompressConfig::default();
+        let mut cfg = CompressConfig {
+            value_dtypes: vec![ValueDtype::F16],
+            ..CompressConfig::default()
+        };
         cfg.channels = ChannelPolicy::LossThreshold {
             key_loss: 0.1,
             value_loss: 0.2,
@@ -417,7 +420,13 @@ mod tests {
             ..CompressConfig::default()
         };
         let c = candidates(&cfg, 64);
-        let plain = candidates(&CompressConfig::default(), 64);
+        let plain = candidates(
+            &CompressConfig {
+                value_dtypes: vec![ValueDtype::F16],
+                ..CompressConfig::default()
+            },
+            64,
+        );
         assert_eq!(c.len(), 2 * plain.len());
         for (i, l) in c.iter().enumerate() {
             let want = if i < plain.len() {
