@@ -472,6 +472,109 @@ pub fn loss_sums_rotated(
     (dropped, total)
 }
 
+/// SPEC 5 steps 2-3 for every kept-group count at once: the groups of a row's f16-rounded
+/// rotated values `y` (length Dt) ranked by importance, most important first, ties by the lower
+/// index (the order [`select_groups`] uses). The groups a record keeping `k` of them keeps are
+/// `order[..k]`: under this total order the `k` largest form one set, the one `select_groups`
+/// finds.
+fn rank_groups(y: &[f16], g: usize, imp: &mut [f32], order: &mut [u16]) {
+    let groups = y.len() / g;
+    for k in 0..groups {
+        let mut s = 0f32;
+        for &v in &y[k * g..(k + 1) * g] {
+            let f = v.to_f32();
+            s += f * f;
+        }
+        imp[k] = s;
+        order[k] = k as u16;
+    }
+    order[..groups].sort_unstable_by(|a, b| {
+        let (ia, ib) = (imp[*a as usize], imp[*b as usize]);
+        ib.partial_cmp(&ia)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(b))
+    });
+}
+
+/// SPEC 11.1 losses of every candidate layout `cands` (one head dimension) of rows `[n][d]`
+/// with rotated coordinates `rot_rows` (`[n][w]`, `w` at least every candidate's Dt): the
+/// strategy search's inner loop. Equal bit for bit to [`loss_rotated`] per candidate (each
+/// candidate's per-row terms are [`row_loss_terms`], added in row order), but each row's f16
+/// rounding and group ranking are computed once per `(Dt, g)` instead of once per candidate:
+/// retentions and value dtypes share them.
+pub fn candidate_losses(
+    rows: &[f32],
+    rot_rows: &[f64],
+    w: usize,
+    cands: &[RecordLayout],
+) -> Vec<f64> {
+    let Some(d) = cands.first().map(|l| l.head_dim) else {
+        return Vec::new();
+    };
+    let mut rankings: Vec<(usize, usize)> = Vec::new();
+    let ranking_of: Vec<usize> = cands
+        .iter()
+        .map(|l| {
+            let key = (l.kept_dims, l.group_size);
+            rankings.iter().position(|&r| r == key).unwrap_or_else(|| {
+                rankings.push(key);
+                rankings.len() - 1
+            })
+        })
+        .collect();
+    let nc = cands.len();
+    let terms: Vec<Vec<(f64, f64)>> = rot_rows
+        .par_chunks(w * ROWS_PER_TASK)
+        .zip(rows.par_chunks(d * ROWS_PER_TASK))
+        .map(|(xr, x)| {
+            // per ranking: the row's f16 values, importances and group order
+            let mut ranked: Vec<(Vec<f16>, Vec<f32>, Vec<u16>)> = rankings
+                .iter()
+                .map(|_| (vec![f16::ZERO; d], vec![0f32; d], vec![0u16; d]))
+                .collect();
+            let mut b = PackBufs::new(d);
+            let mut out = Vec::with_capacity(x.len() / d * nc);
+            for (row, xrow) in xr.chunks_exact(w).zip(x.chunks_exact(d)) {
+                for (&(dt, g), (y, imp, order)) in rankings.iter().zip(ranked.iter_mut()) {
+                    for j in 0..dt {
+                        y[j] = f16_from_f64(row[j]);
+                    }
+                    rank_groups(&y[..dt], g, imp, order);
+                }
+                for (l, &ri) in cands.iter().zip(&ranking_of) {
+                    let (y, _, order) = &ranked[ri];
+                    let (groups, kept) = (l.groups(), l.kept_groups().min(l.groups()));
+                    b.keep[..groups].fill(false);
+                    for &k in &order[..kept] {
+                        b.keep[k as usize] = true;
+                    }
+                    if l.dtype.is_quantized() {
+                        let g = l.group_size;
+                        b.kv.clear();
+                        for k in 0..groups {
+                            if b.keep[k] {
+                                b.kv.extend_from_slice(&y[k * g..(k + 1) * g]);
+                            }
+                        }
+                        dequantize_kept(&b.kv, l, &mut b.codes, &mut b.deq);
+                    }
+                    out.push(row_loss_terms(xrow, row, l, |k| b.keep[k], &b.deq));
+                }
+            }
+            out
+        })
+        .collect();
+    let mut sums = vec![(0f64, 0f64); nc];
+    for chunk in &terms {
+        for (i, t) in chunk.iter().enumerate() {
+            let s = &mut sums[i % nc];
+            s.0 += t.0;
+            s.1 += t.1;
+        }
+    }
+    sums.into_iter().map(loss_of).collect()
+}
+
 /// SPEC 11.1: `dropped / total`, 0 when the denominator is 0.
 pub fn loss_of(sums: (f64, f64)) -> f64 {
     if sums.1 == 0.0 {
@@ -520,10 +623,7 @@ pub fn fit_side_rotated_with(
     for l in &cands {
         l.validate()?;
     }
-    let losses: Vec<f64> = cands
-        .iter()
-        .map(|l| loss_rotated(rows, &xr, d, l))
-        .collect();
+    let losses = candidate_losses(rows, &xr, d, &cands);
     let k = match (mosaickv_spec::query::attention_config(config, ctx), ctx) {
         (Some(att), Some(ctx)) => {
             let attn = crate::loss::attention_losses(rows, &rotation, &cands, side, ctx)?;
@@ -682,4 +782,48 @@ pub fn block_size_dense(keys: &[f32], dt: usize, config: &CompressConfig) -> usi
         }
     }
     chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mosaickv_spec::ValueDtype;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// The one-pass search gives every candidate's loss bit for bit as the per-candidate
+    /// path, on rows with ties (repeated values, so group importances tie) and without,
+    /// for every value dtype and a truncating configuration.
+    #[test]
+    fn candidate_losses_equal_per_candidate_losses() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for &(d, n, ties) in &[(64usize, 300usize, false), (64, 257, true), (32, 40, true)] {
+            let rows: Vec<f32> = (0..n * d)
+                .map(|i| {
+                    if ties {
+                        [0.5f32, -0.5, 1.0, 0.0][(i * 7 + i / d) % 4]
+                    } else {
+                        rng.gen_range(-3.0f32..3.0)
+                    }
+                })
+                .collect();
+            for trunc in [0.0, 0.25] {
+                let config = CompressConfig {
+                    value_dtypes: vec![ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4],
+                    truncate_fraction: trunc,
+                    ..CompressConfig::default()
+                };
+                let rotation = rotation_from_covariance(&covariance(&rows, d), d);
+                let mut xr = vec![0f64; n * d];
+                rotate_rows_f64(&rotation, d, &rows, d, &mut xr);
+                let cands = rules::candidates(&config, d);
+                assert!(cands.len() > 20);
+                let fast = candidate_losses(&rows, &xr, d, &cands);
+                for (l, f) in cands.iter().zip(&fast) {
+                    let slow = loss_rotated(&rows, &xr, d, l);
+                    assert_eq!(f.to_bits(), slow.to_bits(), "{l:?}: {f} vs {slow}");
+                }
+            }
+        }
+    }
 }

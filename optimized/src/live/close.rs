@@ -27,10 +27,7 @@ fn fit_side_from_cov(
     for l in &cands {
         l.validate()?;
     }
-    let losses: Vec<f64> = cands
-        .iter()
-        .map(|l| encode::loss_rotated(rows, &xr, d, l))
-        .collect();
+    let losses = encode::candidate_losses(rows, &xr, d, &cands);
     let k = rules::choose_candidate(&cands, &losses, side, config);
     Ok((
         SideStrategy {
