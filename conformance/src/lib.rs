@@ -661,25 +661,8 @@ pub fn check_loss_at_threshold(cand: &dyn Backend, head_dim: usize, n: usize, se
     Ok(())
 }
 
-/// Whether a backend stores int8/int4 retained values (SPEC.md section 6). The CUDA
-/// kernels store f16 only (docs/GPU.md) and refuse a quantized layout with
-/// `BackendUnavailable`; every CPU backend stores every dtype.
-pub fn stores_quantized(b: &dyn Backend) -> bool {
-    !b.name().starts_with("cuda")
-}
-
-/// The default configuration as `b` can run it: itself, or with f16 values only on a backend
-/// that stores no int8/int4 records ([`stores_quantized`]).
-pub fn default_config_for(b: &dyn Backend) -> CompressConfig {
-    if stores_quantized(b) {
-        CompressConfig::default()
-    } else {
-        f16_default()
-    }
-}
-
-/// The default configuration with f16 values only (the CUDA kernels store no int8/int4
-/// records, docs/GPU.md).
+/// The default configuration with f16 values only (the default's other parameters): the
+/// f16 path beside the default's int4/int8/f16 in tests that compare the two.
 pub fn f16_default() -> CompressConfig {
     CompressConfig {
         value_dtypes: vec![mosaickv_spec::ValueDtype::F16],
@@ -737,19 +720,15 @@ macro_rules! conformance_suite {
                 let int4 = CompressConfig { value_dtypes: vec![Int4], ..fixed.clone() };
                 let mixed = CompressConfig { value_dtypes: vec![Int4, Int8, F16], ..small.clone() };
                 // The default stores int4/int8/f16 (SPEC.md section 2); its f16-only variant
-                // keeps the f16 backends (CUDA) on the default's other parameters.
+                // tests the f16 path on the default's other parameters.
                 let f16_default = CompressConfig { value_dtypes: vec![F16], ..CompressConfig::default() };
                 vec![CompressConfig::default(), f16_default, small, fixed, int8, int4, mixed]
             }
 
-            /// The configurations this backend is held to: all of them, less the quantized
-            /// ones on a backend that stores f16 values only (the CUDA kernels, docs/GPU.md;
-            /// it must refuse those with a typed error, which its own tests check).
-            fn configs_for(b: &dyn Backend) -> Vec<CompressConfig> {
+            /// The configurations every backend is held to: every value dtype, on the CPU
+            /// paths and on the CUDA kernels alike.
+            fn configs_for(_b: &dyn Backend) -> Vec<CompressConfig> {
                 configs()
-                    .into_iter()
-                    .filter(|c| stores_quantized(b) || c.value_dtypes.iter().all(|d| !d.is_quantized()))
-                    .collect()
             }
 
             $(#[$attr])*
@@ -786,7 +765,7 @@ macro_rules! conformance_suite {
             fn large_cache_attention() {
                 let Some(b) = backend("large_cache_attention") else { return };
                 let shape = KvShape::new(2, 8, 128).unwrap();
-                let mut cfg = $crate::default_config_for(b.as_ref());
+                let mut cfg = CompressConfig::default();
                 cfg.input_segment_len = 1024;
                 check_cache_attention(b.as_ref(), shape, &cfg, 3000, 130, 7).unwrap_or_else(|e| panic!("{e}"));
             }
@@ -809,7 +788,7 @@ macro_rules! conformance_suite {
             fn nonfinite_inputs_same_error() {
                 let Some(b) = backend("nonfinite_inputs_same_error") else { return };
                 for &d in &[32usize, 80, 128] {
-                    check_nonfinite(b.as_ref(), d, d as u64, &$crate::default_config_for(b.as_ref())).unwrap_or_else(|e| panic!("D={d}: {e}"));
+                    check_nonfinite(b.as_ref(), d, d as u64, &CompressConfig::default()).unwrap_or_else(|e| panic!("D={d}: {e}"));
                 }
             }
 
