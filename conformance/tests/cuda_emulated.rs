@@ -405,7 +405,7 @@ fn quantized_records_are_the_reference_bytes_on_every_rounding_rule() {
             (32, 24, 9, 1),
             (64, 48, 17, 1),
             (64, 64, 30, 2),
-            (80, 60, 21, 3),
+            (80, 60, 15, 5),
             (128, 96, 33, 1),
         ] {
             let layout = RecordLayout {
