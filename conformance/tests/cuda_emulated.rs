@@ -332,7 +332,12 @@ mod device_paths {
         let gpu = backend.gpu().unwrap();
         let dc = backend.upload(&[&a, &b, &c]).unwrap();
         let (qa, qb, qc) = (queries(4, 64, 1), queries(4, 64, 2), queries(4, 64, 3));
-        let flat: Vec<f32> = qa.iter().chain(qb.iter()).chain(qc.iter()).copied().collect();
+        let flat: Vec<f32> = qa
+            .iter()
+            .chain(qb.iter())
+            .chain(qc.iter())
+            .copied()
+            .collect();
         let out = gpu
             .down(&dc.attend(&gpu, &gpu.up(&flat).unwrap()).unwrap())
             .unwrap();
@@ -381,132 +386,5 @@ mod cuda_cache {
     #[test]
     fn swaps_that_change_the_segment_count_move_the_later_segments() {
         checks::swaps_that_change_the_segment_count_move_the_later_segments(gpu());
-    }
-}
-
-/// int8 and int4 records on the device (SPEC.md section 6): `mkv_encode` writes the
-/// reference's bytes, `mkv_decode` its decoded floats and `mkv_block_meta` its bounds, on
-/// rows built to reach every quantization rule: a record whose kept values are all equal
-/// (zero scale, all codes 0), a `-0` minimum (stored as `+0`), quotients that are exact
-/// half-integers (round half to even: 2.5 -> 2, 3.5 -> 4), the extremes `M` (code `qmax`)
-/// and `m` (code 0), odd `r` for int4 (the last high nibble 0), groups of 2, and a
-/// truncated tail. The identity rotation makes each stored f16 value the row's own element,
-/// so the rows spell out the records. (Before, the CUDA backend refused these layouts.)
-#[test]
-fn quantized_records_are_the_reference_bytes_on_every_rounding_rule() {
-    use mosaickv_conformance::{check_block_meta, check_decode, check_encode};
-    use mosaickv_spec::{RecordLayout, ValueDtype};
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
-    for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
-        let qmax = dtype.qmax() as f32;
-        for &(d, dt, r, g) in &[
-            (32usize, 32usize, 32usize, 1usize),
-            (32, 24, 9, 1),
-            (64, 48, 17, 1),
-            (64, 64, 30, 2),
-            (80, 60, 15, 5),
-            (128, 96, 33, 1),
-        ] {
-            let layout = RecordLayout {
-                head_dim: d,
-                kept_dims: dt,
-                r,
-                group_size: g,
-                dtype,
-            };
-            let mut rotation = vec![0f32; d * dt];
-            for j in 0..dt {
-                rotation[j * dt + j] = 1.0;
-            }
-            let side = SideStrategy {
-                layout,
-                rotation,
-                fit_loss: 0.0,
-            };
-            let mut rows = Array2::<f32>::zeros((24, d));
-            // Row 0: every value equal (a = 0: s = 0, all codes 0).
-            rows.row_mut(0).fill(0.75);
-            // Row 1: a -0 minimum among positive values.
-            for (i, x) in rows.row_mut(1).iter_mut().enumerate() {
-                *x = if i % 5 == 0 { -0.0 } else { 0.5 + i as f32 / 64.0 };
-            }
-            // Row 2: m = 0, M = qmax (s = 1), and values on half-integers (ties) between.
-            for (i, x) in rows.row_mut(2).iter_mut().enumerate() {
-                *x = match i % 4 {
-                    0 => 0.0,
-                    1 => qmax,
-                    2 => 2.5 + (i % 3) as f32,
-                    _ => 1.5 + (i % 7) as f32 * (qmax - 2.0) / 7.0,
-                };
-            }
-            // Row 3: negative range, ties at a scale of 0.5 (m = -qmax / 2).
-            for (i, x) in rows.row_mut(3).iter_mut().enumerate() {
-                *x = -qmax / 2.0 + 0.25 * (i % 9) as f32 + if i % 2 == 0 { 0.0 } else { 0.75 };
-            }
-            // The rest: random magnitudes and signs, some large, some tiny (subnormal f16).
-            for t in 4..24 {
-                let scale = [1e-6f32, 0.01, 1.0, 30.0, 2000.0][t % 5];
-                for x in rows.row_mut(t).iter_mut() {
-                    *x = rng.gen_range(-1.0f32..1.0) * scale + if t % 3 == 0 { scale } else { 0.0 };
-                }
-            }
-            let what = format!("{dtype:?} D={d} Dt={dt} r={r} g={g}");
-            check_encode(&SharedEmu, rows.view(), &side)
-                .unwrap_or_else(|e| panic!("{what}: encode: {e}"));
-            let packed = mosaickv_reference::ReferenceBackend
-                .encode(rows.view(), &side)
-                .unwrap();
-            check_decode(&SharedEmu, &packed, &side)
-                .unwrap_or_else(|e| panic!("{what}: decode: {e}"));
-            for b in [1usize, 5, 16] {
-                check_block_meta(&SharedEmu, &packed, &side, b)
-                    .unwrap_or_else(|e| panic!("{what}: block_meta(b={b}): {e}"));
-            }
-        }
-    }
-}
-
-/// A damaged int8/int4 record (a `-0` minimum, a non-finite scale, a non-zero code under a
-/// zero scale) is `CorruptPacked` from the device stages that read records, as from the
-/// reference, never a decoded value.
-#[test]
-fn a_corrupt_quantized_record_is_a_typed_error() {
-    use mosaickv_spec::{MosaicError, ValueDtype};
-    let rows = mosaickv_conformance::structured_rows(40, 64, 3);
-    for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
-        let cfg = CompressConfig {
-            value_dtypes: vec![dtype],
-            ..CompressConfig::default()
-        };
-        let side = mosaickv_reference::ReferenceBackend
-            .fit_side(rows.view(), Side::Key, &cfg)
-            .unwrap();
-        assert_eq!(side.layout.dtype, dtype);
-        let good = SharedEmu.encode(rows.view(), &side).unwrap();
-        let o = side.layout.bitmap_bytes();
-        let rb = side.layout.record_bytes();
-        let damage: [(&str, fn(&mut [u8], usize)); 3] = [
-            ("-0 minimum", |rec, o| rec[o..o + 2].copy_from_slice(&half::f16::NEG_ZERO.to_le_bytes())),
-            ("infinite scale", |rec, o| {
-                rec[o + 2..o + 4].copy_from_slice(&half::f16::INFINITY.to_le_bytes())
-            }),
-            ("code under a zero scale", |rec, o| {
-                rec[o + 2..o + 4].copy_from_slice(&half::f16::ZERO.to_le_bytes());
-                rec[o + 4] |= 1;
-            }),
-        ];
-        for (what, f) in damage {
-            let mut bad = good.clone();
-            f(&mut bad.bytes[7 * rb..8 * rb], o);
-            let want = mosaickv_reference::ReferenceBackend.decode(&bad, &side).map(|_| ());
-            assert!(matches!(want, Err(MosaicError::CorruptPacked(_))), "{what}: {want:?}");
-            assert_eq!(SharedEmu.decode(&bad, &side).map(|_| ()), want, "{dtype:?} decode, {what}");
-            assert_eq!(
-                SharedEmu.block_meta(&bad, &side, 16).map(|_| ()),
-                mosaickv_reference::ReferenceBackend.block_meta(&bad, &side, 16).map(|_| ()),
-                "{dtype:?} block_meta, {what}"
-            );
-        }
     }
 }

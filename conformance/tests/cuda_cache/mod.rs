@@ -139,7 +139,10 @@ pub fn prefill_appends_and_flushes_match_the_reference(gpu: Arc<Gpu>) {
         refs.push(c);
     }
     let views: Vec<&CompressedCache> = refs.iter().map(|c| c.compressed()).collect();
-    assert!(views.iter().any(|c| has_quantized(c)), "the default stores int8/int4 values here");
+    assert!(
+        views.iter().any(|c| has_quantized(c)),
+        "the default stores int8/int4 values here"
+    );
     let mut cc = CudaCache::new(gpu.clone(), &views, opts()).unwrap();
     check_batch(&cc, &views, 1, "after prefill");
     let mut flushes = 0;
@@ -234,7 +237,10 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
         sa.heads[0].strategy.block_size, sr.heads[0].strategy.block_size,
         "the re-encoded segment must differ in its block layout"
     );
-    assert!(has_quantized(&re), "the re-encoded segment stores int4 values");
+    assert!(
+        has_quantized(&re),
+        "the re-encoded segment stores int4 values"
+    );
     let mut cc = CudaCache::new(gpu.clone(), &[&a, &other], opts()).unwrap();
     let (_, flat) = batch_queries(2, 7);
     let out0 = cc.attend(&flat).unwrap();
@@ -272,10 +278,18 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
             let l = &side.layout;
             assert_eq!(l.dtype, mosaickv_spec::ValueDtype::Int4);
             let rb = (l.bitmap_bytes() + 4 + l.r.div_ceil(2)).next_multiple_of(4);
-            assert_eq!(packed.bytes.len(), sr.len * rb, "records with their scale bytes");
+            assert_eq!(
+                packed.bytes.len(),
+                sr.len * rb,
+                "records with their scale bytes"
+            );
         }
     }
-    let meta: usize = sr.heads.iter().map(|h| h.meta.min.len().next_multiple_of(8)).sum();
+    let meta: usize = sr
+        .heads
+        .iter()
+        .map(|h| h.meta.min.len().next_multiple_of(8))
+        .sum();
     assert_eq!(m1.device_staged_bytes, records(sr) + 2 * meta, "{m1:?}");
     assert!(m1.device_replaced_bytes >= records(sa), "{m1:?}");
     assert_eq!(
