@@ -3,8 +3,11 @@
 # Needs ./carry/ from scripts/build-gpu-carry.sh. Writes results under $OUT:
 #   cuda-tests.txt, conformance-cuda.txt, gpu_compare.txt, gpu_compare.json (JSON lines),
 #   sdpa.txt, sdpa.json, gpu_results.json (merged list) and gpu_results.txt (merged table).
-# The conformance step includes the CudaCache checks (all 4 must print their marker), and
-# gpu_compare must write cudacache and cc_swap rows at every batch size.
+# The conformance step includes the CudaCache checks (all 4 must print their marker) and
+# runs every value dtype (f16, int8, int4: the default configuration stores quantized
+# records), and gpu_compare must write cudacache and cc_swap rows at every batch size for
+# both MosaicKV configurations (`*_default`: CompressConfig::default(), int4/int8/f16
+# values; unsuffixed: paper_fixed(), f16).
 # Budget: under 8 minutes; every step has its own timeout (sum 455 s) and the comparison
 # skips contexts its own estimate says would pass its deadline.
 # CONTEXTS / BATCH / STEPS override the comparison's shapes (defaults: 32K..1M, 1 and 8, 20).
@@ -73,7 +76,7 @@ check_ran "conformance (CUDA)" "$OUT/conformance-cuda.txt" $code "CUDA available
 cc_ran=$(grep -c "CudaCache conformance ran on:" "$OUT/conformance-cuda.txt")
 [ "$cc_ran" = 4 ] || fail_step "CudaCache conformance: $cc_ran of its 4 tests ran to the end on the device"
 
-step "gpu_compare: full, Quest, MosaicKV (contexts $CONTEXTS, batch $BATCH)"
+step "gpu_compare: full, Quest, MosaicKV default and paper (contexts $CONTEXTS, batch $BATCH)"
 dump=$(mktemp -d)
 timeout 250 ./carry/gpu_compare --contexts "$CONTEXTS" --batch "$BATCH" --steps "$STEPS" \
   --deadline-s 190 --json "$OUT/gpu_compare.json" --dump-dir "$dump" 2>&1 | tee "$OUT/gpu_compare.txt"
@@ -81,7 +84,7 @@ timeout 250 ./carry/gpu_compare --contexts "$CONTEXTS" --batch "$BATCH" --steps 
 [ -s "$OUT/gpu_compare.json" ] || fail_step "gpu_compare wrote no JSON"
 # CudaCache (decode steps with appends, and a segment swap) at every batch size asked for.
 for b in ${BATCH//,/ }; do
-  for m in cudacache cc_swap; do
+  for m in cudacache cc_swap cudacache_default cc_swap_default; do
     grep -q "\"method\": \"$m\", \"context\": [0-9]*, \"batch\": $b," "$OUT/gpu_compare.json" 2>/dev/null \
       || fail_step "gpu_compare: no $m row at batch $b"
   done

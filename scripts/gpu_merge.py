@@ -9,7 +9,10 @@ the dense kernel); full rows get speedup_vs_sdpa (SDPA time / dense kernel time:
 issue's target is >= 1, the dense kernel no slower than SDPA)."""
 import json, os, sys
 
-ORDER = {"full": 0, "torch_sdpa": 1, "quest": 2, "mosaic": 3, "cudacache": 4, "cc_swap": 5}
+# The default configuration's rows first (issue 15: the configuration users run), then the
+# paper's fixed setting.
+ORDER = {"full": 0, "torch_sdpa": 1, "quest_default": 2, "mosaic_default": 3, "cudacache_default": 4,
+         "cc_swap_default": 5, "quest": 6, "mosaic": 7, "cudacache": 8, "cc_swap": 9}
 
 
 def load(compare, sdpa):
@@ -53,10 +56,10 @@ def fmt(x, spec):
 def table(rows, bw):
     dev = next((r.get("device") for r in rows if r.get("device")), "unknown device")
     lines = [f"device {dev} | copy bandwidth {fmt(bw, '.0f')} GB/s (read + write, device-to-device)"]
-    lines.append(f"{'method':<11} {'context':>8} {'batch':>5} {'median_us':>10} {'GB/s':>8} {'bw_frac':>7} "
+    lines.append(f"{'method':<17} {'context':>8} {'batch':>5} {'median_us':>10} {'GB/s':>8} {'bw_frac':>7} "
                  f"{'B/tok':>6} {'x_full':>7} {'x_quest':>7} {'x_sdpa':>7} {'err_full':>9} {'check':>9}")
     for r in rows:
-        lines.append(f"{r['method']:<11} {r['context']:>8} {r['batch']:>5} {fmt(r['median_us'], '10.1f')} "
+        lines.append(f"{r['method']:<17} {r['context']:>8} {r['batch']:>5} {fmt(r['median_us'], '10.1f')} "
                      f"{fmt(r.get('gbps'), '8.0f')} {fmt(r.get('bandwidth_fraction'), '7.3f')} "
                      f"{fmt(r.get('kv_bytes_per_token'), '6.0f')} {fmt(r.get('speedup_vs_full'), '7.2f')} "
                      f"{fmt(r.get('speedup_vs_quest'), '7.2f')} {fmt(r.get('speedup_vs_sdpa'), '7.2f')} "

@@ -603,6 +603,151 @@ pub fn check_large_finite(
     check_encode(cand, rows.view(), side).map_err(|e| format!("large finite rows: {e}"))
 }
 
+/// SPEC 6, int8 and int4 records: encode writes the reference's bytes, decode its decoded
+/// floats and block_meta its bounds, on rows built to reach every quantization rule: a
+/// record whose kept values are all equal (zero scale, all codes 0), a `-0` minimum (stored
+/// as `+0`), quotients that are exact half-integers (round half to even: 2.5 -> 2, 3.5 -> 4),
+/// the extremes `M` (code `qmax`) and `m` (code 0), odd `r` for int4 (the last high nibble 0),
+/// groups larger than 1, a truncated tail, subnormal and large magnitudes. The identity
+/// rotation makes each stored f16 value the row's own element, so the rows spell out the
+/// records.
+pub fn check_quantized_rounding_rules(cand: &dyn Backend) -> Check {
+    use mosaickv_spec::{RecordLayout, ValueDtype};
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+        let qmax = dtype.qmax() as f32;
+        for &(d, dt, r, g) in &[
+            (32usize, 32usize, 32usize, 1usize),
+            (32, 24, 9, 1),
+            (64, 48, 17, 1),
+            (64, 64, 30, 2),
+            (80, 60, 15, 5),
+            (128, 96, 33, 1),
+        ] {
+            let layout = RecordLayout {
+                head_dim: d,
+                kept_dims: dt,
+                r,
+                group_size: g,
+                dtype,
+            };
+            let mut rotation = vec![0f32; d * dt];
+            for j in 0..dt {
+                rotation[j * dt + j] = 1.0;
+            }
+            let side = SideStrategy {
+                layout,
+                rotation,
+                fit_loss: 0.0,
+            };
+            let mut rows = Array2::<f32>::zeros((24, d));
+            // Row 0: every value equal (a = 0: s = 0, all codes 0).
+            rows.row_mut(0).fill(0.75);
+            // Row 1: a -0 minimum among positive values.
+            for (i, x) in rows.row_mut(1).iter_mut().enumerate() {
+                *x = if i % 5 == 0 {
+                    -0.0
+                } else {
+                    0.5 + i as f32 / 64.0
+                };
+            }
+            // Row 2: m = 0, M = qmax (s = 1), and values on half-integers (ties) between.
+            for (i, x) in rows.row_mut(2).iter_mut().enumerate() {
+                *x = match i % 4 {
+                    0 => 0.0,
+                    1 => qmax,
+                    2 => 2.5 + (i % 3) as f32,
+                    _ => 1.5 + (i % 7) as f32 * (qmax - 2.0) / 7.0,
+                };
+            }
+            // Row 3: a negative range with ties at a scale of 0.5 (m = -qmax / 2).
+            for (i, x) in rows.row_mut(3).iter_mut().enumerate() {
+                *x = -qmax / 2.0 + 0.25 * (i % 9) as f32 + if i % 2 == 0 { 0.0 } else { 0.75 };
+            }
+            // The rest: random magnitudes and signs, some large, some tiny (subnormal f16).
+            for t in 4..24 {
+                let scale = [1e-6f32, 0.01, 1.0, 30.0, 2000.0][t % 5];
+                for x in rows.row_mut(t).iter_mut() {
+                    *x = rng.gen_range(-1.0f32..1.0) * scale + if t % 3 == 0 { scale } else { 0.0 };
+                }
+            }
+            let what = format!("{dtype:?} D={d} Dt={dt} r={r} g={g}");
+            check_encode(cand, rows.view(), &side).map_err(|e| format!("{what}: encode: {e}"))?;
+            let packed = ReferenceBackend
+                .encode(rows.view(), &side)
+                .map_err(|e| format!("{what}: reference encode: {e}"))?;
+            check_decode(cand, &packed, &side).map_err(|e| format!("{what}: decode: {e}"))?;
+            for b in [1usize, 5, 16] {
+                check_block_meta(cand, &packed, &side, b)
+                    .map_err(|e| format!("{what}: block_meta(b={b}): {e}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// SPEC 6: a damaged int8/int4 record (a `-0` minimum, a non-finite scale, a non-zero code
+/// under a zero scale) is `CorruptPacked` from decode and block_meta, the reference's error,
+/// never a decoded value.
+pub fn check_corrupt_quantized_records(cand: &dyn Backend) -> Check {
+    use mosaickv_spec::ValueDtype;
+    let rows = structured_rows(40, 64, 3);
+    for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+        let cfg = CompressConfig {
+            value_dtypes: vec![dtype],
+            ..CompressConfig::default()
+        };
+        let side = ReferenceBackend
+            .fit_side(rows.view(), Side::Key, &cfg)
+            .map_err(|e| e.to_string())?;
+        if side.layout.dtype != dtype {
+            return Err(format!(
+                "fit_side chose {:?}, not {dtype:?}",
+                side.layout.dtype
+            ));
+        }
+        let good = ReferenceBackend
+            .encode(rows.view(), &side)
+            .map_err(|e| e.to_string())?;
+        let o = side.layout.bitmap_bytes();
+        let rb = side.layout.record_bytes();
+        let damage: [(&str, fn(&mut [u8], usize)); 3] = [
+            ("-0 minimum", |rec, o| {
+                rec[o..o + 2].copy_from_slice(&half::f16::NEG_ZERO.to_le_bytes())
+            }),
+            ("infinite scale", |rec, o| {
+                rec[o + 2..o + 4].copy_from_slice(&half::f16::INFINITY.to_le_bytes())
+            }),
+            ("code under a zero scale", |rec, o| {
+                rec[o + 2..o + 4].copy_from_slice(&half::f16::ZERO.to_le_bytes());
+                rec[o + 4] |= 1;
+            }),
+        ];
+        for (what, f) in damage {
+            let mut bad = good.clone();
+            f(&mut bad.bytes[7 * rb..8 * rb], o);
+            let want = ReferenceBackend.decode(&bad, &side).map(|_| ());
+            if !matches!(want, Err(MosaicError::CorruptPacked(_))) {
+                return Err(format!("{dtype:?} {what}: reference gave {want:?}"));
+            }
+            let got = cand.decode(&bad, &side).map(|_| ());
+            if got != want {
+                return Err(format!(
+                    "{dtype:?} decode, {what}: {got:?}, reference {want:?}"
+                ));
+            }
+            let want = ReferenceBackend.block_meta(&bad, &side, 16).map(|_| ());
+            let got = cand.block_meta(&bad, &side, 16).map(|_| ());
+            if got != want {
+                return Err(format!(
+                    "{dtype:?} block_meta, {what}: {got:?}, reference {want:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// SPEC 8.3: `+0.0` and `-0.0` scores tie (lower index first), like any equal scores.
 pub fn check_signed_zero_ties(cand: &dyn Backend) -> Check {
     let scores = [0.0f32, -0.0, -0.0, 0.0, 0.25, -0.0, 0.0, -0.25, -0.0];
@@ -661,25 +806,8 @@ pub fn check_loss_at_threshold(cand: &dyn Backend, head_dim: usize, n: usize, se
     Ok(())
 }
 
-/// Whether a backend stores int8/int4 retained values (SPEC.md section 6). The CUDA
-/// kernels store f16 only (docs/GPU.md) and refuse a quantized layout with
-/// `BackendUnavailable`; every CPU backend stores every dtype.
-pub fn stores_quantized(b: &dyn Backend) -> bool {
-    !b.name().starts_with("cuda")
-}
-
-/// The default configuration as `b` can run it: itself, or with f16 values only on a backend
-/// that stores no int8/int4 records ([`stores_quantized`]).
-pub fn default_config_for(b: &dyn Backend) -> CompressConfig {
-    if stores_quantized(b) {
-        CompressConfig::default()
-    } else {
-        f16_default()
-    }
-}
-
-/// The default configuration with f16 values only (the CUDA kernels store no int8/int4
-/// records, docs/GPU.md).
+/// The default configuration with f16 values only (the default's other parameters): the
+/// f16 path beside the default's int4/int8/f16 in tests that compare the two.
 pub fn f16_default() -> CompressConfig {
     CompressConfig {
         value_dtypes: vec![mosaickv_spec::ValueDtype::F16],
@@ -737,19 +865,15 @@ macro_rules! conformance_suite {
                 let int4 = CompressConfig { value_dtypes: vec![Int4], ..fixed.clone() };
                 let mixed = CompressConfig { value_dtypes: vec![Int4, Int8, F16], ..small.clone() };
                 // The default stores int4/int8/f16 (SPEC.md section 2); its f16-only variant
-                // keeps the f16 backends (CUDA) on the default's other parameters.
+                // tests the f16 path on the default's other parameters.
                 let f16_default = CompressConfig { value_dtypes: vec![F16], ..CompressConfig::default() };
                 vec![CompressConfig::default(), f16_default, small, fixed, int8, int4, mixed]
             }
 
-            /// The configurations this backend is held to: all of them, less the quantized
-            /// ones on a backend that stores f16 values only (the CUDA kernels, docs/GPU.md;
-            /// it must refuse those with a typed error, which its own tests check).
-            fn configs_for(b: &dyn Backend) -> Vec<CompressConfig> {
+            /// The configurations every backend is held to: every value dtype, on the CPU
+            /// paths and on the CUDA kernels alike.
+            fn configs_for(_b: &dyn Backend) -> Vec<CompressConfig> {
                 configs()
-                    .into_iter()
-                    .filter(|c| stores_quantized(b) || c.value_dtypes.iter().all(|d| !d.is_quantized()))
-                    .collect()
             }
 
             $(#[$attr])*
@@ -786,7 +910,7 @@ macro_rules! conformance_suite {
             fn large_cache_attention() {
                 let Some(b) = backend("large_cache_attention") else { return };
                 let shape = KvShape::new(2, 8, 128).unwrap();
-                let mut cfg = $crate::default_config_for(b.as_ref());
+                let mut cfg = CompressConfig::default();
                 cfg.input_segment_len = 1024;
                 check_cache_attention(b.as_ref(), shape, &cfg, 3000, 130, 7).unwrap_or_else(|e| panic!("{e}"));
             }
@@ -809,7 +933,7 @@ macro_rules! conformance_suite {
             fn nonfinite_inputs_same_error() {
                 let Some(b) = backend("nonfinite_inputs_same_error") else { return };
                 for &d in &[32usize, 80, 128] {
-                    check_nonfinite(b.as_ref(), d, d as u64, &$crate::default_config_for(b.as_ref())).unwrap_or_else(|e| panic!("D={d}: {e}"));
+                    check_nonfinite(b.as_ref(), d, d as u64, &CompressConfig::default()).unwrap_or_else(|e| panic!("D={d}: {e}"));
                 }
             }
 
@@ -822,6 +946,20 @@ macro_rules! conformance_suite {
                         check_large_finite(b.as_ref(), d, d as u64 + 5, &cfg).unwrap_or_else(|e| panic!("D={d}: {e}"));
                     }
                 }
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn quantized_rounding_rules() {
+                let Some(b) = backend("quantized_rounding_rules") else { return };
+                check_quantized_rounding_rules(b.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn corrupt_quantized_records() {
+                let Some(b) = backend("corrupt_quantized_records") else { return };
+                check_corrupt_quantized_records(b.as_ref()).unwrap_or_else(|e| panic!("{e}"));
             }
 
             $(#[$attr])*

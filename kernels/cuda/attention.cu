@@ -118,6 +118,9 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
 
     const int kw = (s.key_dt / s.key_g + 63) / 64, vw = (s.val_dt / s.val_g + 63) / 64;
     const int kbb = mkv_bitmap_bytes(s.key_dt / s.key_g), vbb = mkv_bitmap_bytes(s.val_dt / s.val_g);
+    // Where each side's values start: after the bitmap and, for int8 / int4, the record's
+    // f16 minimum and scale (SPEC.md section 6).
+    const int kvo = kbb + mkv_scale_bytes(s.key_dtype), vvo = vbb + mkv_scale_bytes(s.val_dtype);
     const int kchunks = (s.key_r + 3) / 4, vchunks = (s.val_r + 3) / 4;
     const int kl = mkv_pow2_lanes(kchunks), vl = mkv_pow2_lanes(vchunks);  // lanes per token
     const u8* kseg = packed_k + s.key_rec_off;
@@ -129,7 +132,8 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
         const int T = min(MKV_ATT_TILE, span - ts);
         // Slot t of the tile: block it.y + (ts + t) / bs, offset (ts + t) % bs; a hole when
         // the offset is past that block's length.
-        // Phase A: logits q'.k^ from K records, kl lanes per token, 4 values per lane-chunk.
+        // Phase A: logits q'.k^ from K records (any value dtype), kl lanes per token, 4 values
+        // per lane-chunk.
         for (int t_base = 0; t_base < T; t_base += MKV_ATT_THREADS / kl) {
             const int t = t_base + tid / kl, sub = tid % kl;
             int tok = -1;
@@ -146,15 +150,17 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
                     const u8* rec = kseg + (i64)tok * s.key_rb;
                     u64 bm[MKV_MAX_WORDS];
                     mkv_load_bitmap(rec, s.key_dt / s.key_g, bm);
+                    const QuantParams qp = mkv_load_quant(rec, kbb, s.key_dtype);
                     for (int c = sub; c < kchunks; c += kl) {
-                        const uint2 raw = mkv_load_values4(rec + kbb, c, s.key_r);
-                        const u16 hv[4] = {(u16)(raw.x & 0xffffu), (u16)(raw.x >> 16), (u16)(raw.y & 0xffffu), (u16)(raw.y >> 16)};
+                        // The decoded key k^ (SPEC.md 6 step 4: f16, or m + code * s in f32).
+                        float kv4[4];
+                        mkv_load_decoded4(rec + kvo, c, s.key_r, s.key_dtype, qp, kv4);
                         int dims[4];
                         mkv_chunk_dims(bm, kw, s.key_r, s.key_g, c, dims);
                         #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             if (dims[i] < 0) continue;
-                            const float v = mkv_h2f(hv[i]);
+                            const float v = kv4[i];
                             #pragma unroll
                             for (int h = 0; h < MKV_HCHUNK; ++h)
                                 if (h0 + h < G) acc[h] += v * sq[(h0 + h) * D + dims[i]];
@@ -180,15 +186,17 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
             const u8* rec = vseg + (i64)(br.start + off) * s.val_rb;
             u64 bm[MKV_MAX_WORDS];
             mkv_load_bitmap(rec, s.val_dt / s.val_g, bm);
+            const QuantParams qp = mkv_load_quant(rec, vbb, s.val_dtype);
             for (int c = sub; c < vchunks; c += vl) {
-                const uint2 raw = mkv_load_values4(rec + vbb, c, s.val_r);
-                const u16 hv[4] = {(u16)(raw.x & 0xffffu), (u16)(raw.x >> 16), (u16)(raw.y & 0xffffu), (u16)(raw.y >> 16)};
+                // The decoded value v^ (SPEC.md 6 step 4: f16, or m + code * s in f32).
+                float vv4[4];
+                mkv_load_decoded4(rec + vvo, c, s.val_r, s.val_dtype, qp, vv4);
                 int dims[4];
                 mkv_chunk_dims(bm, vw, s.val_r, s.val_g, c, dims);
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     if (dims[i] < 0) continue;
-                    const float v = mkv_h2f(hv[i]);
+                    const float v = vv4[i];
                     for (int h = 0; h < G; ++h) atomicAdd(&so[h * D + dims[i]], sp[h * MKV_ATT_TILE + t] * v);
                 }
             }

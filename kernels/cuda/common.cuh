@@ -78,11 +78,87 @@ __device__ __forceinline__ void mkv_load_bitmap(const u8* rec, int groups, u64 b
     }
 }
 
+// ---- Value dtypes of a record (SPEC.md section 6) ------------------------------------------
+// Tags as in the strategy (`ValueDtype`): f16 values, or int8 / int4 codes after a per-record
+// f16 minimum m and f16 scale s (4 bytes right after the bitmap).
+#define MKV_F16 1
+#define MKV_INT8 2
+#define MKV_INT4 3
+
+__device__ __forceinline__ bool mkv_is_quantized(int dtype) { return dtype != MKV_F16; }
+// Bytes of the per-record minimum and scale: 0 (f16), 4 (int8, int4).
+__device__ __forceinline__ int mkv_scale_bytes(int dtype) { return mkv_is_quantized(dtype) ? 4 : 0; }
+// Largest code: 255 (int8), 15 (int4).
+__device__ __forceinline__ int mkv_qmax(int dtype) { return dtype == MKV_INT8 ? 255 : 15; }
+
+// A record's dequantization parameters (SPEC.md section 6): m and s widened to f32 (exact).
+struct QuantParams {
+    float m, s;
+};
+// Reads m and s (two little-endian f16 at the 4-byte aligned offset `bb`, the bitmap's end);
+// f16 records get {0, 0} (unused).
+__device__ __forceinline__ QuantParams mkv_load_quant(const u8* rec, int bb, int dtype) {
+    QuantParams p = {0.0f, 0.0f};
+    if (mkv_is_quantized(dtype)) {
+        const u32 w = __ldg(reinterpret_cast<const u32*>(rec + bb));
+        p.m = mkv_h2f((u16)(w & 0xffffu));
+        p.s = mkv_h2f((u16)(w >> 16));
+    }
+    return p;
+}
+
+// SPEC.md section 6, Quantization step 4 (the decoded value): m + c * s in f32. The product
+// is exact (at most 8 + 11 significant bits), so the fused multiply-add rounds once, like
+// the host's multiply-then-add.
+__device__ __forceinline__ float mkv_dequant(QuantParams p, u32 code) {
+    return __fmaf_rn((float)code, p.s, p.m);
+}
+
+// Code i of a record's codes (the bytes after m and s): int8 one byte each, int4 two per
+// byte (low nibble for even i).
+__device__ __forceinline__ u32 mkv_read_code(const u8* codes, int dtype, int i) {
+    if (dtype == MKV_INT8) return codes[i];
+    return (codes[i >> 1] >> (4 * (i & 1))) & 0x0fu;
+}
+
+// Decoded value vi of a record whose values start at `vals` (f16 values, or codes with `p`).
+__device__ __forceinline__ float mkv_record_value(const u8* vals, int dtype, QuantParams p, int vi) {
+    if (dtype == MKV_F16) return mkv_h2f(reinterpret_cast<const u16*>(vals)[vi]);
+    return mkv_dequant(p, mkv_read_code(vals, dtype, vi));
+}
+
 // Values 4c .. 4c + 4 of a record (f16 pairs in two u32), reading nothing past value r - 1's
 // 4-byte word (so nothing past the 4-byte padded record).
 __device__ __forceinline__ uint2 mkv_load_values4(const u8* vals, int c, int r) {
     const u32* p = reinterpret_cast<const u32*>(vals) + 2 * c;
     return make_uint2(__ldg(p), 4 * c + 2 < r ? __ldg(p + 1) : 0u);
+}
+
+// Decoded values 4c .. 4c + 4 of a record whose values start at `vals` (4-byte aligned), for
+// any dtype, with aligned 4-byte loads that stay inside the 4-byte padded record: f16 two
+// u32 (mkv_load_values4); int8 the one u32 holding codes 4c..4c+3; int4 the u32 holding
+// bytes 2c, 2c+1 (word c/2, its low or high half). Entries past r - 1 are garbage; callers
+// skip them (mkv_chunk_dims gives -1).
+__device__ __forceinline__ void mkv_load_decoded4(const u8* vals, int c, int r, int dtype, QuantParams p,
+                                                  float v[4]) {
+    if (dtype == MKV_F16) {
+        const uint2 raw = mkv_load_values4(vals, c, r);
+        v[0] = mkv_h2f((u16)(raw.x & 0xffffu));
+        v[1] = mkv_h2f((u16)(raw.x >> 16));
+        v[2] = mkv_h2f((u16)(raw.y & 0xffffu));
+        v[3] = mkv_h2f((u16)(raw.y >> 16));
+        return;
+    }
+    u32 codes;
+    if (dtype == MKV_INT8) {
+        codes = __ldg(reinterpret_cast<const u32*>(vals) + c);  // bytes 4c .. 4c+3
+    } else {
+        const u32 w = __ldg(reinterpret_cast<const u32*>(vals) + (c >> 1));
+        const u32 hw = (c & 1) ? (w >> 16) : (w & 0xffffu);  // bytes 2c, 2c+1: 4 nibbles
+        codes = (hw & 0xfu) | ((hw & 0xf0u) << 4) | ((hw & 0xf00u) << 8) | ((hw & 0xf000u) << 12);
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = mkv_dequant(p, (codes >> (8 * i)) & 0xffu);
 }
 
 // Position (0..63) of the k-th (0-based) set bit of a 64-bit word; k < popcount(w).
@@ -190,7 +266,7 @@ __device__ __forceinline__ int mkv_pow2_lanes(int x) {
 
 // Per (segment, KV head) description of one head's part of a segment, shared
 // by the encode/score/attention kernels. Mirrors `SegHeadDesc` in
-// optimized/src/cuda/layout.rs (88 bytes; checked there at compile time).
+// optimized/src/cuda/layout.rs (96 bytes; checked there at compile time).
 struct SegHead {
     i64 key_rec_off;   // byte offset of record 0 of the keys in the packed-K buffer
     i64 val_rec_off;   // byte offset of record 0 of the values in the packed-V buffer
@@ -202,6 +278,7 @@ struct SegHead {
     int block_size;    // b
     int key_dt, key_r, key_g, key_rb;  // Dt, r, g, record bytes of the K side
     int val_dt, val_r, val_g, val_rb;  // same for the V side
+    int key_dtype, val_dtype;          // value dtype tags (MKV_F16 / MKV_INT8 / MKV_INT4)
 };
 
 // One block of one KV head's global block order (SPEC.md section 8.3).

@@ -75,10 +75,20 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Options every kernel is compiled with, besides the architecture.
 pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17"];
 
-/// Dynamic shared memory of `mkv_encode` for head_dim `d`, `groups = Dt / g`, `dt` kept dims.
+/// Dynamic shared memory of `mkv_encode` for head_dim `d`, `groups = Dt / g`, `dt` kept dims:
+/// the row (f32), the group importances (f32) and keep flags (i32), the rotated f16 row, and
+/// one code byte per kept dim (int8 / int4 records; unused for f16).
 pub fn encode_smem_bytes(d: usize, dt: usize, groups: usize) -> usize {
-    4 * d + 4 * groups + 4 * groups + 2 * dt
+    4 * d + 4 * groups + 4 * groups + 2 * dt + dt
 }
+
+/// The value dtype tag the kernels take (`MKV_F16`, `MKV_INT8`, `MKV_INT4` in common.cuh):
+/// the strategy's tag (SPEC.md section 6), `F16 = 1`, `Int8 = 2`, `Int4 = 3`.
+pub const DTYPE_F16: i32 = 1;
+/// See [`DTYPE_F16`].
+pub const DTYPE_INT8: i32 = 2;
+/// See [`DTYPE_F16`].
+pub const DTYPE_INT4: i32 = 3;
 
 /// Dynamic shared memory of `mkv_packed_attention` for a GQA group `g` and head_dim `d`.
 pub fn packed_attention_smem_bytes(g: usize, d: usize) -> usize {

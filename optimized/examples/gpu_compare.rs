@@ -1,13 +1,21 @@
 //! GPU decode attention, side by side (issue 6): full attention over a dense f16 cache,
-//! Quest (SPEC.md section 12, 10 % of the tokens) and MosaicKV (`CompressConfig::paper_fixed`:
-//! 10 % of the tokens, 25 % of the channels; SPEC.md sections 8-9) for one layer of
+//! Quest (SPEC.md section 12) and MosaicKV (SPEC.md sections 8-9) for one layer of
 //! Llama-3.1-8B shape (32 query heads, 8 KV heads, head_dim 128), plus the device's
-//! copy bandwidth measured in the same run.
+//! copy bandwidth measured in the same run. MosaicKV runs in each configuration of
+//! `--config` (default `default,paper`):
+//! - `default`: `CompressConfig::default()` (20 % of the tokens, channels and value dtypes
+//!   int4/int8/f16 chosen by the loss rule: quantized records on the device); rows
+//!   `mosaic_default`, `cudacache_default`, `cc_swap_default`, beside Quest at the same
+//!   token rate (`quest_default`);
+//! - `paper`: `CompressConfig::paper_fixed()` (10 % of the tokens, 25 % of the channels,
+//!   f16 values); rows `mosaic`, `cudacache`, `cc_swap`, beside Quest at `--token-rate`
+//!   (default 0.10, the paper's; row `quest`).
 //!
 //! ```text
 //! cargo run --release -p mosaickv-optimized --features cuda --example gpu_compare -- \
 //!     [--contexts 32768,131072,524288,1048576] [--batch 1,8] [--steps 20] [--warmup 3] \
-//!     [--json FILE] [--deadline-s SECONDS] [--exact-max N] [--dump-dir DIR] [--build-only]
+//!     [--config default,paper] [--json FILE] [--deadline-s SECONDS] [--exact-max N] \
+//!     [--dump-dir DIR] [--build-only]
 //! ```
 //!
 //! `--deadline-s S`: before each context, its cost is estimated from the previous one
@@ -18,7 +26,7 @@
 //! Data: `mosaickv_reference::synthetic::structured_kv` at the largest context, generated
 //! once; every context is a prefix of it (the generator is sequential, so a prefix is what
 //! a shorter run would give). Each context's MosaicKV cache is built from scratch with
-//! `OptimizedMosaicCache::prefill` (rayon, all cores). A batch of B repeats the sequence B
+//! `OptimizedMosaicCache::prefill` (rayon, all cores) per configuration. A batch of B repeats the sequence B
 //! times on the device (same cache contents, one query set per sequence).
 //!
 //! Timing: CUDA events around each decode step (selection, attention and merge, including
@@ -64,10 +72,56 @@ struct Args {
     exact_max: usize,
     dump_dir: Option<String>,
     build_only: bool,
+    /// MosaicKV configurations, in `--config` order.
+    configs: Vec<MosaicConfig>,
+}
+
+/// One MosaicKV configuration of the run: its name and the suffix of its rows' methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MosaicConfig {
+    /// `CompressConfig::default()`: rows `*_default`.
+    Default,
+    /// `CompressConfig::paper_fixed()`: rows `mosaic`, `cudacache`, `cc_swap`, `quest`.
+    Paper,
+}
+
+impl MosaicConfig {
+    fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "default" => Ok(Self::Default),
+            "paper" => Ok(Self::Paper),
+            o => Err(format!("--config: {o:?} is neither default nor paper")),
+        }
+    }
+    fn config(self) -> CompressConfig {
+        match self {
+            Self::Default => CompressConfig::default(),
+            Self::Paper => CompressConfig::paper_fixed(),
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Self::Default => "default",
+            Self::Paper => "paper",
+        }
+    }
+    /// The methods of this configuration's rows: (quest, mosaic, cudacache, cc_swap).
+    fn methods(self) -> [&'static str; 4] {
+        match self {
+            Self::Default => [
+                "quest_default",
+                "mosaic_default",
+                "cudacache_default",
+                "cc_swap_default",
+            ],
+            Self::Paper => ["quest", "mosaic", "cudacache", "cc_swap"],
+        }
+    }
 }
 
 const USAGE: &str = "usage: gpu_compare [--contexts N,..] [--batch B,..] [--steps N] [--warmup N] \
-[--json FILE] [--token-rate F] [--bandwidth-mib N] [--deadline-s S] [--exact-max N] [--dump-dir DIR] [--build-only]";
+[--config default,paper] [--json FILE] [--token-rate F] [--bandwidth-mib N] [--deadline-s S] [--exact-max N] \
+[--dump-dir DIR] [--build-only]";
 
 fn parse_count(s: &str) -> Result<usize, String> {
     let t = s.trim();
@@ -96,6 +150,7 @@ fn parse_args() -> Result<Args, String> {
         exact_max: 131072,
         dump_dir: None,
         build_only: false,
+        configs: vec![MosaicConfig::Default, MosaicConfig::Paper],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -126,6 +181,16 @@ fn parse_args() -> Result<Args, String> {
             "--deadline-s" => a.deadline_s = Some(float(&val)?),
             "--dump-dir" => a.dump_dir = Some(val),
             "--exact-max" => a.exact_max = parse_count(&val)?,
+            "--config" => {
+                let mut c: Vec<MosaicConfig> = Vec::new();
+                for x in val.split(',') {
+                    let m = MosaicConfig::parse(x)?;
+                    if !c.contains(&m) {
+                        c.push(m);
+                    }
+                }
+                a.configs = c;
+            }
             _ => return Err(format!("unknown argument {flag:?}; {USAGE}")),
         }
     }
@@ -373,7 +438,8 @@ struct HostContext {
     n: usize,
     k16: Vec<u16>,
     v16: Vec<u16>,
-    mosaic: OptimizedMosaicCache,
+    /// One MosaicKV cache per `--config`, in that order.
+    mosaics: Vec<(MosaicConfig, OptimizedMosaicCache)>,
     /// `queries[set][b]`, each `[q_heads][d]`.
     queries: Vec<Vec<Array2<f32>>>,
     /// f64 attention of sequence 0, query set 0 (empty above `--exact-max`).
@@ -386,8 +452,9 @@ fn build_context(
     values: &Array3<f32>,
     n: usize,
     max_batch: usize,
-    exact_max: usize,
+    args: &Args,
 ) -> HostContext {
+    let exact_max = args.exact_max;
     let shape = KvShape::new(KV_HEADS, Q_HEADS, HEAD_DIM).or_fail("shape");
     let t = Instant::now();
     let kp = keys.slice(s![..n, .., ..]);
@@ -405,11 +472,33 @@ fn build_context(
                 .collect()
         })
         .collect();
-    let t_mosaic = Instant::now();
-    let mut mosaic =
-        OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).or_fail("MosaicKV cache");
-    mosaic.prefill(kp, vp).or_fail("MosaicKV prefill");
-    let mosaic_s = t_mosaic.elapsed().as_secs_f64();
+    let mut prefills = Vec::new();
+    let mosaics = args
+        .configs
+        .iter()
+        .map(|&mc| {
+            let t_mosaic = Instant::now();
+            let mut mosaic =
+                OptimizedMosaicCache::new(shape, mc.config()).or_fail("MosaicKV cache");
+            mosaic.prefill(kp, vp).or_fail("MosaicKV prefill");
+            let segs = mosaic.compressed().segments.len();
+            let quantized = mosaic
+                .compressed()
+                .segments
+                .iter()
+                .flat_map(|s| &s.heads)
+                .flat_map(|h| [&h.strategy.key.layout, &h.strategy.value.layout])
+                .filter(|l| l.dtype.is_quantized())
+                .count();
+            prefills.push(format!(
+                "{} {:.1} s, {segs} segments, {quantized} quantized sides of {}",
+                mc.name(),
+                t_mosaic.elapsed().as_secs_f64(),
+                2 * segs * KV_HEADS
+            ));
+            (mc, mosaic)
+        })
+        .collect();
     let q0: Vec<f32> = queries[0][0].iter().copied().collect();
     let exact0 = if n <= exact_max {
         exact_attention(&k16, &v16, n, &q0)
@@ -418,14 +507,14 @@ fn build_context(
     };
     let build_s = t.elapsed().as_secs_f64();
     eprintln!(
-        "[{n}] host build {build_s:.1} s (MosaicKV prefill {mosaic_s:.1} s, {} segments)",
-        mosaic.compressed().segments.len()
+        "[{n}] host build {build_s:.1} s (MosaicKV prefill: {})",
+        prefills.join("; ")
     );
     HostContext {
         n,
         k16,
         v16,
-        mosaic,
+        mosaics,
         queries,
         exact0,
         build_s,
@@ -496,9 +585,6 @@ fn run_batch(
         k: dk,
         v: dv,
     };
-    let quest = QuestDevice::new(gpu, &dense, args.token_rate).or_fail("Quest page metadata");
-    let caches: Vec<&mosaickv_spec::CompressedCache> = vec![h.mosaic.compressed(); batch];
-    let dc: DeviceCache = backend.upload(&caches).or_fail("MosaicKV upload");
     let qs: Vec<mosaickv_optimized::cuda::device::Buf<f32>> = (0..QUERY_SETS)
         .map(|set| {
             let flat: Vec<f32> = h.queries[set][..batch]
@@ -513,45 +599,19 @@ fn run_batch(
     let (w, s) = (args.warmup, args.steps);
     let (full_us, full_wall) =
         time_steps(gpu, w, s, |i| dense.attend_full(gpu, &qs[i % QUERY_SETS]));
-    let (quest_us, quest_wall) = time_steps(gpu, w, s, |i| {
-        quest.attend(gpu, &dense, &qs[i % QUERY_SETS])
-    });
-    let (mosaic_us, mosaic_wall) = time_steps(gpu, w, s, |i| dc.attend(gpu, &qs[i % QUERY_SETS]));
-
     let down = |r: mosaickv_spec::Result<mosaickv_optimized::cuda::device::Buf<f32>>,
                 what: &str| { gpu.down(&r.or_fail(what)).or_fail(what) };
     let full_out = down(dense.attend_full(gpu, &qs[0]), "full attention");
-    let quest_out = down(quest.attend(gpu, &dense, &qs[0]), "Quest attention");
-    let mosaic_out = down(dc.attend(gpu, &qs[0]), "MosaicKV attention");
-    drop(dc);
-    let cc = cudacache_rows(gpu, backend, h, batch, &qs, &mosaic_out, args);
     let one = Q_HEADS * d;
     let full_check = if h.exact0.is_empty() {
         f64::NAN
     } else {
         rel_l2(&full_out[..one], &h.exact0)
     };
-    let mut cpu = Array2::<f32>::zeros((Q_HEADS, d));
-    CpuBackend::new()
-        .attend(
-            h.mosaic.compressed(),
-            h.queries[0][0].view(),
-            cpu.view_mut(),
-        )
-        .or_fail("CPU MosaicKV attention");
-    let mosaic_check = rel_l2(&mosaic_out[..one], cpu.as_slice().unwrap_or(&[]));
     if let Some(dir) = dump_dir {
         dump(dir, h, &full_out).or_fail("--dump-dir");
     }
-
     let full_bpt = (4 * kv * d) as f64;
-    let meta_pt = (4 * kv * d) as f64 / QUEST_PAGE as f64;
-    let quest_tokens = (quest.budget_pages * QUEST_PAGE).min(n);
-    let quest_bytes = batch * kv * (quest.pages * 4 * d + quest_tokens * 4 * d);
-    let mosaic_read: usize = h.queries[0][..batch]
-        .iter()
-        .map(|q| mosaic_bytes(&h.mosaic, q))
-        .sum();
     let row = |method, median_us, wall_us, bytes_read, bpt, err, check| Row {
         method,
         context: n,
@@ -563,54 +623,87 @@ fn run_batch(
         rel_error_vs_full: err,
         check_error: check,
     };
-    let mut rows = vec![
-        row(
-            "full",
-            full_us,
-            full_wall,
-            batch * seq * 4,
-            full_bpt,
-            0.0,
-            full_check,
-        ),
-        row(
-            "quest",
+    let mut rows = vec![row(
+        "full",
+        full_us,
+        full_wall,
+        batch * seq * 4,
+        full_bpt,
+        0.0,
+        full_check,
+    )];
+    // Per configuration: Quest at its token rate, MosaicKV on a DeviceCache, then the same
+    // cache as a CudaCache (appends and a swap).
+    for (mc, mosaic) in &h.mosaics {
+        let [m_quest, m_mosaic, m_cc, m_swap] = mc.methods();
+        let rate = match mc {
+            MosaicConfig::Paper => args.token_rate,
+            MosaicConfig::Default => mosaic.compressed().config.token_rate,
+        };
+        let quest = QuestDevice::new(gpu, &dense, rate).or_fail("Quest page metadata");
+        let caches: Vec<&mosaickv_spec::CompressedCache> = vec![mosaic.compressed(); batch];
+        let dc: DeviceCache = backend.upload(&caches).or_fail("MosaicKV upload");
+        gpu.sync().or_fail("synchronize after upload");
+        let (quest_us, quest_wall) = time_steps(gpu, w, s, |i| {
+            quest.attend(gpu, &dense, &qs[i % QUERY_SETS])
+        });
+        let (mosaic_us, mosaic_wall) =
+            time_steps(gpu, w, s, |i| dc.attend(gpu, &qs[i % QUERY_SETS]));
+        let quest_out = down(quest.attend(gpu, &dense, &qs[0]), "Quest attention");
+        let mosaic_out = down(dc.attend(gpu, &qs[0]), "MosaicKV attention");
+        drop(dc);
+        let cc = cudacache_rows(gpu, backend, mosaic, batch, &qs, &mosaic_out, args);
+        let mut cpu = Array2::<f32>::zeros((Q_HEADS, d));
+        CpuBackend::new()
+            .attend(mosaic.compressed(), h.queries[0][0].view(), cpu.view_mut())
+            .or_fail("CPU MosaicKV attention");
+        let mosaic_check = rel_l2(&mosaic_out[..one], cpu.as_slice().unwrap_or(&[]));
+        let meta_pt = (4 * kv * d) as f64 / QUEST_PAGE as f64;
+        let quest_tokens = (quest.budget_pages * QUEST_PAGE).min(n);
+        let quest_bytes = batch * kv * (quest.pages * 4 * d + quest_tokens * 4 * d);
+        let mosaic_read: usize = h.queries[0][..batch]
+            .iter()
+            .map(|q| mosaic_bytes(mosaic, q))
+            .sum();
+        // Every byte of the cache per token, the int8/int4 records' minimum and scale included.
+        let mpt = mosaic.compressed().memory().bytes_per_token();
+        rows.push(row(
+            m_quest,
             quest_us,
             quest_wall,
             quest_bytes,
             full_bpt + meta_pt,
             rel_l2(&quest_out, &full_out),
             f64::NAN,
-        ),
-        row(
-            "mosaic",
+        ));
+        rows.push(row(
+            m_mosaic,
             mosaic_us,
             mosaic_wall,
             mosaic_read,
-            h.mosaic.compressed().memory().bytes_per_token(),
+            mpt,
             rel_l2(&mosaic_out, &full_out),
             mosaic_check,
-        ),
-    ];
-    let mpt = h.mosaic.compressed().memory().bytes_per_token();
-    rows.push(row(
-        "cudacache",
-        cc.step_us,
-        cc.step_wall,
-        mosaic_read,
-        mpt,
-        rel_l2(&cc.out0, &full_out),
-        cc.check,
-    ));
-    rows.push(row(
-        "cc_swap",
-        cc.swap_us,
-        cc.swap_wall,
-        cc.swap_bytes,
-        mpt,
-        f64::NAN,
-        f64::NAN,
-    ));
+        ));
+        rows.push(row(
+            m_cc,
+            cc.step_us,
+            cc.step_wall,
+            mosaic_read,
+            mpt,
+            rel_l2(&cc.out0, &full_out),
+            cc.check,
+        ));
+        rows.push(row(
+            m_swap,
+            cc.swap_us,
+            cc.swap_wall,
+            cc.swap_bytes,
+            mpt,
+            f64::NAN,
+            f64::NAN,
+        ));
+    }
     rows
 }
 
@@ -620,7 +713,7 @@ struct CcResult {
     /// batch's attention with queries and output on the device.
     step_us: f64,
     step_wall: f64,
-    /// The output before any append (the cache equals `h.mosaic`'s at that point).
+    /// The output before any append (the cache equals the configuration's MosaicKV cache at that point).
     out0: Vec<f32>,
     /// rel L2 of `out0` against the DeviceCache result on the same cache.
     check: f64,
@@ -635,13 +728,13 @@ struct CcResult {
 fn cudacache_rows(
     gpu: &Gpu,
     backend: &CudaBackend,
-    h: &HostContext,
+    mosaic: &OptimizedMosaicCache,
     batch: usize,
     qs: &[mosaickv_optimized::cuda::device::Buf<f32>],
     mosaic0: &[f32],
     args: &Args,
 ) -> CcResult {
-    let c = h.mosaic.compressed();
+    let c = mosaic.compressed();
     let last = c
         .segments
         .len()
@@ -717,6 +810,17 @@ fn cudacache_rows(
     }
 }
 
+/// The configuration a row's method belongs to (`none` for the dense row).
+fn config_of(method: &str) -> &'static str {
+    if method == "full" {
+        "none"
+    } else if method.ends_with("_default") {
+        "default"
+    } else {
+        "paper"
+    }
+}
+
 fn main() {
     let args = parse_args().unwrap_or_else(|e| {
         eprintln!("gpu_compare: {e}");
@@ -779,7 +883,7 @@ fn main() {
             }
         }
         let t_ctx = Instant::now();
-        let h = build_context(&keys, &values, ctx, max_batch, args.exact_max);
+        let h = build_context(&keys, &values, ctx, max_batch, &args);
         if let Some(b) = &device {
             let gpu = &*b.gpu().or_fail("GPU");
             for (bi, &batch) in args.batches.iter().enumerate() {
@@ -790,7 +894,7 @@ fn main() {
                 let new = run_batch(gpu, b, &h, batch, &args, dump_dir);
                 for r in &new {
                     eprintln!(
-                        "[{ctx} x{batch}] {:<6} {:>10.1} us (wall {:>10.1} us)  err vs full {:.2e}",
+                        "[{ctx} x{batch}] {:<17} {:>10.1} us (wall {:>10.1} us)  err vs full {:.2e}",
                         r.method, r.median_us, r.wall_us, r.rel_error_vs_full
                     );
                 }
@@ -799,14 +903,23 @@ fn main() {
                     t.elapsed().as_secs_f64()
                 );
                 let find = |m: &str| new.iter().find(|r| r.method == m).map(|r| r.median_us);
+                // Each MosaicKV row against the Quest row of its own configuration.
+                let quest_of = |m: &str| {
+                    if m.ends_with("_default") {
+                        "quest_default"
+                    } else {
+                        "quest"
+                    }
+                };
                 if let Some(f) = json.as_mut() {
                     for r in &new {
                         let gbps = r.bytes_read as f64 / (r.median_us * 1e-6) / 1e9;
                         let line = format!(
-                            "{{\"method\": {}, \"context\": {}, \"batch\": {}, \"median_us\": {}, \"wall_us\": {}, \"bytes_read\": {}, \"gbps\": {}, \"bandwidth_fraction\": {}, \"measured_bandwidth_gbps\": {}, \"kv_bytes_per_token\": {}, \"speedup_vs_full\": {}, \"speedup_vs_quest\": {}, \"rel_error_vs_full\": {}, \"check_error\": {}, \"check\": {}, \"build_s\": {}, \"steps\": {}, \"device\": {}}}",
+                            "{{\"method\": {}, \"context\": {}, \"batch\": {}, \"config\": {}, \"median_us\": {}, \"wall_us\": {}, \"bytes_read\": {}, \"gbps\": {}, \"bandwidth_fraction\": {}, \"measured_bandwidth_gbps\": {}, \"kv_bytes_per_token\": {}, \"speedup_vs_full\": {}, \"speedup_vs_quest\": {}, \"rel_error_vs_full\": {}, \"check_error\": {}, \"check\": {}, \"build_s\": {}, \"steps\": {}, \"device\": {}}}",
                             json_str(r.method),
                             r.context,
                             r.batch,
+                            json_str(config_of(r.method)),
                             num(r.median_us),
                             num(r.wall_us),
                             r.bytes_read,
@@ -815,14 +928,14 @@ fn main() {
                             num(bw),
                             num(r.kv_bytes_per_token),
                             num(find("full").map_or(f64::NAN, |x| x / r.median_us)),
-                            num(find("quest").map_or(f64::NAN, |x| x / r.median_us)),
+                            num(find(quest_of(r.method)).map_or(f64::NAN, |x| x / r.median_us)),
                             num(r.rel_error_vs_full),
                             num(r.check_error),
                             json_str(match r.method {
                                 "full" => "rel L2 vs f64 CPU attention on the same f16 data, sequence 0",
-                                "mosaic" => "rel L2 vs CPU backend on the same compressed cache, sequence 0",
-                                "cudacache" => "rel L2 vs the mosaic row's DeviceCache on the same cache, whole batch, before the appends",
-                                "cc_swap" => "bytes_read: bytes written to the device by begin_swap (a segment re-encoded as itself); the output after the swaps is checked bit-equal",
+                                "mosaic" | "mosaic_default" => "rel L2 vs CPU backend on the same compressed cache, sequence 0",
+                                "cudacache" | "cudacache_default" => "rel L2 vs the mosaic row's DeviceCache on the same cache, whole batch, before the appends",
+                                "cc_swap" | "cc_swap_default" => "bytes_read: bytes written to the device by begin_swap (a segment re-encoded as itself); the output after the swaps is checked bit-equal",
                                 _ => "none",
                             }),
                             num(h.build_s),
@@ -850,7 +963,7 @@ fn main() {
         start.elapsed().as_secs_f64()
     );
     println!(
-        "{:<7} {:>8} {:>5} {:>10} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>9}",
+        "{:<17} {:>8} {:>5} {:>10} {:>10} {:>9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>9}",
         "method",
         "context",
         "batch",
@@ -872,7 +985,7 @@ fn main() {
         };
         let gbps = r.bytes_read as f64 / (r.median_us * 1e-6) / 1e9;
         println!(
-            "{:<7} {:>8} {:>5} {:>10.1} {:>10.1} {:>9.1} {:>7.3} {:>7.0} {:>8.2} {:>8.2} {:>9.2e} {:>9.2e}",
+            "{:<17} {:>8} {:>5} {:>10.1} {:>10.1} {:>9.1} {:>7.3} {:>7.0} {:>8.2} {:>8.2} {:>9.2e} {:>9.2e}",
             r.method,
             r.context,
             r.batch,
@@ -882,7 +995,7 @@ fn main() {
             gbps / bw,
             r.kv_bytes_per_token,
             find("full"),
-            find("quest"),
+            find(if r.method.ends_with("_default") { "quest_default" } else { "quest" }),
             r.rel_error_vs_full,
             r.check_error
         );

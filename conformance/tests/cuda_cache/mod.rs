@@ -59,13 +59,21 @@ fn check_batch(cc: &CudaCache, want: &[&CompressedCache], seed: u64, when: &str)
     }
 }
 
-/// Small buffers (32 tokens) so that appends cross buffer flushes quickly.
+/// Small buffers (32 tokens) so that appends cross buffer flushes quickly; the default's
+/// value dtypes (int4/int8/f16, SPEC.md section 2).
 fn flush_config() -> CompressConfig {
     CompressConfig {
         buffer_capacity: 32,
         block_sizes: vec![16, 32],
-        ..mosaickv_conformance::f16_default()
+        ..CompressConfig::default()
     }
+}
+
+/// Whether any segment of `c` stores int8/int4 values on either side.
+fn has_quantized(c: &CompressedCache) -> bool {
+    c.segments.iter().flat_map(|s| &s.heads).any(|h| {
+        h.strategy.key.layout.dtype.is_quantized() || h.strategy.value.layout.dtype.is_quantized()
+    })
 }
 
 fn opts() -> CudaCacheOptions {
@@ -131,6 +139,10 @@ pub fn prefill_appends_and_flushes_match_the_reference(gpu: Arc<Gpu>) {
         refs.push(c);
     }
     let views: Vec<&CompressedCache> = refs.iter().map(|c| c.compressed()).collect();
+    assert!(
+        views.iter().any(|c| has_quantized(c)),
+        "the default stores int8/int4 values here"
+    );
     let mut cc = CudaCache::new(gpu.clone(), &views, opts()).unwrap();
     check_batch(&cc, &views, 1, "after prefill");
     let mut flushes = 0;
@@ -173,17 +185,19 @@ pub fn prefill_appends_and_flushes_match_the_reference(gpu: Arc<Gpu>) {
 }
 
 /// Two references on the same rows whose segments cover the same tokens but are encoded
-/// differently (block size 32 against 16, other channel thresholds): the second's
-/// segment is the "re-encoded" version the background worker delivers.
+/// differently (block size 32 against 16, other channel thresholds, and int4 values only
+/// against the default's int4/int8/f16): the second's segment is the "re-encoded" version
+/// the background worker delivers.
 fn reencoded_pair(prompt: usize, seed: u64) -> (CompressedCache, CompressedCache) {
     let (k, v) = structured_kv(prompt, SHAPE.0, SHAPE.2, seed);
     let a_cfg = CompressConfig {
         block_sizes: vec![32],
-        ..mosaickv_conformance::f16_default()
+        ..CompressConfig::default()
     };
     let mut b_cfg = CompressConfig {
         block_sizes: vec![16],
-        ..mosaickv_conformance::f16_default()
+        value_dtypes: vec![mosaickv_spec::ValueDtype::Int4],
+        ..CompressConfig::default()
     };
     if let mosaickv_spec::ChannelPolicy::LossThreshold {
         key_loss,
@@ -223,6 +237,10 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
         sa.heads[0].strategy.block_size, sr.heads[0].strategy.block_size,
         "the re-encoded segment must differ in its block layout"
     );
+    assert!(
+        has_quantized(&re),
+        "the re-encoded segment stores int4 values"
+    );
     let mut cc = CudaCache::new(gpu.clone(), &[&a, &other], opts()).unwrap();
     let (_, flat) = batch_queries(2, 7);
     let out0 = cc.attend(&flat).unwrap();
@@ -251,9 +269,28 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
             })
             .sum()
     };
-    // Both versions are on the device, in memory reserved up front.
+    // Both versions are on the device, in memory reserved up front. The staged bytes are
+    // exactly the new segment's: its records (int4: with each record's 4-byte minimum and
+    // scale, SPEC.md section 6), rotations, block scales, and int8 bounds in 8-byte chunks.
     assert_eq!(m1.device_bytes, m0.device_bytes, "{m1:?}");
-    assert!(m1.device_staged_bytes >= records(sr), "{m1:?}");
+    for h in &sr.heads {
+        for (side, packed) in [(&h.strategy.key, &h.keys), (&h.strategy.value, &h.values)] {
+            let l = &side.layout;
+            assert_eq!(l.dtype, mosaickv_spec::ValueDtype::Int4);
+            let rb = (l.bitmap_bytes() + 4 + l.r.div_ceil(2)).next_multiple_of(4);
+            assert_eq!(
+                packed.bytes.len(),
+                sr.len * rb,
+                "records with their scale bytes"
+            );
+        }
+    }
+    let meta: usize = sr
+        .heads
+        .iter()
+        .map(|h| h.meta.min.len().next_multiple_of(8))
+        .sum();
+    assert_eq!(m1.device_staged_bytes, records(sr) + 2 * meta, "{m1:?}");
     assert!(m1.device_replaced_bytes >= records(sa), "{m1:?}");
     assert_eq!(
         m1.device_free_bytes,
@@ -440,7 +477,7 @@ pub fn swaps_that_change_the_segment_count_move_the_later_segments(gpu: Arc<Gpu>
     let build = |input_segment_len: usize| {
         let cfg = CompressConfig {
             input_segment_len,
-            ..mosaickv_conformance::f16_default()
+            ..CompressConfig::default()
         };
         let mut c = MosaicCache::new(shape(), cfg).unwrap();
         c.prefill(k.view(), v.view()).unwrap();

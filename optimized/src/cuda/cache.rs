@@ -13,7 +13,7 @@
 //!   Decode goes on: attention reads the current descriptors, so it still sees the old
 //!   segments, and tokens can still be appended.
 //! - [`CudaCache::commit_swap`], between two steps, switches with one small table update
-//!   of that one sequence: its segment descriptors from the first replaced one on (88 B per
+//!   of that one sequence: its segment descriptors from the first replaced one on (96 B per
 //!   segment and KV head), its block entries from the first replaced block on (24 B per
 //!   block and KV head), its end of blocks, budget and dense row count, and, when a flush
 //!   consumed buffer rows, the buffer rows appended since. The old segments' bytes become
@@ -219,9 +219,14 @@ fn invalid(what: impl Into<String>) -> MosaicError {
 }
 
 /// The largest record bytes of head dimension `d` (SPEC.md 6: every dim kept, groups of
-/// one: `ceil(d / 32)` bitmap words, then `d` f16 values, padded to 4 bytes).
+/// one, the largest of the three value dtypes: f16 for every `d >= 4`, where the 4 bytes of
+/// an int8/int4 record's minimum and scale are less than what its codes save).
 fn worst_record_bytes(d: usize) -> usize {
-    4 * d.div_ceil(32) + (2 * d).next_multiple_of(4)
+    mosaickv_spec::ValueDtype::ALL
+        .iter()
+        .map(|&dt| mosaickv_spec::layout::record_bytes_for(d, d, 1, dt))
+        .max()
+        .unwrap_or(0)
 }
 
 impl CudaCache {

@@ -24,8 +24,22 @@ pub struct SegHeadDesc {
     pub val_r: i32,
     pub val_g: i32,
     pub val_rb: i32,
+    /// Value dtype tags of the two sides (SPEC.md section 6: `F16 = 1`, `Int8 = 2`, `Int4 = 3`).
+    pub key_dtype: i32,
+    pub val_dtype: i32,
 }
-const _: () = assert!(std::mem::size_of::<SegHeadDesc>() == 88);
+const _: () = assert!(std::mem::size_of::<SegHeadDesc>() == 96);
+
+/// The kernels' dtype tag of a layout (`MKV_F16` / `MKV_INT8` / `MKV_INT4` in common.cuh,
+/// the strategy's own tag).
+pub fn dtype_tag(l: &mosaickv_spec::RecordLayout) -> i32 {
+    use mosaickv_spec::ValueDtype;
+    match l.dtype {
+        ValueDtype::F16 => mosaickv_kernels::DTYPE_F16,
+        ValueDtype::Int8 => mosaickv_kernels::DTYPE_INT8,
+        ValueDtype::Int4 => mosaickv_kernels::DTYPE_INT4,
+    }
+}
 
 /// One block of a KV head's global block order (SPEC.md section 8.3).
 #[repr(C)]
@@ -142,8 +156,6 @@ impl HostTables {
                 seg_tokens += seg.len;
                 for (j, h) in seg.heads.iter().enumerate() {
                     let (kl, vl) = (&h.strategy.key.layout, &h.strategy.value.layout);
-                    super::f16_only(kl)?;
-                    super::f16_only(vl)?;
                     // What the kernels add to the spec's checks: their head_dim limit.
                     if kl.head_dim != d || vl.head_dim != d || d > mosaickv_kernels::MAX_HEAD_DIM {
                         return Err(MosaicError::ShapeMismatch {
@@ -178,6 +190,8 @@ impl HostTables {
                         val_r: vl.r as i32,
                         val_g: vl.group_size as i32,
                         val_rb: vl.record_bytes() as i32,
+                        key_dtype: dtype_tag(kl),
+                        val_dtype: dtype_tag(vl),
                     };
                     t.packed_k.extend_from_slice(&h.keys.bytes);
                     t.packed_v.extend_from_slice(&h.values.bytes);

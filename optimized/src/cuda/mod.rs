@@ -51,18 +51,6 @@ pub struct CudaBackend {
     host: crate::CpuBackend,
 }
 
-/// The CUDA kernels read and write f16 records only (SPEC.md section 6); an int8/int4 layout
-/// is a typed error here, never a misread record (docs/GPU.md).
-pub(crate) fn f16_only(l: &mosaickv_spec::RecordLayout) -> Result<()> {
-    if l.dtype.is_quantized() {
-        return Err(MosaicError::BackendUnavailable(format!(
-            "the CUDA kernels store f16 values only; a {} layout needs a CPU backend",
-            l.dtype.name()
-        )));
-    }
-    Ok(())
-}
-
 impl CudaBackend {
     /// Probes for the driver; `BackendUnavailable` when it is absent. The context is
     /// created and the kernels compiled on first use ([`CudaBackend::gpu`]).
@@ -177,6 +165,8 @@ fn single_key_desc(key: &SideStrategy, block_size: usize, tokens: usize) -> layo
         val_r: l.r as i32,
         val_g: l.group_size as i32,
         val_rb: l.record_bytes() as i32,
+        key_dtype: layout::dtype_tag(l),
+        val_dtype: layout::dtype_tag(l),
         ..Default::default()
     }
 }
@@ -226,11 +216,10 @@ impl Backend for CudaBackend {
         self.host.fit_block_size(keys, key, config)
     }
 
-    /// Device: `mkv_encode` (SPEC.md 5, 6).
+    /// Device: `mkv_encode` (SPEC.md 5, 6; f16, int8 and int4 records).
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
         side.validate()?;
         let l = side.layout;
-        f16_only(&l)?;
         check_rows(&rows, l.head_dim, "rows")?;
         head_dim_supported(l.head_dim)?;
         let n = rows.nrows();
@@ -250,19 +239,20 @@ impl Backend for CudaBackend {
             let out = gpu.zeros::<u8>(n * rb)?;
             let status = gpu.zeros::<i32>(1)?;
             let (nn, stride) = (n as i64, l.head_dim as i64);
-            let (d, dt, r, g, rbi) = (
+            let (d, dt, r, g, rbi, dtype) = (
                 l.head_dim as i32,
                 l.kept_dims as i32,
                 l.r as i32,
                 l.group_size as i32,
                 rb as i32,
+                layout::dtype_tag(&l),
             );
             let smem = mosaickv_kernels::encode_smem_bytes(l.head_dim, l.kept_dims, l.groups());
             // `out` holds n records; one thread block per row (grid-stride past 2^20).
             gpu.launch(
                 "mkv_encode",
                 cfg(((n as u32).min(1 << 20), 1, 1), 128, smem),
-                &kargs![gpu; d_rows, nn, stride, d_rot, d, dt, r, g, rbi, out, status],
+                &kargs![gpu; d_rows, nn, stride, d_rot, d, dt, r, g, rbi, dtype, out, status],
             )?;
             let st = gpu.down(&status)?;
             let mut bytes = gpu.down(&out)?;
@@ -287,12 +277,12 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// Device: `mkv_decode` (SPEC.md 6): `[n, Dt]`, zeros where a group is not kept.
+    /// Device: `mkv_decode` (SPEC.md 6): `[n, Dt]`, zeros where a group is not kept; int8/int4
+    /// values decoded as `m + code * s` in f32.
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
         side.validate()?;
         packed.validate(&side.layout)?;
         let l = side.layout;
-        f16_only(&l)?;
         head_dim_supported(l.head_dim)?;
         let (n, dt) = (packed.count, l.kept_dims);
         if n == 0 {
@@ -303,17 +293,18 @@ impl Backend for CudaBackend {
         let run = || -> Result<Vec<f32>> {
             let d_packed = gpu.up(&packed.bytes)?;
             let out = gpu.zeros::<f32>(n * dt)?;
-            let (nn, dti, r, g, rb) = (
+            let (nn, dti, r, g, rb, dtype) = (
                 n as i64,
                 dt as i32,
                 l.r as i32,
                 l.group_size as i32,
                 l.record_bytes() as i32,
+                layout::dtype_tag(&l),
             );
             gpu.launch(
                 "mkv_decode",
                 cfg(((n as u32).min(1 << 20), 1, 1), 128, 0),
-                &kargs![gpu; d_packed, nn, dti, r, g, rb, out],
+                &kargs![gpu; d_packed, nn, dti, r, g, rb, dtype, out],
             )?;
             gpu.down(&out)
         };
@@ -326,7 +317,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    /// Device: `mkv_block_meta` (SPEC.md 7).
+    /// Device: `mkv_block_meta` (SPEC.md 7), bounds over the decoded keys of any dtype.
     fn block_meta(
         &self,
         keys: &PackedRows,
@@ -334,7 +325,6 @@ impl Backend for CudaBackend {
         block_size: usize,
     ) -> Result<BlockMeta> {
         key.validate()?;
-        f16_only(&key.layout)?;
         if block_size == 0 {
             return Err(MosaicError::InvalidConfig(
                 "block_size must be positive".into(),
@@ -356,12 +346,13 @@ impl Backend for CudaBackend {
             let mn = gpu.zeros::<u8>(blocks * dt)?;
             let mx = gpu.zeros::<u8>(blocks * dt)?;
             let sc = gpu.zeros::<f32>(blocks)?;
-            let (nn, dti, r, g, rb, bs) = (
+            let (nn, dti, r, g, rb, dtype, bs) = (
                 n as i64,
                 dt as i32,
                 l.r as i32,
                 l.group_size as i32,
                 l.record_bytes() as i32,
+                layout::dtype_tag(&l),
                 block_size as i32,
             );
             // One thread block per token block, a thread per dim (Dt <= 256 threads, whole warps).
@@ -369,7 +360,7 @@ impl Backend for CudaBackend {
             gpu.launch(
                 "mkv_block_meta",
                 cfg(((blocks as u32).min(1 << 20), 1, 1), threads, 0),
-                &kargs![gpu; d_packed, nn, dti, r, g, rb, bs, mn, mx, sc],
+                &kargs![gpu; d_packed, nn, dti, r, g, rb, dtype, bs, mn, mx, sc],
             )?;
             Ok((gpu.down(&mn)?, gpu.down(&mx)?, gpu.down(&sc)?))
         };
