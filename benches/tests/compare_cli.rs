@@ -183,8 +183,14 @@ fn bad_arguments_are_errors_not_panics() {
         (vec!["--config", "default,default"], "given twice"),
         (vec!["--methods", "mosaic-int8"], "--config paper-int8"),
         (vec!["--methods", "dense"], "unknown method"),
+        (vec!["--contexts", "0"], "at least 9 tokens"),
+        (vec!["--steps", "0"], "at least 1"),
     ] {
-        let out = compare(&args);
+        // Bare arguments: each is refused before any data is made.
+        let out = Command::new(env!("CARGO_BIN_EXE_compare"))
+            .args(&args)
+            .output()
+            .expect("run compare");
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");

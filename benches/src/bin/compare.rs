@@ -56,7 +56,8 @@ type BoxResult<T> = Result<T, Box<dyn Error>>;
 then per --config (in order) Quest at that configuration's token rate and budget floor, and \
 MosaicKV with that configuration. Synthetic K/V of one Llama-3.1-8B layer by default; with \
 --model, the model's real K/V and queries of a task prompt, every layer (the strategy mix the \
-loss threshold picks on real caches is printed)."
+loss threshold picks on real caches is printed). --model is this tool's way to time decode steps on \
+the strategy mix of real caches (decode_loop runs on synthetic drifting K/V)."
 )]
 struct Args {
     /// Configurations, comma-separated or repeated, in output order: default
@@ -70,14 +71,15 @@ struct Args {
     /// the task prompt minus the 8 held-out query positions; the row says how many tokens).
     #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
     contexts: Vec<usize>,
-    /// Real K/V: a model (a known name such as smollm2 or qwen2.5-1.5b, or a GGUF path) whose
+    /// Real K/V: a model (a known name, smollm2-135m or qwen2.5-1.5b, or a GGUF path) whose
     /// dense prefill of a --task prompt gives every layer's K/V and the decode queries.
     #[arg(long)]
     model: Option<std::path::PathBuf>,
     /// The task whose prompt --model prefills (a name of mosaickv-tasks).
     #[arg(long, default_value = "niah_single_1")]
     task: String,
-    /// Print one JSON object per (method, config, context) instead of the table.
+    /// Print one JSON object per (method, config, context) on stdout; the table then goes to
+    /// stderr.
     #[arg(long)]
     json: bool,
     /// Timed decode steps per method (after warm-up), at least.
@@ -398,6 +400,12 @@ fn run(args: Args) -> BoxResult<()> {
         }
     }
     let want = |m: &str| args.methods.iter().any(|x| x == m);
+    if args.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    if let Some(c) = args.contexts.iter().find(|&&c| c <= NBASE) {
+        return Err(format!("--contexts {c}: at least {} tokens", NBASE + 1).into());
+    }
     let model = match &args.model {
         Some(p) => {
             let path = mosaickv_engine::resolve_model(Some(p))?;
