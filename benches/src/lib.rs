@@ -1,5 +1,7 @@
-//! Shared helpers of the benchmarks: memory bandwidth, exact f64 attention, statistics.
+//! Shared helpers of the benchmarks: memory bandwidth, exact f64 attention, statistics, and
+//! the configurations the compare tool runs.
 
+use mosaickv_spec::{CompressConfig, MosaicError, ValueDtype};
 use ndarray::{Array2, ArrayView2, ArrayView3};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -108,5 +110,159 @@ pub fn median(xs: &[f64]) -> f64 {
         v[m]
     } else {
         0.5 * (v[m - 1] + v[m])
+    }
+}
+
+/// The configurations `compare --config` knows by name (besides a JSON file), in the order
+/// the help text lists them.
+pub const NAMED_CONFIGS: [&str; 5] = [
+    "default",
+    "paper",
+    "paper-vblocks",
+    "paper-int8",
+    "paper-int4",
+];
+
+/// A configuration by name: `default` = [`CompressConfig::default`] (the shipped default),
+/// `paper` = [`CompressConfig::paper_fixed`], and three variants of the paper's setting:
+/// `paper-vblocks` (the default block sizes 16/32/64 by key variance, SPEC 11.3),
+/// `paper-int8` / `paper-int4` (its retained values stored as int8 / int4, SPEC 6).
+pub fn named_config(name: &str) -> Option<CompressConfig> {
+    let paper = CompressConfig::paper_fixed;
+    match name {
+        "default" => Some(CompressConfig::default()),
+        "paper" => Some(paper()),
+        "paper-vblocks" => Some(CompressConfig {
+            block_sizes: CompressConfig::default().block_sizes,
+            ..paper()
+        }),
+        "paper-int8" => Some(CompressConfig {
+            value_dtypes: vec![ValueDtype::Int8],
+            ..paper()
+        }),
+        "paper-int4" => Some(CompressConfig {
+            value_dtypes: vec![ValueDtype::Int4],
+            ..paper()
+        }),
+        _ => None,
+    }
+}
+
+/// One configuration a compare run measures: the label its rows carry and its parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LabeledConfig {
+    /// The name (`default`, `paper`, ...) or, for a file, the file's path as given.
+    pub label: String,
+    pub config: CompressConfig,
+}
+
+/// Resolves one `--config` argument: a name of [`NAMED_CONFIGS`], else a JSON configuration
+/// file in the format `mosaickv compress --config` reads ([`CompressConfig::from_json`]:
+/// any subset of the keys of SPEC.md section 2). The result is validated for `head_dim`.
+pub fn resolve_config(arg: &str, head_dim: usize) -> Result<LabeledConfig, MosaicError> {
+    let config = match named_config(arg) {
+        Some(c) => c,
+        None => {
+            let path = std::path::Path::new(arg);
+            if !path.is_file() {
+                return Err(MosaicError::InvalidConfig(format!(
+                    "--config {arg:?} is neither one of {} nor a file",
+                    NAMED_CONFIGS.join(", ")
+                )));
+            }
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| MosaicError::InvalidConfig(format!("cannot read {arg}: {e}")))?;
+            CompressConfig::from_json(&text)?
+        }
+    };
+    config.validate(head_dim)?;
+    Ok(LabeledConfig {
+        label: arg.to_string(),
+        config,
+    })
+}
+
+/// Resolves every `--config` argument in order; a label given twice is an error (its rows
+/// could not be told apart).
+pub fn resolve_configs(
+    args: &[String],
+    head_dim: usize,
+) -> Result<Vec<LabeledConfig>, MosaicError> {
+    let mut out: Vec<LabeledConfig> = Vec::with_capacity(args.len());
+    for a in args {
+        if out.iter().any(|c| c.label == *a) {
+            return Err(MosaicError::InvalidConfig(format!(
+                "--config {a:?} given twice"
+            )));
+        }
+        out.push(resolve_config(a, head_dim)?);
+    }
+    if out.is_empty() {
+        return Err(MosaicError::InvalidConfig("no --config given".into()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_configs_are_what_the_help_says() {
+        assert_eq!(named_config("default"), Some(CompressConfig::default()));
+        assert_eq!(named_config("paper"), Some(CompressConfig::paper_fixed()));
+        for n in NAMED_CONFIGS {
+            let c = named_config(n).expect("listed name resolves");
+            c.validate(128).expect("valid");
+            if n.starts_with("paper-") {
+                assert_eq!(c.token_rate, CompressConfig::paper_fixed().token_rate);
+                assert_ne!(c, CompressConfig::paper_fixed(), "{n}");
+            }
+        }
+        assert_eq!(
+            named_config("paper-int4").unwrap().value_dtypes,
+            vec![ValueDtype::Int4]
+        );
+        assert_eq!(named_config("Default"), None);
+    }
+
+    #[test]
+    fn config_files_and_bad_arguments() {
+        let dir = std::env::temp_dir().join(format!("mkv-bench-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("c.json");
+        std::fs::write(&good, r#"{"token_rate": 0.3, "min_budget_tokens": 32}"#).unwrap();
+        let c = resolve_config(good.to_str().unwrap(), 128).unwrap();
+        assert_eq!(c.label, good.to_str().unwrap());
+        assert_eq!(c.config.token_rate, 0.3);
+        assert_eq!(c.config.min_budget_tokens, 32);
+        // the rest takes the defaults, as `mosaickv compress --config` does
+        assert_eq!(
+            c.config.value_dtypes,
+            CompressConfig::default().value_dtypes
+        );
+        let unknown = dir.join("u.json");
+        std::fs::write(&unknown, r#"{"token_rat": 0.3}"#).unwrap();
+        assert!(matches!(
+            resolve_config(unknown.to_str().unwrap(), 128),
+            Err(MosaicError::UnknownConfigKey(k)) if k == "token_rat"
+        ));
+        let invalid = dir.join("i.json");
+        std::fs::write(&invalid, r#"{"token_rate": 1.5}"#).unwrap();
+        assert!(matches!(
+            resolve_config(invalid.to_str().unwrap(), 128),
+            Err(MosaicError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            resolve_config("no-such-config", 128),
+            Err(MosaicError::InvalidConfig(_))
+        ));
+        let twice = ["default".to_string(), "default".to_string()];
+        assert!(resolve_configs(&twice, 128).is_err());
+        let both = ["default".to_string(), "paper".to_string()];
+        let r = resolve_configs(&both, 128).unwrap();
+        assert_eq!(r[0].label, "default");
+        assert_eq!(r[1].config, CompressConfig::paper_fixed());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
