@@ -26,8 +26,8 @@ pub(crate) fn unpack_codes_scalar(dtype: ValueDtype, v: &[u8], r: usize, out: &m
 impl Path {
     /// Expands `n` consecutive int8/int4 records (`layout`, `layout.record_bytes()` each,
     /// record 0 at `bytes[0]`) to dense rotated rows `[n][dp]` (`dp >= kept_dims`, a multiple
-    /// of 8): `m + code * s` at the kept dims, 0 elsewhere. g = 1 records with
-    /// `r <= QUANT_SIMD_MAX_R` take the path's kernel, everything else the portable one.
+    /// of 8): `m + code * s` at the kept dims, 0 elsewhere. Records with `r` and `kept_dims` up
+    /// to `QUANT_SIMD_MAX_R` take the path's kernel (any group size), larger ones the portable one.
     pub fn expand_records_q(
         self,
         bytes: &[u8],
@@ -52,17 +52,19 @@ impl Path {
                 && bb % 4 == 0
         );
         #[cfg(target_arch = "x86_64")]
-        if self != Path::Portable && g == 1 && r <= QUANT_SIMD_MAX_R {
+        if self != Path::Portable && r <= QUANT_SIMD_MAX_R && dt <= QUANT_SIMD_MAX_R {
             for t in 0..n {
                 let rec = &bytes[t * rb..(t + 1) * rb];
                 let row = &mut out[t * dp..(t + 1) * dp];
                 // SAFETY: the path's features were detected; the record and row are in bounds
                 // (asserted above) and the kernels read and write only inside them.
                 unsafe {
-                    if self == Path::Avx512 {
+                    if self == Path::Avx512 && g == 1 {
                         avx512::quant::expand_q_g1(rec, layout, row)
                     } else {
-                        avx2::quant::expand_q_g1(rec, layout, row)
+                        // g > 1 on the AVX-512 path runs the AVX2 kernel (it has none of
+                        // its own for spread group bitmaps)
+                        avx2::quant::expand_q(rec, layout, row)
                     }
                 }
             }
@@ -84,6 +86,55 @@ impl Path {
                         }
                         k += 1;
                     }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::encode::pack_rotated;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// The SIMD expansion writes the portable kernel's floats bit for bit, for every group
+    /// size the default policy uses (and g = 4 with a truncated tail), int8 and int4.
+    #[test]
+    fn simd_expand_equals_portable_for_every_group_size() {
+        let path = Path::detect();
+        if path == Path::Portable {
+            eprintln!("no AVX2 here: nothing to compare");
+            return;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let (d, n) = (64usize, 37usize);
+        for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+            for &(g, dt, r) in &[
+                (1usize, 64usize, 40usize),
+                (2, 64, 24),
+                (2, 64, 48),
+                (4, 48, 16),
+                (1, 64, 64),
+            ] {
+                let layout = RecordLayout {
+                    head_dim: d,
+                    kept_dims: dt,
+                    r,
+                    group_size: g,
+                    dtype,
+                };
+                layout.validate().unwrap();
+                let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
+                let packed = pack_rotated(&rows, d, &layout).unwrap();
+                let dp = 64;
+                let mut fast = vec![1f32; n * dp];
+                let mut slow = vec![2f32; n * dp];
+                path.expand_records_q(&packed.bytes, n, &layout, dp, &mut fast);
+                Path::Portable.expand_records_q(&packed.bytes, n, &layout, dp, &mut slow);
+                for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{layout:?} at {i}: {a} vs {b}");
                 }
             }
         }

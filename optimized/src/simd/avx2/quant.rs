@@ -1,4 +1,4 @@
-//! SPEC.md section 6, int8/int4 records, g = 1: codes unpacked with 16-byte nibble splits,
+//! SPEC.md section 6, int8/int4 records: codes unpacked with 16-byte nibble splits,
 //! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
 //! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
 
@@ -75,15 +75,35 @@ pub unsafe fn unpack_codes(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]
     out[r..r + CODE_SLACK].fill(0);
 }
 
-/// Expands one int8/int4 g = 1 record to a dense row of `row.len()` floats (`>= dt`, a
-/// multiple of 8): `m + code * s` at the set bits (the product exact, one rounding in the
-/// add, as in the scalar decode), 0 elsewhere.
+/// Expands one int8/int4 record of any group size to a dense row of `row.len()` floats
+/// (`>= dt`, a multiple of 8): `m + code * s` at the kept dims (the product exact, one
+/// rounding in the add, as in the scalar decode), 0 elsewhere. A g = 1 record's bitmap is
+/// already one bit per dim; for g > 1 each kept group's bit is first spread over its g dims.
 ///
 /// # Safety
-/// AVX2, FMA, F16C and POPCNT available; `rec` is one whole record of `layout` (g = 1,
-/// `r <= QUANT_SIMD_MAX_R`); `row.len() >= dt` and a multiple of 8.
+/// AVX2, FMA, F16C and POPCNT available; `rec` is one whole record of `layout`
+/// (`r <= QUANT_SIMD_MAX_R`, `dt <= QUANT_SIMD_MAX_R`); `row.len() >= dt` and a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
+pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
+    let g = layout.group_size;
+    if g == 1 {
+        return expand_q_bits(rec, rec, layout, row);
+    }
+    let mut dims = [0u8; QUANT_SIMD_MAX_R / 8];
+    for grp in 0..layout.groups() {
+        if (rec[grp / 8] >> (grp % 8)) & 1 == 1 {
+            for dim in grp * g..(grp + 1) * g {
+                dims[dim / 8] |= 1 << (dim % 8);
+            }
+        }
+    }
+    expand_q_bits(&dims, rec, layout, row)
+}
+
+/// [`expand_q`] given the record's kept dims as one bit per dim (`bits`, little-endian bytes:
+/// byte c = dims 8c .. 8c + 8).
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+unsafe fn expand_q_bits(bits: &[u8], rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     Path::Avx2.ran();
     let (dt, r) = (layout.kept_dims, layout.r);
     let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
@@ -94,7 +114,7 @@ pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     let chunks = dt.div_ceil(8);
     let mut off = 0usize;
     for c in 0..chunks {
-        let byte = rec[c] as usize; // little-endian words: byte c = dims 8c .. 8c + 8
+        let byte = bits[c] as usize;
         let v = _mm_loadl_epi64(codes.as_ptr().add(off) as *const __m128i);
         let m = _mm_loadl_epi64(EXPAND_LUT8[byte].as_ptr() as *const __m128i);
         let e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, m));
