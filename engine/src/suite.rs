@@ -82,19 +82,17 @@ pub struct DefaultSuite {
     pub kl_positions: usize,
 }
 
-/// SmolLM2-135M-Instruct (30 layers, 9 query heads, 3 KV heads, head_dim 64): the four niah
-/// tasks at 1K and 2K tokens, 3 samples each (`vt` and `cwe` left out: full attention scores 0
-/// on them, so they cannot tell methods apart), KL over the last 64 of 2,048 tokens.
+/// SmolLM2-135M-Instruct (30 layers, 9 query heads, 3 KV heads, head_dim 64): niah_single_1
+/// and niah_multikey at 1K and 2K tokens, 5 samples each, KL over the last 64 of 2,048 tokens.
+/// Left out: `niah_multivalue` and `niah_multiquery` (full attention scored 0.17-0.25 on them at
+/// both lengths, docs/ACCURACY.md) and `vt`, `cwe` (full scores 0): cells where full fails carry
+/// no information about a compression method, so their time goes to more samples of the
+/// cells where it does not.
 pub const SMOLLM2_SUITE: DefaultSuite = DefaultSuite {
     model: "smollm2-135m",
-    tasks: &[
-        Task::NiahSingle1,
-        Task::NiahMultikey,
-        Task::NiahMultivalue,
-        Task::NiahMultiquery,
-    ],
+    tasks: &[Task::NiahSingle1, Task::NiahMultikey],
     lengths: &[1024, 2048],
-    samples: 3,
+    samples: 5,
     kl_length: 2048,
     kl_positions: 64,
 };
