@@ -167,6 +167,29 @@ pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &m
     }
 }
 
+/// SPEC 5 step 2: each group's importance, the f32 sum of its f16 values' squares in dim
+/// order, into `imp`; returns the number of groups.
+fn group_importances(y: &[f16], g: usize, imp: &mut [f32]) -> usize {
+    let groups = y.len() / g;
+    for k in 0..groups {
+        let mut s = 0f32;
+        for &v in &y[k * g..(k + 1) * g] {
+            let f = v.to_f32();
+            s += f * f;
+        }
+        imp[k] = s;
+    }
+    groups
+}
+
+/// SPEC 5 step 3's order of groups: higher importance first, ties to the lower index.
+fn importance_order(imp: &[f32], a: &u16, b: &u16) -> std::cmp::Ordering {
+    let (ia, ib) = (imp[*a as usize], imp[*b as usize]);
+    ib.partial_cmp(&ia)
+        .unwrap_or(std::cmp::Ordering::Equal)
+        .then(a.cmp(b))
+}
+
 /// SPEC 5 steps 2-3: which groups a row keeps, from its f16-rounded rotated values `y` (length Dt).
 /// Writes a keep flag per group into `keep`; `scratch` holds group indices.
 fn select_groups(
@@ -177,15 +200,7 @@ fn select_groups(
     order: &mut [u16],
     keep: &mut [bool],
 ) {
-    let groups = y.len() / g;
-    for k in 0..groups {
-        let mut s = 0f32;
-        for &v in &y[k * g..(k + 1) * g] {
-            let f = v.to_f32();
-            s += f * f;
-        }
-        imp[k] = s;
-    }
+    let groups = group_importances(y, g, imp);
     if kept_groups >= groups {
         keep[..groups].fill(true);
         return;
@@ -193,13 +208,7 @@ fn select_groups(
     for (k, o) in order.iter_mut().enumerate().take(groups) {
         *o = k as u16;
     }
-    let cmp = |a: &u16, b: &u16| {
-        let (ia, ib) = (imp[*a as usize], imp[*b as usize]);
-        ib.partial_cmp(&ia)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(b))
-    };
-    order[..groups].select_nth_unstable_by(kept_groups - 1, cmp);
+    order[..groups].select_nth_unstable_by(kept_groups - 1, |a, b| importance_order(imp, a, b));
     keep[..groups].fill(false);
     for &k in &order[..kept_groups] {
         keep[k as usize] = true;
@@ -478,22 +487,11 @@ pub fn loss_sums_rotated(
 /// `order[..k]`: under this total order the `k` largest form one set, the one `select_groups`
 /// finds.
 fn rank_groups(y: &[f16], g: usize, imp: &mut [f32], order: &mut [u16]) {
-    let groups = y.len() / g;
-    for k in 0..groups {
-        let mut s = 0f32;
-        for &v in &y[k * g..(k + 1) * g] {
-            let f = v.to_f32();
-            s += f * f;
-        }
-        imp[k] = s;
-        order[k] = k as u16;
+    let groups = group_importances(y, g, imp);
+    for (k, o) in order[..groups].iter_mut().enumerate() {
+        *o = k as u16;
     }
-    order[..groups].sort_unstable_by(|a, b| {
-        let (ia, ib) = (imp[*a as usize], imp[*b as usize]);
-        ib.partial_cmp(&ia)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(b))
-    });
+    order[..groups].sort_unstable_by(|a, b| importance_order(imp, a, b));
 }
 
 /// SPEC 11.1 losses of every candidate layout `cands` (one head dimension) of rows `[n][d]`
