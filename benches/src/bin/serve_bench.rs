@@ -211,6 +211,10 @@ fn main() {
             max_batch: a.max_batch,
             queue_capacity: a.queue,
         };
+        eprintln!(
+            "serve_bench: {method}: {} requests from {} clients",
+            a.requests, a.clients
+        );
         let row = rt.block_on(async {
             let server = Server::start(model.clone(), cfg, "127.0.0.1", 0)
                 .await
@@ -224,6 +228,7 @@ fn main() {
             let mut handles = Vec::new();
             for _ in 0..a.clients {
                 let (next, url, prompts) = (next.clone(), url.clone(), prompts.clone());
+                let t0 = t0;
                 let (requests, max_tokens) = (a.requests, a.max_tokens);
                 handles.push(tokio::spawn(async move {
                     let mut out = Vec::new();
@@ -235,7 +240,19 @@ fn main() {
                         let body = json!({"model": "bench", "prompt": prompts[i % prompts.len()].0,
                             "max_tokens": max_tokens, "temperature": 0, "stream": true})
                         .to_string();
-                        out.push(one_request(url.clone(), body).await);
+                        let r = one_request(url.clone(), body).await;
+                        // progress on stderr: one line per finished request
+                        eprintln!(
+                            "serve_bench: request {}/{requests} done ({} tokens{}), {:.0} s",
+                            i + 1,
+                            r.tokens,
+                            r.error
+                                .as_deref()
+                                .map(|e| format!(", error: {e}"))
+                                .unwrap_or_default(),
+                            t0.elapsed().as_secs_f64()
+                        );
+                        out.push(r);
                     }
                 }));
             }
