@@ -88,6 +88,10 @@ struct Request {
     stop: Option<StopField>,
     stream: Option<bool>,
     n: Option<i64>,
+    /// Extension (as in vLLM): keep generating through end-of-sequence tokens, up to
+    /// `max_tokens`; the EOS tokens count as completion tokens and are left out of the text.
+    /// For load tests that need every request to run its full length.
+    ignore_eos: Option<bool>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -285,6 +289,7 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
                 seed,
             },
             stop,
+            ignore_eos: req.ignore_eos.unwrap_or(false),
             reserve,
             events: tx,
             enqueued: Instant::now(),

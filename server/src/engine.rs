@@ -57,6 +57,8 @@ pub struct Job {
     pub max_tokens: usize,
     pub sampling: Sampling,
     pub stop: Vec<String>,
+    /// Generate through end-of-sequence tokens (the request's `ignore_eos`).
+    pub ignore_eos: bool,
     /// Bytes reserved at admission ([`Footprint::worst_case`]).
     pub reserve: usize,
     pub events: UnboundedSender<Event>,
@@ -146,6 +148,7 @@ struct Seq {
     sampling: Sampling,
     rng: ChaCha8Rng,
     stop: Vec<String>,
+    ignore_eos: bool,
     /// Bytes of text already sent.
     sent: usize,
     reserve: usize,
@@ -377,6 +380,7 @@ fn start(
         sampling: job.sampling,
         rng,
         stop: job.stop,
+        ignore_eos: job.ignore_eos,
         sent: 0,
         reserve: job.reserve,
         events: job.events,
@@ -396,12 +400,24 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
             .observe((now - s.last_token_at).as_secs_f64());
     }
     s.last_token_at = now;
-    let eos = model.is_eos(tok);
+    let eos = model.is_eos(tok) && !s.ignore_eos;
     if !eos {
         s.generated.push(tok);
         shared.metrics.tokens.inc();
     }
-    let text = match model.decode(&s.generated) {
+    // with `ignore_eos` the generated EOS tokens stay in the sequence but not in the text
+    let decoded = if s.ignore_eos {
+        let ids: Vec<u32> = s
+            .generated
+            .iter()
+            .copied()
+            .filter(|&t| !model.is_eos(t))
+            .collect();
+        model.decode(&ids)
+    } else {
+        model.decode(&s.generated)
+    };
+    let text = match decoded {
         Ok(t) => t,
         Err(e) => {
             let _ = s.events.send(Event::Error(format!("detokenize: {e}")));

@@ -197,6 +197,7 @@ async fn bad_requests_get_400_and_the_server_stays_up() {
         ("/v1/completions", json!({"prompt": long_prompt, "max_tokens": 1}).to_string(), "context_length_exceeded"),
         ("/v1/completions", json!({"prompt": 5}).to_string(), "invalid_prompt"),
         ("/v1/completions", json!({"prompt": "hi", "temperature": -1}).to_string(), "invalid_temperature"),
+        ("/v1/completions", json!({"prompt": "hi", "ignore_eos": "yes"}).to_string(), "invalid_json"),
     ];
     for (path, body, code) in &cases {
         let (st, v) = post(&s, path, body).await;
@@ -226,6 +227,35 @@ async fn bad_requests_get_400_and_the_server_stays_up() {
     assert_eq!(st, 200, "{v}");
     let text = v["choices"][0]["text"].as_str().unwrap();
     assert!(!text.contains(" 7"), "stop string in the text: {text:?}");
+    // ignore_eos: a chat that ends early runs on to max_tokens, its text extending the answer
+    let ask = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 48, "temperature": 0});
+        if let Value::Object(m) = extra {
+            b.as_object_mut().unwrap().extend(m);
+        }
+        b.to_string()
+    };
+    let (st, short) = post(&s, "/v1/chat/completions", &ask(json!({}))).await;
+    assert_eq!(st, 200, "{short}");
+    assert_eq!(short["choices"][0]["finish_reason"], "stop", "{short}");
+    let n_short = short["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(n_short < 48, "{short}");
+    let (st, long) = post(
+        &s,
+        "/v1/chat/completions",
+        &ask(json!({"ignore_eos": true})),
+    )
+    .await;
+    assert_eq!(st, 200, "{long}");
+    assert_eq!(long["choices"][0]["finish_reason"], "length", "{long}");
+    assert_eq!(long["usage"]["completion_tokens"], 48, "{long}");
+    let (a, b) = (
+        short["choices"][0]["message"]["content"].as_str().unwrap(),
+        long["choices"][0]["message"]["content"].as_str().unwrap(),
+    );
+    assert!(b.starts_with(a) && b.len() > a.len(), "{a:?} vs {b:?}");
+    assert!(!b.contains("<|im_end|>"), "EOS text in {b:?}");
     // seeded sampling is reproducible
     let body =
         json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11})

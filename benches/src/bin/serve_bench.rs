@@ -39,8 +39,13 @@ struct Args {
     /// Prompt length in tokens (needle haystacks, one per request seed).
     #[arg(long, default_value_t = 2048)]
     prompt_tokens: usize,
+    /// Tokens each request generates: every request runs its full length (sent with
+    /// `ignore_eos`) unless `--stop-at-eos`.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
+    /// Let requests end at the model's end-of-sequence token (shorter, uneven requests).
+    #[arg(long)]
+    stop_at_eos: bool,
     /// KV budget: bytes, optionally with K, M or G (powers of 1024).
     #[arg(long, default_value = "400M")]
     kv_budget: String,
@@ -229,7 +234,7 @@ fn main() {
             for _ in 0..a.clients {
                 let (next, url, prompts) = (next.clone(), url.clone(), prompts.clone());
                 let t0 = t0;
-                let (requests, max_tokens) = (a.requests, a.max_tokens);
+                let (requests, max_tokens, ignore_eos) = (a.requests, a.max_tokens, !a.stop_at_eos);
                 handles.push(tokio::spawn(async move {
                     let mut out = Vec::new();
                     loop {
@@ -238,7 +243,8 @@ fn main() {
                             return out;
                         }
                         let body = json!({"model": "bench", "prompt": prompts[i % prompts.len()].0,
-                            "max_tokens": max_tokens, "temperature": 0, "stream": true})
+                            "max_tokens": max_tokens, "temperature": 0, "stream": true,
+                            "ignore_eos": ignore_eos})
                         .to_string();
                         let r = one_request(url.clone(), body).await;
                         // progress on stderr: one line per finished request
@@ -315,7 +321,7 @@ fn main() {
     if let Some(p) = &a.json {
         let doc = json!({
             "clients": a.clients, "requests": a.requests, "prompt_tokens": a.prompt_tokens,
-            "max_tokens": a.max_tokens, "kv_budget": budget, "max_batch": a.max_batch,
+            "max_tokens": a.max_tokens, "ignore_eos": !a.stop_at_eos, "kv_budget": budget, "max_batch": a.max_batch,
             "rows": rows,
         });
         if let Err(e) = std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default()) {
