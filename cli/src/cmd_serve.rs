@@ -18,7 +18,8 @@ pub struct Args {
     /// under its file name without the extension (the default model as smollm2-135m-instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// KV-cache method: full or mosaic (optionally with :key=value overrides).
+    /// KV-cache method: full, kvq8, kvq4 (llama.cpp q8_0 / q4_0 KV) or mosaic (optionally with
+    /// :key=value overrides).
     #[arg(long, default_value = "mosaic")]
     pub method: String,
     #[arg(long, default_value = "127.0.0.1")]

@@ -7,6 +7,9 @@
 //! apart, `host_rows`).
 //!
 //! * `full`: exactly `4 * kv_heads * head_dim` bytes per token per layer (f16 K and V).
+//! * `kvq8` / `kvq4` (llama.cpp's `q8_0` / `q4_0` KV cache): exactly `2 * kv_heads *
+//!   ceil(head_dim / 32)` blocks of 34 / 18 bytes per token per layer (K and V, f16 block scale
+//!   included).
 //! * `mosaic`: an upper bound that holds whatever strategies the fit picks. Per token, layer and
 //!   KV head: a key and a value record with the most values the channel policy can keep
 //!   (SPEC.md section 11.2: `r = min(D, ceil_g(f * D))` at the largest retention `f` and group
@@ -43,7 +46,7 @@ pub struct Footprint {
 }
 
 /// Methods the server runs.
-pub const SERVED_METHODS: &str = "full, mosaic";
+pub const SERVED_METHODS: &str = "full, kvq8, kvq4, mosaic";
 
 impl Footprint {
     /// The byte rates of `method` on a model of configuration `cfg`; `None` for a method the
@@ -53,6 +56,13 @@ impl Footprint {
         match method {
             Method::Full => Some(Self {
                 per_token: layers * kvh * 4 * d,
+                per_segment: 0,
+                dense: 0,
+                input_segment_len: 1,
+                min_segment_len: 1,
+            }),
+            Method::Kvq { format } => Some(Self {
+                per_token: layers * kvh * 2 * d.div_ceil(32) * format.block_bytes(),
                 per_segment: 0,
                 dense: 0,
                 input_segment_len: 1,
@@ -135,6 +145,15 @@ mod tests {
         assert_eq!(f.per_token, 30 * 3 * 4 * 64);
         assert_eq!(f.worst_case(100, 28), 128 * 30 * 3 * 4 * 64);
         assert_eq!(f.still_needed(1000, 10), 1000 + 10 * f.per_token);
+    }
+
+    #[test]
+    fn kvq_is_exactly_ggml_blocks() {
+        let f = |m: &str| Footprint::of(&Method::parse(m).unwrap(), &cfg()).unwrap();
+        // head_dim 64: 2 blocks per head and tensor
+        assert_eq!(f("kvq8").per_token, 30 * 3 * 2 * 2 * 34);
+        assert_eq!(f("kvq4").per_token, 30 * 3 * 2 * 2 * 18);
+        assert_eq!(f("kvq4").worst_case(100, 28), 128 * f("kvq4").per_token);
     }
 
     #[test]

@@ -109,7 +109,7 @@ fn batched(model: &Model, method: &Method, prompts: &[Vec<u32>]) -> Vec<Vec<u32>
 fn batched_decode_equals_single_decode() {
     let model = load_model();
     let prompts = prompts(&model);
-    for name in ["full", "mosaic"] {
+    for name in ["full", "kvq4", "mosaic"] {
         let method = Method::parse(name).unwrap();
         let together = batched(&model, &method, &prompts);
         for (i, p) in prompts.iter().enumerate() {

@@ -118,7 +118,7 @@ const PROMPTS: [&str; 4] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_streams_equal_single_answers() {
-    for method in ["full", "mosaic"] {
+    for method in ["full", "kvq4", "mosaic"] {
         let s = start(method, 1 << 34, 4, 16).await;
         // one at a time: each decoded alone
         let mut single = Vec::new();
