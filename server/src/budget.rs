@@ -29,6 +29,7 @@
 //! check that count is zero).
 
 use mosaickv_engine::{Config, Method};
+use mosaickv_reference::baselines::KVQ_BLOCK;
 
 /// The worst-case byte rates of one method on one model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,7 +63,7 @@ impl Footprint {
                 min_segment_len: 1,
             }),
             Method::Kvq { format } => Some(Self {
-                per_token: layers * kvh * 2 * d.div_ceil(32) * format.block_bytes(),
+                per_token: layers * kvh * 2 * d.div_ceil(KVQ_BLOCK) * format.block_bytes(),
                 per_segment: 0,
                 dense: 0,
                 input_segment_len: 1,

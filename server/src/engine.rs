@@ -149,11 +149,21 @@ struct Seq {
     rng: ChaCha8Rng,
     stop: Vec<String>,
     ignore_eos: bool,
+    /// End-of-sequence tokens generated and passed over (`ignore_eos`): in the cache and the
+    /// token count, not in `generated` (the text).
+    eos_passed: usize,
     /// Bytes of text already sent.
     sent: usize,
     reserve: usize,
     events: UnboundedSender<Event>,
     last_token_at: Instant,
+}
+
+impl Seq {
+    /// Tokens generated so far, end-of-sequence tokens passed over included.
+    fn tokens(&self) -> usize {
+        self.generated.len() + self.eos_passed
+    }
 }
 
 /// Samples a token from logits.
@@ -381,6 +391,7 @@ fn start(
         rng,
         stop: job.stop,
         ignore_eos: job.ignore_eos,
+        eos_passed: 0,
         sent: 0,
         reserve: job.reserve,
         events: job.events,
@@ -393,31 +404,25 @@ fn start(
 /// stop string or its token limit, and lowers its reservation. `None` when it finished.
 fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) -> Option<Seq> {
     let now = Instant::now();
-    if !s.generated.is_empty() {
+    if s.tokens() > 0 {
         shared
             .metrics
             .tbt
             .observe((now - s.last_token_at).as_secs_f64());
     }
     s.last_token_at = now;
-    let eos = model.is_eos(tok) && !s.ignore_eos;
-    if !eos {
+    let is_eos = model.is_eos(tok);
+    if !is_eos {
         s.generated.push(tok);
+    } else if s.ignore_eos {
+        s.eos_passed += 1;
+    }
+    // the sequence ends here on EOS, unless the request passes over it
+    let eos = is_eos && !s.ignore_eos;
+    if !eos {
         shared.metrics.tokens.inc();
     }
-    // with `ignore_eos` the generated EOS tokens stay in the sequence but not in the text
-    let decoded = if s.ignore_eos {
-        let ids: Vec<u32> = s
-            .generated
-            .iter()
-            .copied()
-            .filter(|&t| !model.is_eos(t))
-            .collect();
-        model.decode(&ids)
-    } else {
-        model.decode(&s.generated)
-    };
-    let text = match decoded {
+    let text = match model.decode(&s.generated) {
         Ok(t) => t,
         Err(e) => {
             let _ = s.events.send(Event::Error(format!("detokenize: {e}")));
@@ -426,7 +431,7 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
         }
     };
     let stop_at = s.stop.iter().filter_map(|st| text.find(st.as_str())).min();
-    let at_limit = s.generated.len() >= s.max_tokens;
+    let at_limit = s.tokens() >= s.max_tokens;
     let finish = if stop_at.is_some() || eos {
         Some("stop")
     } else if at_limit {
@@ -457,7 +462,7 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
         let _ = s.events.send(Event::Done {
             finish_reason: reason,
             prompt_tokens: s.prompt_len,
-            completion_tokens: s.generated.len(),
+            completion_tokens: s.tokens(),
         });
         shared.metrics.finished("ok");
         return None;
@@ -467,7 +472,7 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
         shared.reservation_overruns.fetch_add(1, Ordering::SeqCst);
     }
     // tokens still to append: this one (next step) and up to max_tokens - generated - 1 more
-    let remaining = s.max_tokens - s.generated.len();
+    let remaining = s.max_tokens - s.tokens();
     s.reserve = s.reserve.min(foot.still_needed(measured, remaining));
     s.next = tok;
     Some(s)
