@@ -16,6 +16,11 @@ pub trait LayerKv: Send {
     fn len(&self) -> usize;
     /// Device-side bytes held (every byte counted, SPEC.md section 13).
     fn bytes(&self) -> usize;
+    /// The most bytes `bytes()` can reach after at most `more` further appends, from the
+    /// cache's state now; `None` when it cannot say better than its method's worst case.
+    fn bytes_bound(&self, _more: usize) -> Option<usize> {
+        None
+    }
     /// Host-side bytes held apart from the device data (full-precision rows kept
     /// for background compression); 0 for caches that keep none.
     fn host_bytes(&self) -> usize {

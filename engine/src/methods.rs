@@ -41,6 +41,9 @@ impl<C: KvCache> LayerKv for KvAdapter<C> {
     fn bytes(&self) -> usize {
         self.0.memory().device_bytes()
     }
+    fn bytes_bound(&self, more: usize) -> Option<usize> {
+        self.0.device_bytes_bound(more)
+    }
     fn set_query_stats(&mut self, stats: mosaickv_spec::QueryStats) -> Result<(), String> {
         self.0
             .set_query_stats(Some(stats))

@@ -621,6 +621,91 @@ fn save_load_round_trip_is_exact_and_resumes() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `device_bytes_bound(more)` taken at any step bounds every later step's device bytes up to
+/// `more` appends on, with the worker running, lagging or synchronous; and while no close can
+/// happen it is tight: within the update buffer's capacity of the bytes reached.
+#[test]
+fn device_bytes_bound_holds_at_every_later_step() {
+    let sh = shape();
+    let dense_row = 4 * sh.kv_heads * sh.head_dim;
+    let total = 600;
+    for (mode, prompt, cfg) in [
+        (Mode::Sync, 100, config()),
+        (Mode::Async, 100, config()),
+        // a prompt within the sink: the first flush fits its own strategy
+        (Mode::Sync, 3, config()),
+        // no close possible within 600 tokens: the bound is the fitted rate
+        (
+            Mode::Async,
+            200,
+            CompressConfig {
+                min_segment_len: 1024,
+                max_segment_len: 2048,
+                ..config()
+            },
+        ),
+    ] {
+        let (k, v) = kv(0, prompt + total, &sh, 17);
+        let mut live = LiveCache::new(sh, cfg.clone(), mode).unwrap();
+        live.prefill(
+            k.slice(s![0..prompt, .., ..]),
+            v.slice(s![0..prompt, .., ..]),
+        )
+        .unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(prompt as u64);
+        let mut hold = None;
+        let mut bounds = Vec::new();
+        let mut bytes = Vec::new();
+        for t in 0..total {
+            bounds.push(live.device_bytes_bound(total - t).expect("prompt done"));
+            bytes.push(live.memory().device_bytes());
+            if mode == Mode::Async {
+                if rng.gen_bool(0.05) {
+                    hold = None;
+                } else if hold.is_none() && rng.gen_bool(0.05) {
+                    hold = live.hold_worker();
+                }
+            }
+            let i = prompt + t;
+            live.append(k.slice(s![i, .., ..]), v.slice(s![i, .., ..]))
+                .unwrap();
+        }
+        drop(hold);
+        bytes.push(live.memory().device_bytes());
+        live.drain().unwrap();
+        bytes.push(live.memory().device_bytes());
+        // the largest device bytes from each step on
+        let mut later_max = vec![0; bytes.len()];
+        let mut m = 0;
+        for j in (0..bytes.len()).rev() {
+            m = m.max(bytes[j]);
+            later_max[j] = m;
+        }
+        for (t, b) in bounds.iter().enumerate() {
+            assert!(
+                later_max[t] <= *b,
+                "{mode:?} prompt {prompt}: step {t} bound {b} < later bytes {}",
+                later_max[t]
+            );
+        }
+        if cfg.min_segment_len > total + prompt {
+            assert_eq!(live.stats().closes, 0);
+            let slack = bounds[0] - later_max[0];
+            assert!(
+                slack <= cfg.buffer_capacity * dense_row,
+                "no close possible: bound {} exceeds the bytes reached {} by {slack}",
+                bounds[0],
+                later_max[0]
+            );
+        } else {
+            assert!(
+                live.stats().closes > 0,
+                "{mode:?} prompt {prompt}: no close"
+            );
+        }
+    }
+}
+
 #[test]
 fn memory_separates_device_and_host_rows() {
     let sh = shape();

@@ -18,15 +18,21 @@
 //!   section 7). Once per sequence: the rows kept dense f16 (`sink_tokens + buffer_capacity`
 //!   rows of `4 * D` bytes for K and V). Per segment, layer and KV head: two f32 rotations
 //!   `D x D`, the segment and strategy headers (16 + 2 * 32 B) and one more (partial) metadata
-//!   block. Segments: at most `ceil(prompt / L_in) + 1` prompt segments and
-//!   `ceil(generated / L_min) + 3` generated ones (an open segment, a provisional one of the
-//!   background worker, and the remainder).
+//!   block. Segments: exactly the prompt's closed segments of SPEC.md section 10.1
+//!   ([`mosaickv_spec::rules::prompt_segments`]), one open segment for the generated tokens
+//!   (it holds a copy of the last strategy), and two more for each close that can happen
+//!   (SPEC 10.3: a generated segment closes only once it holds `L_min` tokens, so at most
+//!   `floor(max_tokens / L_min)` closes; each one fits a new strategy for the closed segment
+//!   and the next open segment copies it).
 //!
-//! Admission reserves [`Footprint::worst_case`] for the prompt plus `max_tokens`; after each
-//! step the scheduler lowers the reservation to [`Footprint::still_needed`]: the measured bytes
-//! plus the worst case of the tokens that may still come. The reservation never rises, and the
-//! measured bytes never exceed it (the engine counts any step where they do, and the tests
-//! check that count is zero).
+//! Admission reserves [`Footprint::worst_case`] for the prompt plus `max_tokens`. Once the
+//! prompt is in the cache, the scheduler lowers the reservation after each step to the bound
+//! the caches give from their real state ([`mosaickv_engine::LayerKv::bytes_bound`]: for the
+//! live MosaicKV cache, the measured bytes plus the remaining tokens at the fitted strategies'
+//! own rate while no close can happen; `mosaickv_optimized::LiveCache::device_bytes_bound`),
+//! or, for a cache that gives none, to [`Footprint::still_needed`]. The reservation never
+//! rises, and the measured bytes never exceed it (the engine counts any step where they do,
+//! and the tests check that count is zero).
 
 use mosaickv_engine::{Config, Method};
 use mosaickv_reference::baselines::KVQ_BLOCK;
@@ -44,6 +50,8 @@ pub struct Footprint {
     pub input_segment_len: usize,
     /// Minimum generated segment length `L_min`.
     pub min_segment_len: usize,
+    /// Tokens kept in the dense sink (not in any segment).
+    pub sink_tokens: usize,
 }
 
 /// Methods the server runs.
@@ -61,6 +69,7 @@ impl Footprint {
                 dense: 0,
                 input_segment_len: 1,
                 min_segment_len: 1,
+                sink_tokens: 0,
             }),
             Method::Kvq { format } => Some(Self {
                 per_token: layers * kvh * 2 * d.div_ceil(KVQ_BLOCK) * format.block_bytes(),
@@ -68,6 +77,7 @@ impl Footprint {
                 dense: 0,
                 input_segment_len: 1,
                 min_segment_len: 1,
+                sink_tokens: 0,
             }),
             Method::Mosaic { config, .. } => {
                 // the largest record any candidate layout of the policy can write (SPEC.md
@@ -85,6 +95,7 @@ impl Footprint {
                     dense: layers * kvh * (config.sink_tokens + config.buffer_capacity) * 4 * d,
                     input_segment_len: config.input_segment_len.max(1),
                     min_segment_len: config.min_segment_len.max(1),
+                    sink_tokens: config.sink_tokens,
                 })
             }
             _ => None,
@@ -97,16 +108,21 @@ impl Footprint {
         let segments = if self.per_segment == 0 {
             0
         } else {
-            prompt.div_ceil(self.input_segment_len)
-                + 1
-                + max_tokens.div_ceil(self.min_segment_len)
-                + 3
+            let (_, prompt_segments) = mosaickv_spec::rules::prompt_segments(
+                prompt,
+                self.sink_tokens,
+                self.input_segment_len,
+            );
+            prompt_segments.len() + 1 + 2 * (max_tokens / self.min_segment_len)
         };
         (prompt + max_tokens) * self.per_token + segments * self.per_segment + self.dense
     }
 
     /// The most bytes a running request can reach from `measured` bytes now, with at most
-    /// `remaining` more tokens to append.
+    /// `remaining` more tokens to append, for a cache that cannot bound it from its state
+    /// (the live MosaicKV cache can: see the module doc). Generated segments: up to
+    /// `ceil(remaining / L_min) + 3` (the open one, a provisional one of the background worker,
+    /// and the remainder).
     pub fn still_needed(&self, measured: usize, remaining: usize) -> usize {
         let segments = if self.per_segment == 0 {
             0
@@ -169,10 +185,21 @@ mod tests {
         assert!(f.per_token < dense.per_token);
         assert_eq!(f.per_segment, 30 * 3 * (32768 + 80 + 132));
         assert_eq!(f.dense, 30 * 3 * (4 + 64) * 256);
-        // 1 prompt segment (+1), 1 generated (+3)
+        // 1 prompt segment (SPEC 10.1: 996 tokens after the sink < L_in), 1 open one, no close
+        // (100 < L_min)
         assert_eq!(
             f.worst_case(1000, 100),
-            1100 * f.per_token + 6 * f.per_segment + f.dense
+            1100 * f.per_token + 2 * f.per_segment + f.dense
+        );
+        // a prompt within the sink has no segment; 2 * L_min generated tokens allow 2 closes
+        assert_eq!(
+            f.worst_case(4, 8192),
+            8196 * f.per_token + (1 + 4) * f.per_segment + f.dense
+        );
+        // 40,000 prompt tokens after the sink: floor(40000 / 16384) = 2 segments
+        assert_eq!(
+            f.worst_case(40_004, 10),
+            40_014 * f.per_token + 3 * f.per_segment + f.dense
         );
         // fixed retention 1/4 at g = 1: r = 16, a record is 8 + 32 = 40 B
         let fixed = Footprint::of(&Method::parse("mosaic:ret=0.25").unwrap(), &cfg()).unwrap();

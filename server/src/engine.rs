@@ -473,7 +473,14 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
     }
     // tokens still to append: this one (next step) and up to max_tokens - generated - 1 more
     let remaining = s.max_tokens - s.tokens();
-    s.reserve = s.reserve.min(foot.still_needed(measured, remaining));
+    // the caches' own bound from their state (the fitted strategies), else the method's
+    let bound = s
+        .caches
+        .iter()
+        .map(|c| c.bytes_bound(remaining))
+        .sum::<Option<usize>>()
+        .unwrap_or_else(|| foot.still_needed(measured, remaining));
+    s.reserve = s.reserve.min(bound);
     s.next = tok;
     Some(s)
 }

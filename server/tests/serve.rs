@@ -368,6 +368,56 @@ async fn budget_queue_429_and_cancellation() {
     s.shutdown();
 }
 
+/// A running MosaicKV sequence's reservation drops, once its prompt is compressed, from the
+/// admission worst case to the bound its caches give at their fitted strategies
+/// (`LayerKv::bytes_bound`): under a budget one byte short of two worst cases, two requests run
+/// at once, with no step above its reservation. (Pricing the rest of a sequence at the policy's
+/// largest record, as `Footprint::still_needed` does, admits only one here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mosaic_reservation_drops_to_the_fitted_bound() {
+    let m = model();
+    let prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,";
+    let n_prompt = m.encode_raw(prompt).unwrap().len();
+    let max_tokens = 200;
+    let method = Method::parse("mosaic").unwrap();
+    let foot = Footprint::of(&method, m.config()).unwrap();
+    let one = foot.worst_case(n_prompt, max_tokens);
+    let budget = 2 * one - 1;
+    let s = start("mosaic", budget, 4, 4).await;
+    let body = json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": 0, "ignore_eos": true})
+    .to_string();
+    let tasks: Vec<_> = (0..2)
+        .map(|_| {
+            let (u, b) = (url(&s, "/v1/completions"), body.clone());
+            tokio::spawn(async move {
+                let r = client()
+                    .post(u)
+                    .header("content-type", "application/json")
+                    .body(b)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), r.json::<Value>().await.unwrap())
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (st, v) = t.await.unwrap();
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
+    }
+    let st = s.stats();
+    assert_eq!(st.running_peak, 2, "{st:?}");
+    assert!(st.kv_peak <= budget, "{st:?}");
+    assert_eq!(st.reservation_overruns, 0, "{st:?}");
+    wait_for(&s, "memory back to zero", |st| {
+        st.kv_used == 0 && st.kv_reserved == 0
+    })
+    .await;
+    s.shutdown();
+}
+
 /// Soak: `requests` requests of random lengths (prompts of 1..`max_words` repeats of two words,
 /// 1..16 new tokens) from `n_clients` concurrent clients, a quarter of them streamed and dropped
 /// after their first chunk, under a budget that makes requests wait and a queue small enough to

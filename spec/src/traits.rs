@@ -137,6 +137,12 @@ pub trait KvCache: Send {
     fn attend(&mut self, queries: ArrayView2<f32>, out: ArrayViewMut2<f32>) -> Result<()>;
     /// Every byte held, itemized.
     fn memory(&self) -> MemoryReport;
+    /// The most device bytes `memory()` can report after at most `more` further `append`s,
+    /// from the cache's state now (SPEC.md section 13); `None` when the cache cannot bound it
+    /// better than its method's worst case (the default).
+    fn device_bytes_bound(&self, _more: usize) -> Option<usize> {
+        None
+    }
     /// The layer's query statistics for the attention loss (SPEC.md section 11.1), before
     /// `prefill`. Caches that do not use them (the baselines) accept and ignore them.
     fn set_query_stats(&mut self, _stats: Option<crate::query::QueryStats>) -> Result<()> {

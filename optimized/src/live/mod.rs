@@ -65,6 +65,7 @@
 //! - `persist`: save/load and `to_parts`/`from_parts` (SPEC 15);
 //! - `dense`: the SPEC 9 fallback for a cache with no segment yet.
 
+mod bound;
 mod close;
 mod covariance;
 mod dense;
@@ -559,6 +560,11 @@ impl KvCache for LiveCache {
                 r
             }
         }
+    }
+
+    /// See [`LiveCache::device_bytes_bound`] (`bound`).
+    fn device_bytes_bound(&self, more: usize) -> Option<usize> {
+        LiveCache::device_bytes_bound(self, more)
     }
 
     /// SPEC 13: device bytes of the current version; `host_rows` = f32 rows of
