@@ -74,7 +74,7 @@ code=$?; cat "$OUT/conformance-cuda.txt"
 check_ran "conformance (CUDA)" "$OUT/conformance-cuda.txt" $code "CUDA available: the suite above ran on the device"
 # The CudaCache checks (conformance/tests/cuda_cache/mod.rs) each print this line at their end.
 cc_ran=$(grep -c "CudaCache conformance ran on:" "$OUT/conformance-cuda.txt")
-[ "$cc_ran" = 4 ] || fail_step "CudaCache conformance: $cc_ran of its 4 tests ran to the end on the device"
+[ "$cc_ran" = 5 ] || fail_step "CudaCache conformance: $cc_ran of its 5 tests ran to the end on the device"
 
 step "gpu_compare: full, Quest, MosaicKV default and paper (contexts $CONTEXTS, batch $BATCH)"
 dump=$(mktemp -d)

@@ -185,6 +185,17 @@ mod cuda_cache {
         mosaickv_no_cuda_driver,
         ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
     )]
+    fn live_batch_follows_the_background_worker() {
+        if let Some(g) = gpu("live_batch_follows_the_background_worker") {
+            checks::live_batch_follows_the_background_worker(g);
+        }
+    }
+
+    #[test]
+    #[cfg_attr(
+        mosaickv_no_cuda_driver,
+        ignore = "no CUDA driver (libcuda.so.1) on the build machine; scripts/gpu-check.sh runs these with --include-ignored"
+    )]
     fn a_reencoded_segment_swaps_in_without_stopping_decode() {
         if let Some(g) = gpu("a_reencoded_segment_swaps_in_without_stopping_decode") {
             checks::a_reencoded_segment_swaps_in_without_stopping_decode(g);

@@ -374,6 +374,11 @@ mod cuda_cache {
     }
 
     #[test]
+    fn live_batch_follows_the_background_worker() {
+        checks::live_batch_follows_the_background_worker(gpu());
+    }
+
+    #[test]
     fn a_reencoded_segment_swaps_in_without_stopping_decode() {
         checks::a_reencoded_segment_swaps_in_without_stopping_decode(gpu());
     }

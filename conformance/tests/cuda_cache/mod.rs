@@ -6,7 +6,8 @@
 
 use mosaickv_conformance::{queries, structured_kv, tolerances};
 use mosaickv_optimized::cuda::device::Gpu;
-use mosaickv_optimized::cuda::{CudaCache, CudaCacheOptions};
+use mosaickv_optimized::cuda::{CudaCache, CudaCacheOptions, CudaLiveBatch};
+use mosaickv_optimized::{Holder, LiveCache, Mode};
 use mosaickv_reference::{MosaicCache, ReferenceBackend};
 use mosaickv_spec::{
     Backend, CompressConfig, CompressedCache, KvCache, KvShape, MosaicError, Segment,
@@ -181,6 +182,188 @@ pub fn prefill_appends_and_flushes_match_the_reference(gpu: Arc<Gpu>) {
     );
     let views: Vec<&CompressedCache> = refs.iter().map(|c| c.compressed()).collect();
     check_batch(&cc, &views, 50, "at the end");
+    println!("CudaCache conformance ran on: {}", gpu.name);
+}
+
+/// `CudaLiveBatch`: two `LiveCache`s with background workers that are held and released at
+/// random (so closes arrive late, provisional segments form and are re-encoded), mirrored on
+/// the device token by token. Checked every 16 steps and after the final drain: the device's
+/// selections equal the reference's on the host views exactly, its attention is within
+/// tolerance, and it is bit-equal to a `CudaCache` uploaded afresh from the same views (the
+/// incremental swaps leave the device holding exactly what a fresh upload holds).
+pub fn live_batch_follows_the_background_worker(gpu: Arc<Gpu>) {
+    use rand::{Rng, SeedableRng};
+    let cfg = CompressConfig {
+        sink_tokens: 4,
+        input_segment_len: 64,
+        buffer_capacity: 16,
+        block_sizes: vec![8, 16],
+        max_segment_len: 128,
+        min_segment_len: 64,
+        truncate_fraction: 0.25,
+        ..CompressConfig::default()
+    };
+    let prompts = [100usize, 70];
+    let appends = 300;
+    let data: Vec<(Array3<f32>, Array3<f32>)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| structured_kv(p + appends + 400, SHAPE.0, SHAPE.2, 31 + i as u64))
+        .collect();
+    let lives: Vec<LiveCache> = data
+        .iter()
+        .zip(prompts)
+        .map(|((k, v), p)| {
+            let mut l = LiveCache::new(shape(), cfg.clone(), Mode::Async).unwrap();
+            l.prefill(
+                k.slice(ndarray::s![..p, .., ..]),
+                v.slice(ndarray::s![..p, .., ..]),
+            )
+            .unwrap();
+            l
+        })
+        .collect();
+    let opts = CudaCacheOptions {
+        spare_rows: 40,
+        spare_segments: 16,
+        spare_blocks: 160,
+        swap_tokens: 1024,
+        swap_segments: 16,
+    };
+    let mut batch = CudaLiveBatch::new(gpu.clone(), lives, opts).unwrap();
+    let check = |batch: &CudaLiveBatch, seed: u64, when: &str| {
+        let views: Vec<CompressedCache> = batch
+            .lives()
+            .iter()
+            .map(|l| l.compressed().clone())
+            .collect();
+        let refs: Vec<&CompressedCache> = views.iter().collect();
+        let (qs, flat) = batch_queries(refs.len(), seed);
+        let sel = batch.select_current(&flat).unwrap();
+        let out = batch.attend_current(&flat).unwrap();
+        let fresh = CudaCache::new(gpu.clone(), &refs, opts).unwrap();
+        let fresh_out = fresh.attend(&flat).unwrap();
+        assert!(
+            out.iter()
+                .zip(&fresh_out)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{when}: the mirrored device cache attends differently from a fresh upload"
+        );
+        let per = SHAPE.1 * SHAPE.2;
+        for (b, (c, q)) in refs.iter().zip(&qs).enumerate() {
+            assert_eq!(
+                sel[b],
+                ReferenceBackend.select(c, q.view()).unwrap(),
+                "{when}: sequence {b} selection"
+            );
+            let mut o = Array2::<f32>::zeros((SHAPE.1, SHAPE.2));
+            ReferenceBackend.attend(c, q.view(), o.view_mut()).unwrap();
+            let e = rel_l2(&out[b * per..(b + 1) * per], o.as_slice().unwrap());
+            assert!(
+                e < tolerances::ATTEND_REL_L2,
+                "{when}: sequence {b}: rel L2 {e:e}"
+            );
+        }
+    };
+    check(&batch, 1, "after prefill");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let mut holds = Vec::new();
+    for step in 0..appends {
+        // Release the workers now and then, let them run a little, hold them again.
+        if rng.gen_bool(0.03) {
+            holds.clear();
+            std::thread::sleep(std::time::Duration::from_millis(rng.gen_range(0..4)));
+        } else if holds.is_empty() && rng.gen_bool(0.05) {
+            holds = batch.hold_workers();
+        }
+        for (b, (k, v)) in data.iter().enumerate() {
+            let t = prompts[b] + step;
+            batch
+                .append(b, k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+                .unwrap();
+        }
+        if step % 16 == 15 {
+            batch.refresh().unwrap();
+            check(&batch, 100 + step as u64, &format!("step {step}"));
+        }
+    }
+    holds.clear();
+    batch.drain().unwrap();
+    check(&batch, 7, "after drain");
+
+    // A provisional segment made on purpose, then re-encoded: sequence 0's worker is held
+    // (hold 1) while its open segment reaches max_segment_len (the closing flush waits
+    // behind hold 1), held again (hold 2, queued after that flush), and given one more
+    // flush (behind hold 2). Releasing hold 1 lets the close through and nothing after it:
+    // the last flush's segment is provisional, on the host and so on the device. Releasing
+    // hold 2 re-encodes it (same tokens, new strategy): the device follows again.
+    let mut next = prompts[0] + appends;
+    let mut push = |batch: &mut CudaLiveBatch, n: usize| {
+        for _ in 0..n {
+            let (k, v) = &data[0];
+            batch
+                .append(0, k.index_axis(Axis(0), next), v.index_axis(Axis(0), next))
+                .unwrap();
+            next += 1;
+        }
+    };
+    let open_len = |batch: &CudaLiveBatch| {
+        batch.lives()[0]
+            .compressed()
+            .segments
+            .last()
+            .filter(|s| s.state == mosaickv_spec::SegmentState::Open)
+            .map_or(0, |s| s.len)
+    };
+    let provisional = |batch: &CudaLiveBatch| {
+        batch.lives()[0]
+            .coverage()
+            .ranges
+            .iter()
+            .any(|r| r.2 == Holder::Provisional)
+    };
+    let hold1 = batch.hold_worker(0).expect("async worker");
+    for _ in 0..cfg.max_segment_len {
+        if open_len(&batch) >= cfg.max_segment_len {
+            break;
+        }
+        push(&mut batch, 1);
+    }
+    assert!(open_len(&batch) >= cfg.max_segment_len);
+    let hold2 = batch.hold_worker(0).expect("async worker");
+    push(&mut batch, cfg.buffer_capacity);
+    drop(hold1);
+    let mut seen = false;
+    for _ in 0..400 {
+        batch.refresh().unwrap();
+        if provisional(&batch) {
+            seen = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        seen,
+        "the close must arrive while the next flush is held back"
+    );
+    let swaps_before = batch.stats().swaps;
+    check(&batch, 8, "with a provisional segment");
+    drop(hold2);
+    batch.drain().unwrap();
+    assert!(!provisional(&batch));
+    assert!(
+        batch.stats().swaps > swaps_before,
+        "the re-encoding is swapped in"
+    );
+    check(&batch, 9, "after the re-encoding");
+
+    let closes: u64 = batch.lives().iter().map(|l| l.stats().closes).sum();
+    assert!(closes >= 3, "the workers must close segments, got {closes}");
+    let st = batch.stats();
+    assert_eq!(st.appends, 2 * appends + (next - prompts[0] - appends));
+    assert!(st.swaps >= 2 * appends / 16, "{st:?}");
+    let m = batch.memory();
+    assert!(m.cuda.device_bytes > 0 && m.host_view_bytes > 0, "{m:?}");
     println!("CudaCache conformance ran on: {}", gpu.name);
 }
 

@@ -17,8 +17,10 @@
 pub mod cache;
 pub mod device;
 pub mod layout;
+pub mod live;
 
 pub use cache::{CudaCache, CudaCacheMemory, CudaCacheOptions};
+pub use live::{CudaLiveBatch, CudaLiveMemory, CudaLiveStats};
 
 use device::{cfg, is_kernel_fault, kargs, Buf, DeviceCache, Gpu, Null};
 use layout::HostTables;

@@ -35,6 +35,13 @@ impl LiveCache {
         }
     }
 
+    /// Applies every worker result that has arrived, without waiting (what `append` and
+    /// `attend` do first); a failed worker is reported.
+    pub fn apply_arrived(&mut self) -> Result<()> {
+        self.poll();
+        self.check_failed()
+    }
+
     /// Blocks until the worker has answered every flush and applies the answers.
     /// Afterwards the cache equals the synchronous one (SPEC 10.4).
     pub fn drain(&mut self) -> Result<()> {
