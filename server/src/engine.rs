@@ -7,7 +7,8 @@
 //!    reservation released;
 //! 2. admits the next queued job, in arrival order, when no other prompt is prefilling, the
 //!    batch has room and its reservation fits under the budget with everything already
-//!    reserved; its prompt is prefilled [`PREFILL_CHUNK`] tokens per turn, between decode steps;
+//!    reserved; its prompt is prefilled [`PREFILL_CHUNK`] tokens per turn, between decode steps,
+//!    then handed to its caches a few layers per turn ([`FILL_SLICE`]);
 //! 3. runs one batched decode step ([`mosaickv_engine::Model::decode_batch`]) for every running
 //!    sequence, samples each one's next token and streams its text;
 //! 4. measures each sequence's cache bytes and lowers its reservation to what it may still need.
@@ -27,6 +28,12 @@ use tokio::sync::mpsc::UnboundedSender;
 
 /// Prompt tokens prefilled per engine turn (between two decode steps).
 pub const PREFILL_CHUNK: usize = 256;
+
+/// Once a chunked prompt's forward pass is done, its layers are handed to their caches (where a
+/// MosaicKV layer compresses its prompt segments, SPEC.md section 10.1) in engine turns of at
+/// least one layer, ending the turn when this much time has passed, so that the running
+/// sequences get a decode step between them instead of waiting for every layer.
+pub const FILL_SLICE: Duration = Duration::from_millis(50);
 
 /// How a request samples.
 #[derive(Debug, Clone, PartialEq)]
@@ -242,6 +249,7 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
                     prefilling = q.pop_front().map(|job| Prefilling {
                         job,
                         state: ChunkedPrefill::default(),
+                        filling: None,
                     });
                     shared.metrics.queued.set(q.len() as i64);
                 }
@@ -313,6 +321,15 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
 struct Prefilling {
     job: Job,
     state: ChunkedPrefill,
+    /// After the forward pass of a chunked prompt: its caches (the first `filled` layers hold
+    /// the prompt) and the logits of its last token.
+    filling: Option<Filling>,
+}
+
+struct Filling {
+    caches: Vec<Box<dyn LayerKv>>,
+    filled: usize,
+    logits: Vec<f32>,
 }
 
 enum Step {
@@ -323,7 +340,8 @@ enum Step {
 
 /// Runs the next prefill chunk of `p`: a prompt of at most [`PREFILL_CHUNK`] tokens in one
 /// [`Model::prefill`] (as a sequence decoded alone), a longer one [`PREFILL_CHUNK`] tokens per
-/// call ([`Model::prefill_chunk`]); the caches take the whole prompt at the end.
+/// call ([`Model::prefill_chunk`]); then its caches take the prompt, layer by layer, in turns of
+/// about [`FILL_SLICE`].
 fn prefill_step(model: &Model, method: &Method, shared: &Shared, p: &mut Prefilling) -> Step {
     let fail = |job: &Job, msg: String| {
         let _ = job.events.send(Event::Error(msg));
@@ -331,6 +349,24 @@ fn prefill_step(model: &Model, method: &Method, shared: &Shared, p: &mut Prefill
         Step::Failed
     };
     let n = p.job.prompt.len();
+    if let Some(f) = &mut p.filling {
+        let t = Instant::now();
+        while f.filled < f.caches.len() {
+            let layer = f.filled;
+            if let Err(e) = p.state.fill_layer(model, layer, f.caches[layer].as_mut()) {
+                return fail(&p.job, format!("prefill: {e}"));
+            }
+            f.filled += 1;
+            if t.elapsed() >= FILL_SLICE {
+                break;
+            }
+        }
+        if f.filled < f.caches.len() {
+            return Step::More;
+        }
+        let f = p.filling.take().expect("filling");
+        return Step::Ready(f.caches, f.logits);
+    }
     let mut caches = if n <= PREFILL_CHUNK || p.state.len() + PREFILL_CHUNK >= n {
         match method.new_caches(model.config()) {
             Ok(c) => c,
@@ -358,10 +394,12 @@ fn prefill_step(model: &Model, method: &Method, shared: &Shared, p: &mut Prefill
     if b < n {
         return Step::More;
     }
-    match p.state.fill(model, &mut caches) {
-        Ok(()) => Step::Ready(caches, logits),
-        Err(e) => fail(&p.job, format!("prefill: {e}")),
-    }
+    p.filling = Some(Filling {
+        caches: std::mem::take(&mut caches),
+        filled: 0,
+        logits,
+    });
+    prefill_step(model, method, shared, p)
 }
 
 /// Samples a prefilled job's first token and makes it a running sequence; `None` when it

@@ -418,6 +418,55 @@ async fn mosaic_reservation_drops_to_the_fitted_bound() {
     s.shutdown();
 }
 
+/// A prompt longer than two prefill chunks runs through the chunked path (forward pass 256
+/// tokens per turn, then its layers handed to the caches a few per turn, where `mosaic`
+/// compresses them) while another sequence decodes between those turns: its answer equals the
+/// same request's answer alone, and so does the other sequence's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_prompt_prefills_in_turns_beside_a_running_sequence() {
+    let m = model();
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(60);
+    let n = m.encode_raw(&long).unwrap().len();
+    assert!(n > 2 * mosaickv_server::engine::PREFILL_CHUNK, "{n} tokens");
+    let s = start("mosaic", 1 << 30, 4, 4).await;
+    let body = |prompt: &str, max_tokens: usize| {
+        json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
+               "temperature": 0, "ignore_eos": true})
+        .to_string()
+    };
+    let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let (st, alone_long) = post(&s, "/v1/completions", &body(&long, 12)).await;
+    assert_eq!(st, 200, "{alone_long}");
+    let short = "1, 2, 3, 4, 5, 6,";
+    let (st, alone_short) = post(&s, "/v1/completions", &body(short, 96)).await;
+    assert_eq!(st, 200, "{alone_short}");
+    // the short one starts first and decodes while the long one prefills
+    let spawn = |b: String| {
+        let u = url(&s, "/v1/completions");
+        tokio::spawn(async move {
+            let r = client()
+                .post(u)
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    let t_short = spawn(body(short, 96));
+    wait_for(&s, "the short one running", |st| st.running == 1).await;
+    let t_long = spawn(body(&long, 12));
+    let (st1, v_short) = t_short.await.unwrap();
+    let (st2, v_long) = t_long.await.unwrap();
+    assert_eq!((st1, st2), (200, 200), "{v_short} {v_long}");
+    assert_eq!(text(&v_long), text(&alone_long));
+    assert_eq!(text(&v_short), text(&alone_short));
+    assert_eq!(s.stats().running_peak, 2, "{:?}", s.stats());
+    assert_eq!(s.stats().reservation_overruns, 0);
+    s.shutdown();
+}
+
 /// Soak: `requests` requests of random lengths (prompts of 1..`max_words` repeats of two words,
 /// 1..16 new tokens) from `n_clients` concurrent clients, a quarter of them streamed and dropped
 /// after their first chunk, under a budget that makes requests wait and a queue small enough to

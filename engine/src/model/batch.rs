@@ -251,15 +251,30 @@ impl ChunkedPrefill {
                 c.n_layers
             )));
         }
-        let shape = (self.len, c.kv_heads, c.head_dim);
         for (layer, cache) in caches.iter_mut().enumerate() {
-            let k = ndarray::ArrayView3::from_shape(shape, &self.keys[layer]).expect("shape");
-            let v = ndarray::ArrayView3::from_shape(shape, &self.values[layer]).expect("shape");
-            cache
-                .prefill(k, v)
-                .map_err(|message| EngineError::Cache { layer, message })?;
+            self.fill_layer(model, layer, cache.as_mut())?;
         }
         Ok(())
+    }
+
+    /// [`ChunkedPrefill::fill`] for one layer: hands layer `layer`'s prompt K/V to `cache`
+    /// (a caller can spread a MosaicKV prompt's compression over several turns this way).
+    pub fn fill_layer(&self, model: &Model, layer: usize, cache: &mut dyn LayerKv) -> Result<()> {
+        let c = &model.cfg;
+        if layer >= self.keys.len() {
+            return Err(EngineError::Invalid(format!(
+                "layer {layer} of {} prefilled layers",
+                self.keys.len()
+            )));
+        }
+        let shape = (self.len, c.kv_heads, c.head_dim);
+        let k = ndarray::ArrayView3::from_shape(shape, &self.keys[layer])
+            .map_err(|e| EngineError::Invalid(format!("prefilled keys of layer {layer}: {e}")))?;
+        let v = ndarray::ArrayView3::from_shape(shape, &self.values[layer])
+            .map_err(|e| EngineError::Invalid(format!("prefilled values of layer {layer}: {e}")))?;
+        cache
+            .prefill(k, v)
+            .map_err(|message| EngineError::Cache { layer, message })
     }
 }
 
