@@ -63,6 +63,22 @@ async fn post(s: &Server, path: &str, body: &str) -> (u16, Value) {
     (status, r.json().await.unwrap_or(Value::Null))
 }
 
+/// Posts `body` to `/v1/completions` on a task of its own; the task gives the status and the
+/// JSON answer.
+fn spawn_completion(s: &Server, body: String) -> tokio::task::JoinHandle<(u16, Value)> {
+    let u = url(s, "/v1/completions");
+    tokio::spawn(async move {
+        let r = client()
+            .post(u)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    })
+}
+
 /// Reads an SSE stream to its end; returns the data payloads before `[DONE]` and whether
 /// `[DONE]` came.
 async fn read_sse(r: reqwest::Response) -> (Vec<Value>, bool) {
@@ -315,22 +331,7 @@ async fn budget_queue_429_and_cancellation() {
     wait_for(&s, "A running", |st| st.running == 1 && st.kv_used > 0).await;
     let used_a = s.stats().kv_used;
     assert!(s.stats().kv_reserved <= budget);
-    let b = {
-        let (u, body) = (
-            url(&s, "/v1/completions"),
-            completion_body(prompt, 400, false),
-        );
-        tokio::spawn(async move {
-            let r = client()
-                .post(u)
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        })
-    };
+    let b = spawn_completion(&s, completion_body(prompt, 400, false));
     wait_for(&s, "B queued", |st| st.queued == 1).await;
     let (st, v) = post(&s, "/v1/completions", &completion_body(prompt, 400, false)).await;
     assert_eq!(st, 429, "{v}");
@@ -387,21 +388,7 @@ async fn mosaic_reservation_drops_to_the_fitted_bound() {
     let body = json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
                       "temperature": 0, "ignore_eos": true})
     .to_string();
-    let tasks: Vec<_> = (0..2)
-        .map(|_| {
-            let (u, b) = (url(&s, "/v1/completions"), body.clone());
-            tokio::spawn(async move {
-                let r = client()
-                    .post(u)
-                    .header("content-type", "application/json")
-                    .body(b)
-                    .send()
-                    .await
-                    .unwrap();
-                (r.status().as_u16(), r.json::<Value>().await.unwrap())
-            })
-        })
-        .collect();
+    let tasks: Vec<_> = (0..2).map(|_| spawn_completion(&s, body.clone())).collect();
     for t in tasks {
         let (st, v) = t.await.unwrap();
         assert_eq!(st, 200, "{v}");
@@ -441,22 +428,9 @@ async fn a_long_prompt_prefills_in_turns_beside_a_running_sequence() {
     let (st, alone_short) = post(&s, "/v1/completions", &body(short, 96)).await;
     assert_eq!(st, 200, "{alone_short}");
     // the short one starts first and decodes while the long one prefills
-    let spawn = |b: String| {
-        let u = url(&s, "/v1/completions");
-        tokio::spawn(async move {
-            let r = client()
-                .post(u)
-                .header("content-type", "application/json")
-                .body(b)
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        })
-    };
-    let t_short = spawn(body(short, 96));
+    let t_short = spawn_completion(&s, body(short, 96));
     wait_for(&s, "the short one running", |st| st.running == 1).await;
-    let t_long = spawn(body(&long, 12));
+    let t_long = spawn_completion(&s, body(&long, 12));
     let (st1, v_short) = t_short.await.unwrap();
     let (st2, v_long) = t_long.await.unwrap();
     assert_eq!((st1, st2), (200, 200), "{v_short} {v_long}");
