@@ -80,18 +80,14 @@ impl Footprint {
                 sink_tokens: 0,
             }),
             Method::Mosaic { config, .. } => {
-                // the largest record any candidate layout of the policy can write (SPEC.md
-                // section 11.2: every strategy is one of them), value dtype and scales included
-                let record = mosaickv_spec::rules::candidates(config, d)
-                    .iter()
-                    .map(|l| l.record_bytes())
-                    .max()
-                    .unwrap_or(0);
-                let b_min = config.block_sizes.iter().copied().min().unwrap_or(1).max(1);
-                let meta_per_token = (2 * d + 4).div_ceil(b_min);
+                use mosaickv_spec::rules::{worst_segment_head_bytes, worst_token_bytes};
                 Some(Self {
-                    per_token: layers * kvh * (2 * record + meta_per_token),
-                    per_segment: layers * kvh * (2 * d * d * 4 + 16 + 2 * 32 + (2 * d + 4)),
+                    per_token: layers * kvh * worst_token_bytes(config, d),
+                    // the 16-byte segment header charged per head too (an over-count)
+                    per_segment: layers
+                        * kvh
+                        * (worst_segment_head_bytes(d)
+                            + mosaickv_spec::cache::SEGMENT_HEADER_BYTES),
                     dense: layers * kvh * (config.sink_tokens + config.buffer_capacity) * 4 * d,
                     input_segment_len: config.input_segment_len.max(1),
                     min_segment_len: config.min_segment_len.max(1),

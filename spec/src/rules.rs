@@ -133,6 +133,28 @@ pub fn prompt_segments(
     (sink, segments)
 }
 
+/// SPEC.md sections 6, 7, 11.2 and 13: the most device bytes one KV head of a MosaicKV cache
+/// can hold per token under `config`, whatever strategies the fit picks: a key and a value
+/// record of the policy's largest candidate layout (value dtype and scales included) and the
+/// key block metadata at the smallest block size with every dim kept (`ceil((2 D + 4) / b)`).
+pub fn worst_token_bytes(config: &CompressConfig, head_dim: usize) -> usize {
+    let record = candidates(config, head_dim)
+        .iter()
+        .map(|l| l.record_bytes())
+        .max()
+        .unwrap_or(0);
+    let b_min = config.block_sizes.iter().copied().min().unwrap_or(1).max(1);
+    2 * record + (2 * head_dim + 4).div_ceil(b_min)
+}
+
+/// SPEC.md section 13: the most device bytes one KV head of a segment holds apart from its
+/// tokens: two f32 rotations `D x Dt` (at most `D x D`), the two side strategy headers and one
+/// partial block of metadata. The segment's own header ([`crate::cache::SEGMENT_HEADER_BYTES`])
+/// is per segment, not per head.
+pub fn worst_segment_head_bytes(head_dim: usize) -> usize {
+    2 * 4 * head_dim * head_dim + 2 * crate::cache::STRATEGY_HEADER_BYTES + 2 * head_dim + 4
+}
+
 /// SPEC.md section 11.2: the candidate record layouts of a policy for
 /// `head_dim`, in policy order (value dtypes outer, then group sizes, then
 /// retentions) with duplicates removed: `r = min(Dt_g, ceil_g(f * D))`, `Dt_g`

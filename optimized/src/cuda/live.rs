@@ -13,10 +13,11 @@
 //!   [`CudaCache::commit_swap`]) that replaces the device's segments from the first one that
 //!   differs from the host's, and consumes the buffer rows the flush moved into segments.
 //!
-//! A segment is "the same" on both sides when its start, length, state and every head's
-//! strategy are equal: the records and block metadata of a segment are a function of its
-//! tokens and its strategy (SPEC.md 5-7), so equal strategies over equal tokens are equal
-//! bytes.
+//! A segment is "the same" on both sides when its start, length and state are equal and,
+//! for an open segment, every head's strategy too: the records and block metadata of a
+//! segment are a function of its tokens and its strategy (SPEC.md 5-7), so equal strategies
+//! over equal tokens are equal bytes. A closed segment is final (SPEC 10.3: nothing replaces
+//! it), so its span and state say it all and its strategies are neither kept nor compared.
 //!
 //! What this costs and what it does not do: a flush re-uploads the whole open segment (its
 //! records so far plus the flushed ones), so a long open segment costs `O(its tokens)` per
@@ -42,29 +43,37 @@ struct Held {
     start: usize,
     len: usize,
     state: SegmentState,
+    /// Per head, for an open segment only (empty for a closed one).
     strategies: Vec<Strategy>,
 }
 
 impl Held {
     fn of(s: &Segment) -> Self {
+        let strategies = match s.state {
+            SegmentState::Open => s.heads.iter().map(|h| h.strategy.clone()).collect(),
+            SegmentState::Closed => Vec::new(),
+        };
         Self {
             start: s.start,
             len: s.len,
             state: s.state,
-            strategies: s.heads.iter().map(|h| h.strategy.clone()).collect(),
+            strategies,
         }
     }
 
     fn matches(&self, s: &Segment) -> bool {
+        let same_strategies = || {
+            self.strategies.len() == s.heads.len()
+                && self
+                    .strategies
+                    .iter()
+                    .zip(&s.heads)
+                    .all(|(a, h)| *a == h.strategy)
+        };
         self.start == s.start
             && self.len == s.len
             && self.state == s.state
-            && self.strategies.len() == s.heads.len()
-            && self
-                .strategies
-                .iter()
-                .zip(&s.heads)
-                .all(|(a, h)| *a == h.strategy)
+            && (s.state == SegmentState::Closed || same_strategies())
     }
 }
 
@@ -78,7 +87,7 @@ pub struct CudaLiveMemory {
     pub host_view_bytes: usize,
     /// The host [`LiveCache`]s' f32 rows kept for the background worker, summed.
     pub host_rows_bytes: usize,
-    /// The batch's copy of each device segment's strategies (for [`Held`] comparisons).
+    /// The batch's copy of each open device segment's strategies (for [`Held`] comparisons).
     pub host_held_bytes: usize,
 }
 

@@ -23,7 +23,7 @@
 
 use super::LiveCache;
 use mosaickv_spec::cache::{SEGMENT_HEADER_BYTES, STRATEGY_HEADER_BYTES};
-use mosaickv_spec::{rules, SegmentState, Strategy};
+use mosaickv_spec::{SegmentState, Strategy};
 
 /// Bytes per token of one head's records and block metadata under `st` (whole blocks).
 fn head_rate(st: &Strategy) -> usize {
@@ -60,16 +60,9 @@ impl LiveCache {
             .sum();
         let flushed = self.view.buffer.tokens + more;
 
-        // The policy's largest record and per-segment overhead (any fitted strategy).
-        let worst_record = rules::candidates(cfg, d)
-            .iter()
-            .map(|l| l.record_bytes())
-            .max()
-            .unwrap_or(0);
-        let b_min = cfg.block_sizes.iter().copied().min().unwrap_or(1).max(1);
-        let worst_rate = kv * (2 * worst_record + (2 * d + 4).div_ceil(b_min));
-        let worst_segment =
-            SEGMENT_HEADER_BYTES + kv * (2 * 4 * d * d + 2 * STRATEGY_HEADER_BYTES + 2 * d + 4);
+        // The policy's largest record and per-segment overhead (any fitted strategy), from
+        // `rules::worst_token_bytes` / `worst_segment_head_bytes`, computed once at build.
+        let (worst_rate, worst_segment) = self.worst;
 
         let closes = (open + flushed) / cfg.min_segment_len.max(1);
         let segments_bytes = now - buffer_now;

@@ -210,6 +210,9 @@ pub struct LiveCache {
     out_tmp: Vec<f32>,
     /// The layer's query statistics for the attention loss (SPEC.md section 11.1), if given.
     query_stats: Option<mosaickv_spec::QueryStats>,
+    /// Device bytes per token and per segment of the policy's largest strategy, all KV heads
+    /// (`rules::worst_token_bytes`, `rules::worst_segment_head_bytes`; see `bound`).
+    worst: (usize, usize),
 }
 
 impl std::fmt::Debug for LiveCache {
@@ -304,6 +307,11 @@ impl LiveCache {
                 }
             }
         };
+        let worst = (
+            shape.kv_heads * rules::worst_token_bytes(&config, shape.head_dim),
+            mosaickv_spec::cache::SEGMENT_HEADER_BYTES
+                + shape.kv_heads * rules::worst_segment_head_bytes(shape.head_dim),
+        );
         Ok(Self {
             path,
             mode,
@@ -326,6 +334,7 @@ impl LiveCache {
             scratch: MosaicScratch::default(),
             out_tmp: Vec::new(),
             query_stats: None,
+            worst,
         })
     }
 
