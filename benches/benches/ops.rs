@@ -68,5 +68,30 @@ fn ops(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, ops);
+/// The strategy search at the shipped default (SPEC 11: every candidate's loss, then the
+/// choice) on one head's 4,096 keys and values, head_dim 64 (SmolLM2) and 128 (Qwen, Llama).
+fn fit(c: &mut Criterion) {
+    let cfg = CompressConfig::default();
+    let mut g = c.benchmark_group("fit");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    let be = CpuBackend::new();
+    for d in [64usize, 128] {
+        let (k, v) = synthetic::structured_kv(4096, 1, d, 42);
+        let (k, v) = (
+            k.slice(s![.., 0, ..]).to_owned(),
+            v.slice(s![.., 0, ..]).to_owned(),
+        );
+        g.bench_function(format!("cpu/fit_side_default/key/4096x{d}"), |b| {
+            b.iter(|| be.fit_side(k.view(), Side::Key, &cfg).unwrap())
+        });
+        g.bench_function(format!("cpu/fit_side_default/value/4096x{d}"), |b| {
+            b.iter(|| be.fit_side(v.view(), Side::Value, &cfg).unwrap())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, ops, fit);
 criterion_main!(benches);

@@ -48,6 +48,30 @@ pub fn f16_from_f64(x: f64) -> f16 {
     }
 }
 
+/// The exact f64 value of an f16, from its bits (what `half`'s `to_f64` gives, without its
+/// runtime dispatch, so it inlines into the loss search's loops).
+#[inline]
+pub fn f16_to_f64(h: f16) -> f64 {
+    let b = h.to_bits();
+    let sign = u64::from(b >> 15) << 63;
+    let exp = (b >> 10) & 0x1f;
+    let mant = u64::from(b & 0x3ff);
+    match exp {
+        // zero and subnormals: mant * 2^-24 (exact)
+        0 => {
+            let m = (mant as f64) * (1.0 / 16_777_216.0);
+            if sign != 0 {
+                -m
+            } else {
+                m
+            }
+        }
+        0x1f if mant == 0 => f64::from_bits(sign | 0x7ff0_0000_0000_0000),
+        0x1f => f64::NAN,
+        _ => f64::from_bits(sign | (u64::from(exp) + 1008) << 52 | mant << 42),
+    }
+}
+
 /// SPEC 3 step 1: `C = sum_i x_i x_i^T` in f64, ascending i, `d x d` row-major.
 pub fn covariance(rows: &[f32], d: usize) -> Vec<f64> {
     let mut c = vec![0f64; d * d];
@@ -482,25 +506,287 @@ pub fn loss_sums_rotated(
 }
 
 /// SPEC 5 steps 2-3 for every kept-group count at once: the groups of a row's f16-rounded
-/// rotated values `y` (length Dt) ranked by importance, most important first, ties by the lower
+/// rotated values (length Dt, given as their exact f64 values `yv`) ranked by importance, most important first, ties by the lower
 /// index (the order [`select_groups`] uses). The groups a record keeping `k` of them keeps are
 /// `order[..k]`: under this total order the `k` largest form one set, the one `select_groups`
 /// finds.
-fn rank_groups(y: &[f16], g: usize, imp: &mut [f32], order: &mut [u16]) {
-    let groups = group_importances(y, g, imp);
+///
+/// The importances are sums of squares, so `+0` or positive (or NaN, only from a NaN value):
+/// for those the order is that of the key `(!bits, index)`, sorted as integers, which is
+/// what the comparator sort would give and several times cheaper; a NaN takes the comparator.
+fn rank_groups(yv: &[f64], g: usize, imp: &mut [f32], order: &mut [u16], keys: &mut [u64]) {
+    // SPEC 5 step 2 as `group_importances` computes it, from the f16 values held as f64
+    // (`as f32` is exact for them).
+    let groups = yv.len() / g;
+    for (k, s) in imp[..groups].iter_mut().enumerate() {
+        let mut acc = 0f32;
+        for &v in &yv[k * g..(k + 1) * g] {
+            let f = v as f32;
+            acc += f * f;
+        }
+        *s = acc;
+    }
+    if imp[..groups].iter().all(|v| !v.is_nan()) {
+        for (k, key) in keys[..groups].iter_mut().enumerate() {
+            *key = (u64::from(!imp[k].to_bits()) << 16) | k as u64;
+        }
+        keys[..groups].sort_unstable();
+        for (o, key) in order[..groups].iter_mut().zip(&keys[..groups]) {
+            *o = *key as u16;
+        }
+        return;
+    }
     for (k, o) in order[..groups].iter_mut().enumerate() {
         *o = k as u16;
     }
     order[..groups].sort_unstable_by(|a, b| importance_order(imp, a, b));
 }
 
+/// Candidates evaluated side by side in [`candidate_losses`]: one per lane, each lane keeping
+/// its own sum in dim order, so a lane adds exactly what [`row_loss_terms`] adds, in the same
+/// order, and the lanes only share the loop (and, with AVX2, one vector register).
+const LANES: usize = 4;
+
+/// `2^52`: for `0 <= t < 2^52`, `(t + 2^52) - 2^52` is `t` rounded to an integer, ties to even
+/// (the default rounding of the addition), so it is `t.round_ties_even()` without a call.
+const ROUND_MAGIC: f64 = 4_503_599_627_370_496.0;
+
+/// Up to [`LANES`] candidates of one group ranking and one kind (f16, or int8/int4).
+struct LaneSet {
+    /// Index into the rankings.
+    ranking: usize,
+    quantized: bool,
+    /// The candidate of each lane; `None` pads the last set.
+    cand: [Option<usize>; LANES],
+    /// Kept groups of each lane (a padding lane keeps all: it adds nothing).
+    kept: [usize; LANES],
+    /// `qmax` of each lane's dtype (quantized sets).
+    qmax: [u32; LANES],
+}
+
+/// One ranking's per-row tables, shared by every candidate with its `(Dt, g)`.
+struct Ranked {
+    /// The row's f16-rounded rotated values (SPEC 5 step 1) and their importances.
+    y: Vec<f16>,
+    imp: Vec<f32>,
+    order: Vec<u16>,
+    /// Sort keys of the ranking.
+    keys: Vec<u64>,
+    /// `y` as f64 (exact).
+    yv: Vec<f64>,
+    /// Per dim: the rank of its group in `order` (as f64, to compare in the vector loop); the
+    /// dim is kept by a candidate keeping `k` groups iff its rank is below `k`.
+    rank: Vec<f64>,
+    /// Smallest and largest kept value when the first `k` groups of `order` are kept (index k).
+    lo: Vec<f64>,
+    hi: Vec<f64>,
+    /// `sum_{j<Dt} xr_j^2` in dim order (SPEC 11.1's total before truncation).
+    total: f64,
+}
+
+impl Ranked {
+    fn new(d: usize) -> Self {
+        Self {
+            y: vec![f16::ZERO; d],
+            imp: vec![0.0; d],
+            order: vec![0; d],
+            keys: vec![0; d],
+            yv: vec![0.0; d],
+            rank: vec![0.0; d],
+            lo: vec![0.0; d + 1],
+            hi: vec![0.0; d + 1],
+            total: 0.0,
+        }
+    }
+
+    /// Fills the tables of row `xr` (rotated, f64) for `(dt, g)`; `e` holds `xr_j^2`.
+    fn fill(&mut self, xr: &[f64], e: &[f64], dt: usize, g: usize) {
+        for j in 0..dt {
+            self.y[j] = f16_from_f64(xr[j]);
+            self.yv[j] = f16_to_f64(self.y[j]);
+        }
+        rank_groups(
+            &self.yv[..dt],
+            g,
+            &mut self.imp,
+            &mut self.order,
+            &mut self.keys,
+        );
+        let groups = dt / g;
+        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+        self.lo[0] = lo;
+        self.hi[0] = hi;
+        for (i, &k) in self.order[..groups].iter().enumerate() {
+            let k = k as usize;
+            for j in k * g..(k + 1) * g {
+                self.rank[j] = i as f64;
+                lo = lo.min(self.yv[j]);
+                hi = hi.max(self.yv[j]);
+            }
+            self.lo[i + 1] = lo;
+            self.hi[i + 1] = hi;
+        }
+        let mut total = 0f64;
+        for &v in &e[..dt] {
+            total += v;
+        }
+        self.total = total;
+    }
+}
+
+/// SPEC 11.1's dropped energy of f16 candidates, one per lane: `sum_j` over the dims in order
+/// of `e_j` where the dim is dropped (and `+0`, which leaves a non-negative sum unchanged,
+/// where it is kept).
+#[inline(always)]
+fn dropped_f16_body(e: &[f64], rank: &[f64], kept: [f64; LANES]) -> [f64; LANES] {
+    let mut acc = [0f64; LANES];
+    for (&ej, &rj) in e.iter().zip(rank) {
+        for l in 0..LANES {
+            acc[l] += if rj < kept[l] { 0.0 } else { ej };
+        }
+    }
+    acc
+}
+
+/// Each lane's quantization of SPEC.md section 6 for one row: the kept values' minimum
+/// `lo`, the scale as f64 (`1` where the scale is 0: every kept value is then `lo`, code 0),
+/// and as f32, the minimum as f32 (`m`, never -0), `qmax`, and the kept-group count.
+#[derive(Clone, Copy)]
+struct LaneQuant {
+    lo: [f64; LANES],
+    sd: [f64; LANES],
+    sf: [f32; LANES],
+    mf: [f32; LANES],
+    q: [f64; LANES],
+    kept: [f64; LANES],
+}
+
+/// SPEC 11.1's dropped energy of int8/int4 candidates, one per lane: `e_j` for a dropped dim,
+/// `(xr_j - (m + c_j s))^2` for a kept one, with `c_j = round_half_even((y_j - m) / s)` as
+/// [`quantize_values`] computes it and the decoded value as [`dequantize`] does (f32, one
+/// rounding), summed in dim order.
+#[inline(always)]
+fn dropped_quant_body(
+    xr: &[f64],
+    e: &[f64],
+    yv: &[f64],
+    rank: &[f64],
+    p: &LaneQuant,
+) -> [f64; LANES] {
+    let mut acc = [0f64; LANES];
+    for j in 0..xr.len() {
+        let (x, ej, y, rj) = (xr[j], e[j], yv[j], rank[j]);
+        for l in 0..LANES {
+            let t = (y - p.lo[l]) / p.sd[l];
+            let c = ((t + ROUND_MAGIC) - ROUND_MAGIC).max(0.0).min(p.q[l]);
+            let deq = p.mf[l] + (c as f32) * p.sf[l];
+            let err = x - f64::from(deq);
+            acc[l] += if rj < p.kept[l] { err * err } else { ej };
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dropped_f16_avx2(e: &[f64], rank: &[f64], kept: [f64; LANES]) -> [f64; LANES] {
+    dropped_f16_body(e, rank, kept)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dropped_quant_avx2(
+    xr: &[f64],
+    e: &[f64],
+    yv: &[f64],
+    rank: &[f64],
+    p: &LaneQuant,
+) -> [f64; LANES] {
+    dropped_quant_body(xr, e, yv, rank, p)
+}
+
+fn dropped_f16(avx2: bool, e: &[f64], rank: &[f64], kept: [f64; LANES]) -> [f64; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: the caller detected avx2; the body only indexes within its slices.
+        return unsafe { dropped_f16_avx2(e, rank, kept) };
+    }
+    let _ = avx2;
+    dropped_f16_body(e, rank, kept)
+}
+
+fn dropped_quant(
+    avx2: bool,
+    xr: &[f64],
+    e: &[f64],
+    yv: &[f64],
+    rank: &[f64],
+    p: &LaneQuant,
+) -> [f64; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: as in `dropped_f16`.
+        return unsafe { dropped_quant_avx2(xr, e, yv, rank, p) };
+    }
+    let _ = avx2;
+    dropped_quant_body(xr, e, yv, rank, p)
+}
+
+/// The search's lane sets: candidates grouped by `(Dt, g)` ranking and kind, [`LANES`] a set.
+fn lane_sets(cands: &[RecordLayout], ranking_of: &[usize], rankings: usize) -> Vec<LaneSet> {
+    let mut sets = Vec::new();
+    for r in 0..rankings {
+        for quantized in [false, true] {
+            let members: Vec<usize> = (0..cands.len())
+                .filter(|&i| ranking_of[i] == r && cands[i].dtype.is_quantized() == quantized)
+                .collect();
+            for chunk in members.chunks(LANES) {
+                let all = cands[chunk[0]].groups();
+                let mut set = LaneSet {
+                    ranking: r,
+                    quantized,
+                    cand: [None; LANES],
+                    kept: [all; LANES],
+                    qmax: [1; LANES],
+                };
+                for (l, &i) in chunk.iter().enumerate() {
+                    let c = &cands[i];
+                    set.cand[l] = Some(i);
+                    set.kept[l] = c.kept_groups().min(c.groups());
+                    if quantized {
+                        set.qmax[l] = c.dtype.qmax();
+                    }
+                }
+                sets.push(set);
+            }
+        }
+    }
+    sets
+}
+
 /// SPEC 11.1 losses of every candidate layout `cands` (one head dimension) of rows `[n][d]`
 /// with rotated coordinates `rot_rows` (`[n][w]`, `w` at least every candidate's Dt): the
-/// strategy search's inner loop. Equal bit for bit to [`loss_rotated`] per candidate (each
-/// candidate's per-row terms are [`row_loss_terms`], added in row order), but each row's f16
-/// rounding and group ranking are computed once per `(Dt, g)` instead of once per candidate:
-/// retentions and value dtypes share them.
+/// strategy search's inner loop. Equal bit for bit to [`loss_rotated`] per candidate: each
+/// candidate's per-row terms are [`row_loss_terms`]'s, the same additions in the same order,
+/// and the rows are added in row order. What it saves: each row's f16 rounding, group ranking
+/// and total are computed once per `(Dt, g)` instead of once per candidate; a quantized
+/// candidate's minimum and range come from running extremes over the ranked groups; and
+/// [`LANES`] candidates run side by side, one per lane, so their sums' dependency chains
+/// overlap (and vectorize under AVX2) instead of running one after another.
 pub fn candidate_losses(
+    rows: &[f32],
+    rot_rows: &[f64],
+    w: usize,
+    cands: &[RecordLayout],
+) -> Vec<f64> {
+    let avx2 = crate::simd::Path::detect().runs_avx2();
+    candidate_losses_on(avx2, rows, rot_rows, w, cands)
+}
+
+/// [`candidate_losses`] with the lane loops compiled for AVX2 (`avx2`, detected by the
+/// caller) or portable.
+fn candidate_losses_on(
+    avx2: bool,
     rows: &[f32],
     rot_rows: &[f64],
     w: usize,
@@ -520,44 +806,78 @@ pub fn candidate_losses(
             })
         })
         .collect();
+    let sets = lane_sets(cands, &ranking_of, rankings.len());
     let nc = cands.len();
     let terms: Vec<Vec<(f64, f64)>> = rot_rows
         .par_chunks(w * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .map(|(xr, x)| {
-            // per ranking: the row's f16 values, importances and group order
-            let mut ranked: Vec<(Vec<f16>, Vec<f32>, Vec<u16>)> = rankings
-                .iter()
-                .map(|_| (vec![f16::ZERO; d], vec![0f32; d], vec![0u16; d]))
-                .collect();
-            let mut b = PackBufs::new(d);
+            let mut ranked: Vec<Ranked> = rankings.iter().map(|_| Ranked::new(d)).collect();
+            let mut e = vec![0f64; d];
+            let mut row_terms = vec![(0f64, 0f64); nc];
             let mut out = Vec::with_capacity(x.len() / d * nc);
             for (row, xrow) in xr.chunks_exact(w).zip(x.chunks_exact(d)) {
-                for (&(dt, g), (y, imp, order)) in rankings.iter().zip(ranked.iter_mut()) {
-                    for j in 0..dt {
-                        y[j] = f16_from_f64(row[j]);
-                    }
-                    rank_groups(&y[..dt], g, imp, order);
+                let wmax = rankings.iter().map(|r| r.0).max().unwrap_or(0);
+                for (ej, &v) in e.iter_mut().zip(&row[..wmax]) {
+                    *ej = v * v;
                 }
-                for (l, &ri) in cands.iter().zip(&ranking_of) {
-                    let (y, _, order) = &ranked[ri];
-                    let (groups, kept) = (l.groups(), l.kept_groups().min(l.groups()));
-                    b.keep[..groups].fill(false);
-                    for &k in &order[..kept] {
-                        b.keep[k as usize] = true;
-                    }
-                    if l.dtype.is_quantized() {
-                        let g = l.group_size;
-                        b.kv.clear();
-                        for k in 0..groups {
-                            if b.keep[k] {
-                                b.kv.extend_from_slice(&y[k * g..(k + 1) * g]);
+                for (&(dt, g), rk) in rankings.iter().zip(ranked.iter_mut()) {
+                    rk.fill(row, &e, dt, g);
+                }
+                // SPEC 11.1's truncated energy: the row's energy beyond the first Dt dims.
+                let energy = if rankings.iter().any(|r| r.0 < d) {
+                    xrow.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+                } else {
+                    0.0
+                };
+                for set in &sets {
+                    let rk = &ranked[set.ranking];
+                    let dt = rankings[set.ranking].0;
+                    let kept = set.kept.map(|k| k as f64);
+                    let dropped = if set.quantized {
+                        let mut p = LaneQuant {
+                            lo: [0.0; LANES],
+                            sd: [1.0; LANES],
+                            sf: [0.0; LANES],
+                            mf: [0.0; LANES],
+                            q: [0.0; LANES],
+                            kept,
+                        };
+                        for l in 0..LANES {
+                            let k = set.kept[l];
+                            p.q[l] = f64::from(set.qmax[l]);
+                            if k == 0 {
+                                continue;
+                            }
+                            let (lo, hi) = (rk.lo[k], rk.hi[k]);
+                            let s = mosaickv_spec::layout::quant_scale(hi - lo, set.qmax[l]);
+                            p.lo[l] = lo;
+                            p.mf[l] = (lo + 0.0) as f32;
+                            if s.to_bits() != 0 {
+                                p.sd[l] = s.to_f64();
+                                p.sf[l] = s.to_f32();
                             }
                         }
-                        dequantize_kept(&b.kv, l, &mut b.codes, &mut b.deq);
+                        dropped_quant(avx2, &row[..dt], &e[..dt], &rk.yv[..dt], &rk.rank[..dt], &p)
+                    } else {
+                        dropped_f16(avx2, &e[..dt], &rk.rank[..dt], kept)
+                    };
+                    let truncated = if dt < d {
+                        (energy - rk.total).max(0.0)
+                    } else {
+                        0.0
+                    };
+                    for (l, c) in set.cand.iter().enumerate() {
+                        if let Some(i) = *c {
+                            row_terms[i] = if dt < d {
+                                (dropped[l] + truncated, rk.total + truncated)
+                            } else {
+                                (dropped[l], rk.total)
+                            };
+                        }
                     }
-                    out.push(row_loss_terms(xrow, row, l, |k| b.keep[k], &b.deq));
                 }
+                out.extend_from_slice(&row_terms);
             }
             out
         })
@@ -789,20 +1109,43 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
+    /// The bit-level f16 -> f64 conversion is `half`'s, for every f16 (NaN for NaN).
+    #[test]
+    fn f16_to_f64_is_exact_for_every_f16() {
+        for b in 0..=u16::MAX {
+            let h = f16::from_bits(b);
+            let (ours, theirs) = (f16_to_f64(h), h.to_f64());
+            if theirs.is_nan() {
+                assert!(ours.is_nan(), "{b:#x}");
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{b:#x}");
+            }
+        }
+    }
+
     /// The one-pass search gives every candidate's loss bit for bit as the per-candidate
-    /// path, on rows with ties (repeated values, so group importances tie) and without,
-    /// for every value dtype and a truncating configuration.
+    /// path, on both lane paths (AVX2 where the machine has it, and portable), on rows with
+    /// ties (repeated values, so group importances tie), constant rows (a quantized record's
+    /// range 0, scale 0), zero rows (total 0) and without, for every value dtype, head_dim
+    /// 32, 64 and 128, and a truncating configuration.
     #[test]
     fn candidate_losses_equal_per_candidate_losses() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        for &(d, n, ties) in &[(64usize, 300usize, false), (64, 257, true), (32, 40, true)] {
+        let avx2 = crate::simd::Path::detect().runs_avx2();
+        let cases = [
+            (64usize, 300usize, 0u8),
+            (64, 257, 1),
+            (32, 40, 1),
+            (128, 133, 0),
+            (64, 70, 2),
+        ];
+        for &(d, n, kind) in &cases {
             let rows: Vec<f32> = (0..n * d)
-                .map(|i| {
-                    if ties {
-                        [0.5f32, -0.5, 1.0, 0.0][(i * 7 + i / d) % 4]
-                    } else {
-                        rng.gen_range(-3.0f32..3.0)
-                    }
+                .map(|i| match kind {
+                    1 => [0.5f32, -0.5, 1.0, 0.0][(i * 7 + i / d) % 4],
+                    // constant rows, every fifth one zero, the rest random
+                    2 if (i / d) % 3 == 0 => ((i / d) % 5) as f32 * 0.25,
+                    _ => rng.gen_range(-3.0f32..3.0),
                 })
                 .collect();
             for trunc in [0.0, 0.25] {
@@ -816,10 +1159,15 @@ mod tests {
                 rotate_rows_f64(&rotation, d, &rows, d, &mut xr);
                 let cands = rules::candidates(&config, d);
                 assert!(cands.len() > 20);
-                let fast = candidate_losses(&rows, &xr, d, &cands);
-                for (l, f) in cands.iter().zip(&fast) {
-                    let slow = loss_rotated(&rows, &xr, d, l);
-                    assert_eq!(f.to_bits(), slow.to_bits(), "{l:?}: {f} vs {slow}");
+                let slow: Vec<f64> = cands
+                    .iter()
+                    .map(|l| loss_rotated(&rows, &xr, d, l))
+                    .collect();
+                for path in [false, avx2] {
+                    let fast = candidate_losses_on(path, &rows, &xr, d, &cands);
+                    for ((l, f), s) in cands.iter().zip(&fast).zip(&slow) {
+                        assert_eq!(f.to_bits(), s.to_bits(), "avx2 {path}, {l:?}: {f} vs {s}");
+                    }
                 }
             }
         }
