@@ -1,5 +1,9 @@
-//! Repeats one method's decode step for profiling: `profile_step <full|quest|mosaic> <context> <steps>`.
-//! Uses cheap pseudo-random data (not the structured generator) so setup is fast.
+//! Repeats one method's decode step for profiling:
+//! `profile_step <full|quest|mosaic|mosaic-default> <context> <steps>`.
+//! `full`, `quest` and `mosaic` (the paper's fixed setting) use cheap pseudo-random data so
+//! setup is fast; `mosaic-default` is `CompressConfig::default()` on the compare tool's
+//! structured K/V and queries (`synthetic::structured_kv`), where the loss threshold picks
+//! the strategy mix it picks there (int8 keys at g = 1, int8 values at g = 4).
 
 use mosaickv_optimized::{DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
 use mosaickv_spec::{CompressConfig, KvCache, KvShape};
@@ -19,13 +23,20 @@ fn main() {
         x ^= x << 17;
         (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
     };
-    let k = Array3::from_shape_fn((ctx, 8, 128), |(_, _, j)| {
-        rnd() * if j < 16 { 4.0 } else { 1.0 }
-    });
-    let v = Array3::from_shape_fn((ctx, 8, 128), |_| rnd());
+    let (k, v) = if method == "mosaic-default" {
+        mosaickv_reference::synthetic::structured_kv(ctx, 8, 128, 42)
+    } else {
+        let k = Array3::from_shape_fn((ctx, 8, 128), |(_, _, j)| {
+            rnd() * if j < 16 { 4.0 } else { 1.0 }
+        });
+        (k, Array3::from_shape_fn((ctx, 8, 128), |_| rnd()))
+    };
     let mut c: Box<dyn KvCache> = match method {
         "full" => Box::new(DenseF16Cache::new(shape).unwrap()),
         "quest" => Box::new(QuestF16Cache::new(shape, 0.1).unwrap()),
+        "mosaic-default" => {
+            Box::new(OptimizedMosaicCache::new(shape, CompressConfig::default()).unwrap())
+        }
         _ => Box::new(OptimizedMosaicCache::new(shape, CompressConfig::paper_fixed()).unwrap()),
     };
     c.prefill(k.view(), v.view()).unwrap();
@@ -36,9 +47,15 @@ fn main() {
     );
     let mut out = Array2::zeros((32, 128));
     // Eight query sets, cycled, so consecutive steps select different blocks (as in decode).
-    let qs: Vec<Array2<f32>> = (0..8)
-        .map(|_| Array2::from_shape_fn((32, 128), |_| rnd()))
-        .collect();
+    let qs: Vec<Array2<f32>> = if method == "mosaic-default" {
+        (0..8)
+            .map(|i| mosaickv_reference::synthetic::queries(32, 128, &k, 7 + i))
+            .collect()
+    } else {
+        (0..8)
+            .map(|_| Array2::from_shape_fn((32, 128), |_| rnd()))
+            .collect()
+    };
     let mut times = Vec::with_capacity(steps);
     let t = Instant::now();
     for i in 0..steps {

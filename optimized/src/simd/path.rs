@@ -127,17 +127,19 @@ pub fn avx2_features() -> [(&'static str, bool); 4] {
 }
 
 /// What [`Path::Avx512`] needs on top of [`avx2_features`].
-pub fn avx512_features() -> [(&'static str, bool); 5] {
+pub fn avx512_features() -> [(&'static str, bool); 6] {
     features!(
         "avx512f",
         "avx512bw",
         "avx512vl",
         "avx512vbmi2",
-        "avx512vnni"
+        "avx512vnni",
+        "bmi2"
     )
 }
 
-/// Whether AVX-512 F, BW, VL, VBMI2 and VNNI are available on top of [`avx2_available`].
+/// Whether AVX-512 F, BW, VL, VBMI2 and VNNI (and BMI2, which every AVX-512 CPU has) are
+/// available on top of [`avx2_available`].
 pub fn avx512_available() -> bool {
     avx2_available() && avx512_features().iter().all(|f| f.1)
 }

@@ -59,11 +59,9 @@ impl Path {
                 // SAFETY: the path's features were detected; the record and row are in bounds
                 // (asserted above) and the kernels read and write only inside them.
                 unsafe {
-                    if self == Path::Avx512 && g == 1 {
-                        avx512::quant::expand_q_g1(rec, layout, row)
+                    if self == Path::Avx512 {
+                        avx512::quant::expand_q(rec, layout, row)
                     } else {
-                        // g > 1 on the AVX-512 path runs the AVX2 kernel (it has none of
-                        // its own for spread group bitmaps)
                         avx2::quant::expand_q(rec, layout, row)
                     }
                 }
@@ -99,24 +97,32 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    /// The SIMD expansion writes the portable kernel's floats bit for bit, for every group
-    /// size the default policy uses (and g = 4 with a truncated tail), int8 and int4.
+    /// Every SIMD expansion (AVX2, and AVX-512 where the machine has it) writes the portable
+    /// kernel's floats bit for bit, for every group size the default policy uses, g = 8 and
+    /// g = 4 with a truncated tail, head_dim 64 and 128, int8 and int4.
     #[test]
     fn simd_expand_equals_portable_for_every_group_size() {
-        let path = Path::detect();
-        if path == Path::Portable {
+        let paths: Vec<Path> = [Path::Avx2, Path::Avx512]
+            .into_iter()
+            .filter(|p| p.runs_here())
+            .collect();
+        if paths.is_empty() {
             eprintln!("no AVX2 here: nothing to compare");
             return;
         }
         let mut rng = ChaCha8Rng::seed_from_u64(11);
-        let (d, n) = (64usize, 37usize);
+        let n = 37usize;
         for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
-            for &(g, dt, r) in &[
-                (1usize, 64usize, 40usize),
-                (2, 64, 24),
-                (2, 64, 48),
-                (4, 48, 16),
-                (1, 64, 64),
+            for &(d, g, dt, r) in &[
+                (64usize, 1usize, 64usize, 40usize),
+                (64, 2, 64, 24),
+                (64, 2, 64, 48),
+                (64, 4, 48, 16),
+                (64, 1, 64, 64),
+                (64, 8, 64, 16),
+                (128, 1, 128, 81),
+                (128, 2, 128, 64),
+                (128, 4, 96, 48),
             ] {
                 let layout = RecordLayout {
                     head_dim: d,
@@ -128,13 +134,19 @@ mod tests {
                 layout.validate().unwrap();
                 let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
                 let packed = pack_rotated(&rows, d, &layout).unwrap();
-                let dp = 64;
-                let mut fast = vec![1f32; n * dp];
+                let dp = d;
                 let mut slow = vec![2f32; n * dp];
-                path.expand_records_q(&packed.bytes, n, &layout, dp, &mut fast);
                 Path::Portable.expand_records_q(&packed.bytes, n, &layout, dp, &mut slow);
-                for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
-                    assert_eq!(a.to_bits(), b.to_bits(), "{layout:?} at {i}: {a} vs {b}");
+                for &path in &paths {
+                    let mut fast = vec![1f32; n * dp];
+                    path.expand_records_q(&packed.bytes, n, &layout, dp, &mut fast);
+                    for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{path:?} {layout:?} at {i}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }

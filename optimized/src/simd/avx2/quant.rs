@@ -85,19 +85,70 @@ pub unsafe fn unpack_codes(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]
 /// (`r <= QUANT_SIMD_MAX_R`, `dt <= QUANT_SIMD_MAX_R`); `row.len() >= dt` and a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
-    let g = layout.group_size;
-    if g == 1 {
+    if layout.group_size == 1 {
         return expand_q_bits(rec, rec, layout, row);
     }
     let mut dims = [0u8; QUANT_SIMD_MAX_R / 8];
-    for grp in 0..layout.groups() {
-        if (rec[grp / 8] >> (grp % 8)) & 1 == 1 {
-            for dim in grp * g..(grp + 1) * g {
-                dims[dim / 8] |= 1 << (dim % 8);
+    spread_groups(rec, layout, &mut dims);
+    expand_q_bits(&dims, rec, layout, row)
+}
+
+/// Each bitmap byte's 8 bits, every bit repeated `G` times (little-endian: bit `i` of the
+/// byte becomes bits `G i .. G (i + 1)` of the entry).
+const fn spread_table<const G: usize>() -> [u64; 256] {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut i = 0;
+        while i < 8 {
+            if (b >> i) & 1 == 1 {
+                t[b] |= ((1u64 << G) - 1) << (G * i);
+            }
+            i += 1;
+        }
+        b += 1;
+    }
+    t
+}
+
+static SPREAD2: [u64; 256] = spread_table::<2>();
+static SPREAD4: [u64; 256] = spread_table::<4>();
+
+/// A record's group bitmap as one bit per dim (`dims`, little-endian bytes: byte c = dims
+/// 8c .. 8c + 8; `dims` zeroed and at least `kept_dims / 8` rounded up long). g = 2 and 4
+/// take a table per bitmap byte (2 and 4 dim bytes each), g = 8 one 0xff byte per bit, any
+/// other g the bit-by-bit loop.
+pub(crate) fn spread_groups(rec: &[u8], layout: &RecordLayout, dims: &mut [u8]) {
+    let (g, groups) = (layout.group_size, layout.groups());
+    let bytes = groups.div_ceil(8);
+    match g {
+        2 | 4 => {
+            let table = if g == 2 { &SPREAD2 } else { &SPREAD4 };
+            for (i, &b) in rec[..bytes].iter().enumerate() {
+                let w = table[b as usize].to_le_bytes();
+                let end = (g * (i + 1)).min(dims.len());
+                dims[g * i..end].copy_from_slice(&w[..end - g * i]);
+            }
+        }
+        8 => {
+            for grp in 0..groups {
+                dims[grp] = if (rec[grp / 8] >> (grp % 8)) & 1 == 1 {
+                    0xff
+                } else {
+                    0
+                };
+            }
+        }
+        _ => {
+            for grp in 0..groups {
+                if (rec[grp / 8] >> (grp % 8)) & 1 == 1 {
+                    for dim in grp * g..(grp + 1) * g {
+                        dims[dim / 8] |= 1 << (dim % 8);
+                    }
+                }
             }
         }
     }
-    expand_q_bits(&dims, rec, layout, row)
 }
 
 /// [`expand_q`] given the record's kept dims as one bit per dim (`bits`, little-endian bytes:

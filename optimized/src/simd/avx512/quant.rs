@@ -1,47 +1,169 @@
-//! SPEC.md section 6, int8/int4 records, g = 1: codes unpacked by the AVX2 kernel, then one
-//! `vpexpandb` per 64 dims places them at the bitmap's set bits; 16 lanes at a time widened
-//! (`vpmovzxbd`), converted, scaled, offset by the minimum and zeroed where not kept.
+//! SPEC.md section 6, int8/int4 records, any group size: codes loaded (int8) or unpacked
+//! (int4, nibbles split in registers) with masked loads that stay inside the record, then one
+//! `vpexpandb` per 64 dims places them at the kept dims (the bitmap's bits, spread over their
+//! groups' dims by `pdep` where g > 1); 16 lanes at a time widened (`vpmovzxbd`), converted,
+//! scaled, offset by the minimum and zeroed where not kept.
 
 use super::lanes16;
-use crate::simd::avx2::quant::unpack_codes;
+use crate::simd::avx2::quant::spread_groups;
 use crate::simd::path::Path;
 use crate::simd::quant::{CODE_SLACK, QUANT_SIMD_MAX_R};
-use mosaickv_spec::layout::{bitmap_word, record_quant};
-use mosaickv_spec::RecordLayout;
+use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
 
-/// Expands one int8/int4 g = 1 record to a dense row of `row.len()` floats (`>= dt`, a
-/// multiple of 8): `m + code * s` at the set bits (product exact, one rounding in the add),
-/// 0 elsewhere.
+/// A mask of the low `n` of 64 lanes.
+#[inline(always)]
+fn lanes64(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
+/// The `r` codes of a quantized record (code bytes `v`, `v.len() >= ` the stored code bytes)
+/// as one byte each into `out[..r]`, and 64 zero bytes after them (`out.len() >= r + 64`).
+/// The loads are masked to the stored bytes (masked-off bytes are not read).
 ///
 /// # Safety
-/// AVX-512 F/BW/VL/VBMI2 (and the AVX2 set) available; `rec` is one whole record of
-/// `layout` (g = 1, `r <= QUANT_SIMD_MAX_R`); `row.len() >= dt` and a multiple of 8.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
-pub unsafe fn expand_q_g1(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
+/// AVX-512 F/BW available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn unpack_codes(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]) {
+    debug_assert!(out.len() >= r + CODE_SLACK);
+    match dtype {
+        ValueDtype::Int8 => {
+            debug_assert!(v.len() >= r);
+            let mut i = 0;
+            while i < r {
+                let x = _mm512_maskz_loadu_epi8(lanes64(r - i), v.as_ptr().add(i) as *const i8);
+                _mm512_storeu_si512(out.as_mut_ptr().add(i) as *mut __m512i, x);
+                i += 64;
+            }
+        }
+        _ => {
+            // int4: 32 packed bytes give 64 codes; byte b -> codes (b & 15, b >> 4), low first.
+            let packed = r.div_ceil(2);
+            debug_assert!(v.len() >= packed);
+            let low = _mm512_set1_epi16(0x0f);
+            let mut i = 0;
+            while i < packed {
+                let n = (packed - i).min(32);
+                let b = _mm256_maskz_loadu_epi8(lanes64(n) as u32, v.as_ptr().add(i) as *const i8);
+                let w = _mm512_cvtepu8_epi16(b);
+                let lo = _mm512_and_si512(w, low);
+                let hi = _mm512_slli_epi16::<8>(_mm512_srli_epi16::<4>(w));
+                _mm512_storeu_si512(
+                    out.as_mut_ptr().add(2 * i) as *mut __m512i,
+                    _mm512_or_si512(lo, hi),
+                );
+                i += 32;
+            }
+        }
+    }
+    // Codes past r (an odd r's unused nibble) are cleared.
+    _mm512_storeu_si512(
+        out.as_mut_ptr().add(r) as *mut __m512i,
+        _mm512_setzero_si512(),
+    );
+}
+
+/// Bits `64 w .. 64 w + 64` of a record's bitmap (`bb` stored bytes, a multiple of 4: whole
+/// u32 words), read only from its stored bytes (bits past them 0):
+/// `mosaickv_spec::layout::bitmap_word` without its byte copy, which costs a call and a stalled reload here.
+#[inline(always)]
+fn stored_word(rec: &[u8], bb: usize, w: usize) -> u64 {
+    let at = 8 * w;
+    if bb >= at + 8 {
+        u64::from_le_bytes(rec[at..at + 8].try_into().unwrap())
+    } else if bb >= at + 4 {
+        u64::from(u32::from_le_bytes(rec[at..at + 4].try_into().unwrap()))
+    } else {
+        0
+    }
+}
+
+/// Dims `64 w .. 64 w + 64` of a record as one bit per dim: the bitmap's own bits for g = 1,
+/// each group's bit repeated over its g dims (`pdep` onto every g-th bit, times `2^g - 1`)
+/// for g = 2, 4 and 8, the table spread otherwise.
+#[inline(always)]
+unsafe fn dim_word(layout: &RecordLayout, rec: &[u8], spread: &[u8], w: usize) -> u64 {
+    let g = layout.group_size;
+    match g {
+        1 => stored_word(rec, layout.bitmap_bytes(), w),
+        2 | 4 | 8 => {
+            let per = 64 / g; // groups per 64 dims, a divisor of 64
+            let first = w * per;
+            let bits = stored_word(rec, layout.bitmap_bytes(), first / 64) >> (first % 64);
+            let every = match g {
+                2 => 0x5555_5555_5555_5555u64,
+                4 => 0x1111_1111_1111_1111,
+                _ => 0x0101_0101_0101_0101,
+            };
+            _pdep_u64(bits, every) * ((1u64 << g) - 1)
+        }
+        _ => {
+            let mut b = [0u8; 8];
+            let end = spread.len().min(8 * w + 8);
+            b[..end - 8 * w].copy_from_slice(&spread[8 * w..end]);
+            u64::from_le_bytes(b)
+        }
+    }
+}
+
+/// Expands one int8/int4 record of any group size to a dense row of `row.len()` floats
+/// (`>= dt`, a multiple of 8): `m + code * s` at the kept dims (product exact, one rounding in
+/// the add), 0 elsewhere.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VBMI2, BMI2 (and the AVX2 set) available; `rec` is one whole record of
+/// `layout` (`r <= QUANT_SIMD_MAX_R`, `dt <= QUANT_SIMD_MAX_R`); `row.len() >= dt` and a
+/// multiple of 8.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
+)]
+pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     Path::Avx512.ran();
+    let g = layout.group_size;
+    let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
+    if !matches!(g, 1 | 2 | 4 | 8) {
+        spread_groups(rec, layout, &mut spread);
+    }
     let (dt, r, dp) = (layout.kept_dims, layout.r, row.len());
+    // int8 codes are read straight from the record (masked loads); int4 ones are unpacked to
+    // one byte each first.
+    let stored = &rec[layout.values_offset()..];
+    let int8 = layout.dtype == ValueDtype::Int8;
     let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
-    unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut codes);
-    let p = record_quant(layout, rec);
-    let scale = _mm512_set1_ps(p.scale.to_f32());
-    let min = _mm512_set1_ps(p.min.to_f32());
+    if !int8 {
+        unpack_codes(layout.dtype, stored, r, &mut codes);
+    }
+    // The record's minimum and scale, two f16 after the bitmap, widened together (exact).
+    let o = layout.bitmap_bytes();
+    let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+    let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+    let min = _mm512_broadcastss_ps(ms);
+    let scale = _mm512_broadcastss_ps(_mm_movehdup_ps(ms));
     let mut off = 0usize;
-    let mut placed = [0u8; 64];
     for w in 0..dt.div_ceil(64) {
-        // Bits 64w .. 64w + 64 of the bitmap, read only from its stored bytes.
-        let mask = bitmap_word(layout, rec, w);
-        let src = _mm512_loadu_si512(codes.as_ptr().add(off) as *const __m512i);
-        _mm512_storeu_si512(
-            placed.as_mut_ptr() as *mut __m512i,
-            _mm512_maskz_expand_epi8(mask, src),
-        );
-        for q in 0..4 {
+        let mask = dim_word(layout, rec, &spread, w);
+        let src = if int8 {
+            _mm512_maskz_loadu_epi8(lanes64(r - off), stored.as_ptr().add(off) as *const i8)
+        } else {
+            _mm512_loadu_si512(codes.as_ptr().add(off) as *const __m512i)
+        };
+        let placed = _mm512_maskz_expand_epi8(mask, src);
+        // Sixteen dims at a time, taken from the register (no store and reload).
+        let quarters = [
+            _mm512_castsi512_si128(placed),
+            _mm512_extracti32x4_epi32::<1>(placed),
+            _mm512_extracti32x4_epi32::<2>(placed),
+            _mm512_extracti32x4_epi32::<3>(placed),
+        ];
+        for (q, &b) in quarters.iter().enumerate() {
             let base = 64 * w + 16 * q;
             if base >= dp {
                 break;
             }
-            let b = _mm_loadu_si128(placed.as_ptr().add(16 * q) as *const __m128i);
             // `code * s` is exact in f32: the FMA rounds once, like the scalar decode.
             let x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), scale, min);
             let kept = (mask >> (16 * q)) as u16;
