@@ -99,7 +99,8 @@ mod tests {
 
     /// Every SIMD expansion (AVX2, and AVX-512 where the machine has it) writes the portable
     /// kernel's floats bit for bit, for every group size the default policy uses, g = 8 and
-    /// g = 4 with a truncated tail, head_dim 64 and 128, int8 and int4.
+    /// g = 4 with a truncated tail, head_dim 32, 64 and 128, `r` from 4 (fewer codes than one
+    /// 8-byte load) to 81, int8 and int4.
     #[test]
     fn simd_expand_equals_portable_for_every_group_size() {
         let paths: Vec<Path> = [Path::Avx2, Path::Avx512]
@@ -120,6 +121,8 @@ mod tests {
                 (64, 4, 48, 16),
                 (64, 1, 64, 64),
                 (64, 8, 64, 16),
+                (64, 1, 64, 8),
+                (32, 2, 32, 4),
                 (128, 1, 128, 81),
                 (128, 2, 128, 64),
                 (128, 4, 96, 48),

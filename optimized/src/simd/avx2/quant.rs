@@ -4,7 +4,6 @@
 
 use crate::simd::path::Path;
 use crate::simd::quant::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
-use mosaickv_spec::layout::record_quant;
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
 
@@ -157,16 +156,39 @@ pub(crate) fn spread_groups(rec: &[u8], layout: &RecordLayout, dims: &mut [u8]) 
 unsafe fn expand_q_bits(bits: &[u8], rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     Path::Avx2.ran();
     let (dt, r) = (layout.kept_dims, layout.r);
+    // int8 codes are read from the record itself, 8 at a time while 8 remain, then from a
+    // zero-padded copy of the last 8; int4 codes are unpacked to one byte each first.
+    let stored = &rec[layout.values_offset()..];
+    let int8 = layout.dtype == ValueDtype::Int8;
     let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
-    unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut codes);
-    let p = record_quant(layout, rec);
-    let scale = _mm256_set1_ps(p.scale.to_f32());
-    let min = _mm256_set1_ps(p.min.to_f32());
+    let (mut direct, mut t0, mut tail) = (0usize, 0usize, [0u8; 16]);
+    if int8 {
+        direct = (r + 1).saturating_sub(8); // offsets below this have 8 codes left
+        t0 = r.saturating_sub(8);
+        for (t, &c) in tail.iter_mut().zip(&stored[t0..r]) {
+            *t = c;
+        }
+    } else {
+        unpack_codes(layout.dtype, stored, r, &mut codes);
+    }
+    // The minimum and scale, two f16 after the bitmap, widened together (exact).
+    let o = layout.bitmap_bytes();
+    let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+    let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+    let min = _mm256_broadcastss_ps(ms);
+    let scale = _mm256_broadcastss_ps(_mm_movehdup_ps(ms));
     let chunks = dt.div_ceil(8);
     let mut off = 0usize;
     for c in 0..chunks {
         let byte = bits[c] as usize;
-        let v = _mm_loadl_epi64(codes.as_ptr().add(off) as *const __m128i);
+        let at = if !int8 {
+            codes.as_ptr().add(off)
+        } else if off < direct {
+            stored.as_ptr().add(off)
+        } else {
+            tail.as_ptr().add(off - t0)
+        };
+        let v = _mm_loadl_epi64(at as *const __m128i);
         let m = _mm_loadl_epi64(EXPAND_LUT8[byte].as_ptr() as *const __m128i);
         let e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, m));
         // `code * s` is exact in f32, so the fused multiply-add rounds once, like the
