@@ -194,14 +194,20 @@ pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &m
 /// SPEC 5 step 2: each group's importance, the f32 sum of its f16 values' squares in dim
 /// order, into `imp`; returns the number of groups.
 fn group_importances(y: &[f16], g: usize, imp: &mut [f32]) -> usize {
-    let groups = y.len() / g;
-    for k in 0..groups {
-        let mut s = 0f32;
-        for &v in &y[k * g..(k + 1) * g] {
-            let f = v.to_f32();
-            s += f * f;
+    importances_by(y.len(), g, imp, |j| y[j].to_f32())
+}
+
+/// [`group_importances`] of `n` values, value `j` (an f16, as f32: exact) given by `value`.
+#[inline(always)]
+fn importances_by(n: usize, g: usize, imp: &mut [f32], value: impl Fn(usize) -> f32) -> usize {
+    let groups = n / g;
+    for (k, s) in imp[..groups].iter_mut().enumerate() {
+        let mut acc = 0f32;
+        for j in k * g..(k + 1) * g {
+            let f = value(j);
+            acc += f * f;
         }
-        imp[k] = s;
+        *s = acc;
     }
     groups
 }
@@ -506,26 +512,17 @@ pub fn loss_sums_rotated(
 }
 
 /// SPEC 5 steps 2-3 for every kept-group count at once: the groups of a row's f16-rounded
-/// rotated values (length Dt, given as their exact f64 values `yv`) ranked by importance, most important first, ties by the lower
-/// index (the order [`select_groups`] uses). The groups a record keeping `k` of them keeps are
-/// `order[..k]`: under this total order the `k` largest form one set, the one `select_groups`
-/// finds.
+/// rotated values (length Dt, given as their exact f64 values `yv`) ranked by importance,
+/// most important first, ties by the lower index (the order [`select_groups`] uses). The
+/// groups a record keeping `k` of them keeps are `order[..k]`: under this total order the `k`
+/// largest form one set, the one `select_groups` finds.
 ///
 /// The importances are sums of squares, so `+0` or positive (or NaN, only from a NaN value):
 /// for those the order is that of the key `(!bits, index)`, sorted as integers, which is
 /// what the comparator sort would give and several times cheaper; a NaN takes the comparator.
 fn rank_groups(yv: &[f64], g: usize, imp: &mut [f32], order: &mut [u16], keys: &mut [u64]) {
-    // SPEC 5 step 2 as `group_importances` computes it, from the f16 values held as f64
-    // (`as f32` is exact for them).
-    let groups = yv.len() / g;
-    for (k, s) in imp[..groups].iter_mut().enumerate() {
-        let mut acc = 0f32;
-        for &v in &yv[k * g..(k + 1) * g] {
-            let f = v as f32;
-            acc += f * f;
-        }
-        *s = acc;
-    }
+    // SPEC 5 step 2 from the f16 values held as f64 (`as f32` is exact for them).
+    let groups = importances_by(yv.len(), g, imp, |j| yv[j] as f32);
     if imp[..groups].iter().all(|v| !v.is_nan()) {
         for (k, key) in keys[..groups].iter_mut().enumerate() {
             *key = (u64::from(!imp[k].to_bits()) << 16) | k as u64;
@@ -564,55 +561,58 @@ struct LaneSet {
     qmax: [u32; LANES],
 }
 
+/// One row's values for one Dt, shared by every ranking (and candidate) with that Dt.
+struct RowValues {
+    /// The row's f16-rounded rotated values (SPEC 5 step 1), as f64 (exact).
+    yv: Vec<f64>,
+    /// `sum_{j<Dt} xr_j^2` in dim order (SPEC 11.1's total before truncation).
+    total: f64,
+}
+
+impl RowValues {
+    /// Fills the values of row `xr` (rotated, f64) for `dt`; `e` holds `xr_j^2`.
+    fn fill(&mut self, xr: &[f64], e: &[f64], dt: usize) {
+        for (y, &x) in self.yv[..dt].iter_mut().zip(xr) {
+            *y = f16_to_f64(f16_from_f64(x));
+        }
+        let mut total = 0f64;
+        for &v in &e[..dt] {
+            total += v;
+        }
+        self.total = total;
+    }
+}
+
 /// One ranking's per-row tables, shared by every candidate with its `(Dt, g)`.
 struct Ranked {
-    /// The row's f16-rounded rotated values (SPEC 5 step 1) and their importances.
-    y: Vec<f16>,
     imp: Vec<f32>,
     order: Vec<u16>,
     /// Sort keys of the ranking.
     keys: Vec<u64>,
-    /// `y` as f64 (exact).
-    yv: Vec<f64>,
     /// Per dim: the rank of its group in `order` (as f64, to compare in the vector loop); the
     /// dim is kept by a candidate keeping `k` groups iff its rank is below `k`.
     rank: Vec<f64>,
     /// Smallest and largest kept value when the first `k` groups of `order` are kept (index k).
     lo: Vec<f64>,
     hi: Vec<f64>,
-    /// `sum_{j<Dt} xr_j^2` in dim order (SPEC 11.1's total before truncation).
-    total: f64,
 }
 
 impl Ranked {
     fn new(d: usize) -> Self {
         Self {
-            y: vec![f16::ZERO; d],
             imp: vec![0.0; d],
             order: vec![0; d],
             keys: vec![0; d],
-            yv: vec![0.0; d],
             rank: vec![0.0; d],
             lo: vec![0.0; d + 1],
             hi: vec![0.0; d + 1],
-            total: 0.0,
         }
     }
 
-    /// Fills the tables of row `xr` (rotated, f64) for `(dt, g)`; `e` holds `xr_j^2`.
-    fn fill(&mut self, xr: &[f64], e: &[f64], dt: usize, g: usize) {
-        for j in 0..dt {
-            self.y[j] = f16_from_f64(xr[j]);
-            self.yv[j] = f16_to_f64(self.y[j]);
-        }
-        rank_groups(
-            &self.yv[..dt],
-            g,
-            &mut self.imp,
-            &mut self.order,
-            &mut self.keys,
-        );
-        let groups = dt / g;
+    /// Fills the tables of a row with f16-rounded values `yv` (length Dt) for group size `g`.
+    fn fill(&mut self, yv: &[f64], g: usize) {
+        rank_groups(yv, g, &mut self.imp, &mut self.order, &mut self.keys);
+        let groups = yv.len() / g;
         let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
         self.lo[0] = lo;
         self.hi[0] = hi;
@@ -620,17 +620,12 @@ impl Ranked {
             let k = k as usize;
             for j in k * g..(k + 1) * g {
                 self.rank[j] = i as f64;
-                lo = lo.min(self.yv[j]);
-                hi = hi.max(self.yv[j]);
+                lo = lo.min(yv[j]);
+                hi = hi.max(yv[j]);
             }
             self.lo[i + 1] = lo;
             self.hi[i + 1] = hi;
         }
-        let mut total = 0f64;
-        for &v in &e[..dt] {
-            total += v;
-        }
-        self.total = total;
     }
 }
 
@@ -807,31 +802,55 @@ fn candidate_losses_on(
         })
         .collect();
     let sets = lane_sets(cands, &ranking_of, rankings.len());
+    // The distinct Dt of the rankings: a row's f16 values and total are computed once per Dt.
+    let mut dts: Vec<usize> = Vec::new();
+    let values_of: Vec<usize> = rankings
+        .iter()
+        .map(|&(dt, _)| {
+            dts.iter().position(|&x| x == dt).unwrap_or_else(|| {
+                dts.push(dt);
+                dts.len() - 1
+            })
+        })
+        .collect();
+    let wmax = dts.iter().copied().max().unwrap_or(0);
+    let truncating = dts.iter().any(|&dt| dt < d);
     let nc = cands.len();
     let terms: Vec<Vec<(f64, f64)>> = rot_rows
         .par_chunks(w * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .map(|(xr, x)| {
             let mut ranked: Vec<Ranked> = rankings.iter().map(|_| Ranked::new(d)).collect();
+            let mut values: Vec<RowValues> = dts
+                .iter()
+                .map(|_| RowValues {
+                    yv: vec![0.0; d],
+                    total: 0.0,
+                })
+                .collect();
             let mut e = vec![0f64; d];
             let mut row_terms = vec![(0f64, 0f64); nc];
             let mut out = Vec::with_capacity(x.len() / d * nc);
             for (row, xrow) in xr.chunks_exact(w).zip(x.chunks_exact(d)) {
-                let wmax = rankings.iter().map(|r| r.0).max().unwrap_or(0);
                 for (ej, &v) in e.iter_mut().zip(&row[..wmax]) {
                     *ej = v * v;
                 }
-                for (&(dt, g), rk) in rankings.iter().zip(ranked.iter_mut()) {
-                    rk.fill(row, &e, dt, g);
+                for (&dt, v) in dts.iter().zip(values.iter_mut()) {
+                    v.fill(row, &e, dt);
+                }
+                for ((&(dt, g), &vi), rk) in rankings.iter().zip(&values_of).zip(ranked.iter_mut())
+                {
+                    rk.fill(&values[vi].yv[..dt], g);
                 }
                 // SPEC 11.1's truncated energy: the row's energy beyond the first Dt dims.
-                let energy = if rankings.iter().any(|r| r.0 < d) {
+                let energy = if truncating {
                     xrow.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
                 } else {
                     0.0
                 };
                 for set in &sets {
                     let rk = &ranked[set.ranking];
+                    let rv = &values[values_of[set.ranking]];
                     let dt = rankings[set.ranking].0;
                     let kept = set.kept.map(|k| k as f64);
                     let dropped = if set.quantized {
@@ -858,21 +877,21 @@ fn candidate_losses_on(
                                 p.sf[l] = s.to_f32();
                             }
                         }
-                        dropped_quant(avx2, &row[..dt], &e[..dt], &rk.yv[..dt], &rk.rank[..dt], &p)
+                        dropped_quant(avx2, &row[..dt], &e[..dt], &rv.yv[..dt], &rk.rank[..dt], &p)
                     } else {
                         dropped_f16(avx2, &e[..dt], &rk.rank[..dt], kept)
                     };
                     let truncated = if dt < d {
-                        (energy - rk.total).max(0.0)
+                        (energy - rv.total).max(0.0)
                     } else {
                         0.0
                     };
                     for (l, c) in set.cand.iter().enumerate() {
                         if let Some(i) = *c {
                             row_terms[i] = if dt < d {
-                                (dropped[l] + truncated, rk.total + truncated)
+                                (dropped[l] + truncated, rv.total + truncated)
                             } else {
-                                (dropped[l], rk.total)
+                                (dropped[l], rv.total)
                             };
                         }
                     }

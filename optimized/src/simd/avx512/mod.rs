@@ -102,6 +102,16 @@ fn lanes16(n: usize) -> u16 {
     }
 }
 
+/// Lane mask of the first `n` of 64 lanes.
+#[inline(always)]
+fn lanes64(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
 /// Horizontal sums of `N` accumulators into `out[..N]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt")]
 #[inline]

@@ -1,75 +1,20 @@
-//! SPEC.md section 6, int8/int4 records, any group size: codes loaded (int8) or unpacked
-//! (int4, nibbles split in registers) with masked loads that stay inside the record, then one
-//! `vpexpandb` per 64 dims places them at the kept dims (the bitmap's bits, spread over their
-//! groups' dims by `pdep` where g > 1); 16 lanes at a time widened (`vpmovzxbd`), converted,
-//! scaled, offset by the minimum and zeroed where not kept.
+//! SPEC.md section 6, int8/int4 records, any group size: codes loaded straight from the
+//! record with masked loads that stay inside it (int8) or unpacked by the AVX2 kernel (int4),
+//! then one `vpexpandb` per 64 dims places them at the kept dims (the bitmap's bits, spread
+//! over their groups' dims by `pdep` where g > 1); 16 lanes at a time widened (`vpmovzxbd`),
+//! converted, scaled, offset by the minimum and zeroed where not kept.
 
-use super::lanes16;
-use crate::simd::avx2::quant::spread_groups;
+use super::{lanes16, lanes64};
+use crate::simd::avx2::quant::{spread_groups, unpack_codes};
 use crate::simd::path::Path;
 use crate::simd::quant::{CODE_SLACK, QUANT_SIMD_MAX_R};
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
 
-/// A mask of the low `n` of 64 lanes.
-#[inline(always)]
-fn lanes64(n: usize) -> u64 {
-    if n >= 64 {
-        u64::MAX
-    } else {
-        (1u64 << n) - 1
-    }
-}
-
-/// The `r` codes of a quantized record (code bytes `v`, `v.len() >= ` the stored code bytes)
-/// as one byte each into `out[..r]`, and 64 zero bytes after them (`out.len() >= r + 64`).
-/// The loads are masked to the stored bytes (masked-off bytes are not read).
-///
-/// # Safety
-/// AVX-512 F/BW available.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-unsafe fn unpack_codes(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]) {
-    debug_assert!(out.len() >= r + CODE_SLACK);
-    match dtype {
-        ValueDtype::Int8 => {
-            debug_assert!(v.len() >= r);
-            let mut i = 0;
-            while i < r {
-                let x = _mm512_maskz_loadu_epi8(lanes64(r - i), v.as_ptr().add(i) as *const i8);
-                _mm512_storeu_si512(out.as_mut_ptr().add(i) as *mut __m512i, x);
-                i += 64;
-            }
-        }
-        _ => {
-            // int4: 32 packed bytes give 64 codes; byte b -> codes (b & 15, b >> 4), low first.
-            let packed = r.div_ceil(2);
-            debug_assert!(v.len() >= packed);
-            let low = _mm512_set1_epi16(0x0f);
-            let mut i = 0;
-            while i < packed {
-                let n = (packed - i).min(32);
-                let b = _mm256_maskz_loadu_epi8(lanes64(n) as u32, v.as_ptr().add(i) as *const i8);
-                let w = _mm512_cvtepu8_epi16(b);
-                let lo = _mm512_and_si512(w, low);
-                let hi = _mm512_slli_epi16::<8>(_mm512_srli_epi16::<4>(w));
-                _mm512_storeu_si512(
-                    out.as_mut_ptr().add(2 * i) as *mut __m512i,
-                    _mm512_or_si512(lo, hi),
-                );
-                i += 32;
-            }
-        }
-    }
-    // Codes past r (an odd r's unused nibble) are cleared.
-    _mm512_storeu_si512(
-        out.as_mut_ptr().add(r) as *mut __m512i,
-        _mm512_setzero_si512(),
-    );
-}
-
 /// Bits `64 w .. 64 w + 64` of a record's bitmap (`bb` stored bytes, a multiple of 4: whole
-/// u32 words), read only from its stored bytes (bits past them 0):
-/// `mosaickv_spec::layout::bitmap_word` without its byte copy, which costs a call and a stalled reload here.
+/// u32 words), read only from its stored bytes (bits past them 0): what
+/// `mosaickv_spec::layout::bitmap_word` reads, without its byte copy (a call and a stalled
+/// reload here).
 #[inline(always)]
 fn stored_word(rec: &[u8], bb: usize, w: usize) -> u64 {
     let at = 8 * w;
@@ -101,12 +46,8 @@ unsafe fn dim_word(layout: &RecordLayout, rec: &[u8], spread: &[u8], w: usize) -
             };
             _pdep_u64(bits, every) * ((1u64 << g) - 1)
         }
-        _ => {
-            let mut b = [0u8; 8];
-            let end = spread.len().min(8 * w + 8);
-            b[..end - 8 * w].copy_from_slice(&spread[8 * w..end]);
-            u64::from_le_bytes(b)
-        }
+        // `spread` holds QUANT_SIMD_MAX_R / 8 >= 8 w + 8 bytes (dt <= QUANT_SIMD_MAX_R).
+        _ => u64::from_le_bytes(spread[8 * w..8 * w + 8].try_into().unwrap()),
     }
 }
 
