@@ -7,6 +7,7 @@
 //! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
 //! allocates nothing once the buffers have grown to the cache's size.
 
+use crate::simd::quant::SparsePlan;
 use crate::simd::{fast_exp, Path, TILE};
 use half::f16;
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
@@ -740,6 +741,14 @@ pub fn packed_attention(
                 let fused_v = g <= corr.len()
                     && !vl.dtype.is_quantized()
                     && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
+                // Sparse int8/int4 values: only the kept dims are accumulated, into a
+                // head-minor accumulator (in the value tile's buffer) for the whole unit.
+                // (`plan.len(dtv) <= 16 dtv`, inside the value tile's TILE * dpmax floats.)
+                let sparse = if path.sparse_values(vl, g) {
+                    SparsePlan::new(vl.group_size, g)
+                } else {
+                    None
+                };
                 let half_keys = !kl.dtype.is_quantized()
                     && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
                 with_tiles(dpmax, g, |kt, vt, lg| {
@@ -756,6 +765,9 @@ pub fn packed_attention(
                     };
                     for i in 0..PREFETCH_AHEAD {
                         prefetch(i);
+                    }
+                    if let Some(plan) = &sparse {
+                        vt[..plan.len(gm.dtv)].fill(0.0);
                     }
                     for (bi, &gi) in blocks.iter().enumerate() {
                         prefetch(bi + PREFETCH_AHEAD);
@@ -819,6 +831,25 @@ pub fn packed_attention(
                                     corr,
                                     acc,
                                 );
+                            } else if let Some(plan) = &sparse {
+                                let (m, rest) = st.split_at_mut(g);
+                                let l = &mut rest[..g];
+                                let corr = &mut corr[..g];
+                                online_softmax(
+                                    path,
+                                    m,
+                                    l,
+                                    &mut [],
+                                    g,
+                                    gm.dpv,
+                                    lg,
+                                    n,
+                                    Some(&mut *corr),
+                                );
+                                let acc_t = &mut vt[..plan.len(gm.dtv)];
+                                plan.rescale(acc_t, corr);
+                                let vb = &hs.values.bytes[t * vrb..];
+                                path.sparse_accumulate_q(lg, plan, vb, vl, n, acc_t);
                             } else if vl.dtype.is_quantized() {
                                 let vb = &hs.values.bytes[t * vrb..];
                                 path.expand_records_q(vb, n, vl, gm.dpv, vt);
@@ -840,6 +871,16 @@ pub fn packed_attention(
                                 online_update(path, st, g, gm.dpv, lg, n, vt);
                             }
                             t += n;
+                        }
+                    }
+                    if let Some(plan) = &sparse {
+                        // The head-minor accumulator into the partial's `[g][dpv]` one (the
+                        // dims past Dt stay 0, as the dense path leaves them).
+                        let acc = &mut st[2 * g..partial_len(g, gm.dpv)];
+                        for h in 0..g {
+                            for j in 0..gm.dtv {
+                                acc[h * gm.dpv + j] = vt[plan.at(j, h)];
+                            }
                         }
                     }
                 });

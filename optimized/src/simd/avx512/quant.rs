@@ -7,7 +7,7 @@
 use super::{lanes16, lanes64};
 use crate::simd::avx2::quant::{spread_groups, unpack_codes};
 use crate::simd::path::Path;
-use crate::simd::quant::{CODE_SLACK, QUANT_SIMD_MAX_R};
+use crate::simd::quant::{SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS};
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
 
@@ -74,10 +74,15 @@ pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     // one byte each first.
     let stored = &rec[layout.values_offset()..];
     let int8 = layout.dtype == ValueDtype::Int8;
-    let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
-    if !int8 {
-        unpack_codes(layout.dtype, stored, r, &mut codes);
-    }
+    // (Only int4 fills a buffer: zeroing one per int8 record cost 1.5 % of a decode step.)
+    let mut codes_buf: [u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    let codes = if int8 {
+        stored.as_ptr()
+    } else {
+        codes_buf = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+        unpack_codes(layout.dtype, stored, r, &mut codes_buf);
+        codes_buf.as_ptr()
+    };
     // The record's minimum and scale, two f16 after the bitmap, widened together (exact).
     let o = layout.bitmap_bytes();
     let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
@@ -90,7 +95,7 @@ pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
         let src = if int8 {
             _mm512_maskz_loadu_epi8(lanes64(r - off), stored.as_ptr().add(off) as *const i8)
         } else {
-            _mm512_loadu_si512(codes.as_ptr().add(off) as *const __m512i)
+            _mm512_loadu_si512(codes.add(off) as *const __m512i)
         };
         let placed = _mm512_maskz_expand_epi8(mask, src);
         // Sixteen dims at a time, taken from the register (no store and reload).
@@ -106,16 +111,151 @@ pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
                 break;
             }
             // `code * s` is exact in f32: the FMA rounds once, like the scalar decode.
-            let x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), scale, min);
             let kept = (mask >> (16 * q)) as u16;
-            _mm512_mask_storeu_ps(
-                row.as_mut_ptr().add(base),
-                lanes16(dp - base),
-                _mm512_maskz_mov_ps(kept, x),
-            );
+            let c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+            let x = _mm512_maskz_fmadd_ps(kept, c, scale, min);
+            if base + 16 <= dp {
+                _mm512_storeu_ps(row.as_mut_ptr().add(base), x);
+            } else {
+                _mm512_mask_storeu_ps(row.as_mut_ptr().add(base), lanes16(dp - base), x);
+            }
         }
         off = (off + mask.count_ones() as usize).min(r);
     }
     let covered = (64 * dt.div_ceil(64)).min(dp);
     row[covered..].fill(0.0);
+}
+
+/// Value accumulation on packed int8/int4 records, kept dims only (SPEC.md sections 6 and 9):
+/// `acc_t[plan.at(j, h)] += p[h * TILE + t] * v_t[j]` for every kept dim `j` of record `t`
+/// (`t < n`), in token order, one FMA each. `acc_t` is head-minor, a padded slot of whole
+/// registers per kept group ([`SparsePlan`]), so a kept group costs one to a few unmasked
+/// 16-lane FMAs (loads and stores that forward), where the dense path expands the record to
+/// all `Dt` dims and multiplies every dim for every head. The decoded value is `m + code * s`
+/// (exact product, one rounding), the float the expansion writes, and each accumulator sees
+/// the FMAs of the dense path in its order (which adds `p * 0 = +0` at the dims not kept), so
+/// the result is the same bits.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VBMI2 available; `layout` quantized with `r <= QUANT_SIMD_MAX_R`, `plan`
+/// made for its group size; `bytes` holds `n` whole records; `p` holds `plan.heads * TILE`
+/// floats, `n <= TILE`; `acc_t` holds `plan.len(layout.kept_dims)` floats.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
+)]
+pub unsafe fn sparse_accumulate_q(
+    p: *const f32,
+    plan: &SparsePlan,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    acc_t: *mut f32,
+) {
+    use crate::simd::common::TILE;
+    Path::Avx512.ran();
+    let (g, r, rb, bb) = (
+        layout.group_size,
+        layout.r,
+        layout.record_bytes(),
+        layout.bitmap_bytes(),
+    );
+    let (heads, chunks, stride) = (plan.heads, plan.chunks, plan.stride());
+    let mut vidx = [_mm512_setzero_si512(); SPARSE_MAX_CHUNKS];
+    let mut hidx = [_mm512_setzero_si512(); SPARSE_MAX_CHUNKS];
+    for c in 0..chunks {
+        vidx[c] = _mm512_loadu_si512(plan.vidx[c].as_ptr() as *const __m512i);
+        hidx[c] = _mm512_loadu_si512(plan.hidx[c].as_ptr() as *const __m512i);
+    }
+    // This tile's probabilities token-major: lane h of row t is p[h * TILE + t].
+    let mut pt = [0f32; 16 * TILE];
+    for h in 0..heads {
+        for t in 0..n {
+            pt[16 * t + h] = *p.add(h * TILE + t);
+        }
+    }
+    let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    // Decoded values of one record, whole registers (stored and reloaded whole, so the
+    // reloads forward from the stores), and one register of slack.
+    let mut dv = [_mm512_setzero_ps(); QUANT_SIMD_MAX_R / 16 + 2];
+    let int8 = layout.dtype == ValueDtype::Int8;
+    let (words, groups) = (bb / 4, layout.kept_dims / g);
+    for t in 0..n {
+        let rec = &bytes[t * rb..(t + 1) * rb];
+        let stored = &rec[layout.values_offset()..];
+        let src: *const u8 = if int8 {
+            stored.as_ptr()
+        } else {
+            unpack_codes(layout.dtype, stored, r, &mut codes);
+            codes.as_ptr()
+        };
+        let ms = u32::from_le_bytes([rec[bb], rec[bb + 1], rec[bb + 2], rec[bb + 3]]);
+        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+        let min = _mm512_broadcastss_ps(ms);
+        let scale = _mm512_broadcastss_ps(_mm_movehdup_ps(ms));
+        let mut i = 0;
+        while i < r {
+            let c = _mm_maskz_loadu_epi8(lanes16(r - i), src.add(i) as *const i8);
+            let x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), scale, min);
+            dv[i / 16] = x;
+            i += 16;
+        }
+        // Head of each lane; lanes past the span get 0 (their slot lanes stay 0).
+        let prow = _mm512_loadu_ps(pt.as_ptr().add(16 * t));
+        let mut pc = [_mm512_setzero_ps(); SPARSE_MAX_CHUNKS];
+        for c in 0..chunks {
+            pc[c] = _mm512_maskz_permutexvar_ps(plan.live[c], hidx[c], prow);
+        }
+        if chunks == 1 && r <= 16 {
+            // One register of values, one per slot (the common case: few kept dims, up to 16
+            // lanes of heads x dims per group): the lanes' value indices advance by g a group.
+            let (vals, pc0, step) = (dv[0], pc[0], _mm512_set1_epi32(g as i32));
+            let mut idx = vidx[0];
+            let mut left = r / g;
+            for w in 0..words {
+                let mut bits = u32::from_le_bytes([
+                    rec[4 * w],
+                    rec[4 * w + 1],
+                    rec[4 * w + 2],
+                    rec[4 * w + 3],
+                ]);
+                if groups < 32 * (w + 1) {
+                    bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
+                }
+                while bits != 0 && left > 0 {
+                    let a0 = acc_t.add((32 * w + bits.trailing_zeros() as usize) * 16);
+                    bits &= bits - 1;
+                    let v = _mm512_permutexvar_ps(idx, vals);
+                    _mm512_storeu_ps(a0, _mm512_fmadd_ps(pc0, v, _mm512_loadu_ps(a0)));
+                    idx = _mm512_add_epi32(idx, step);
+                    left -= 1;
+                }
+            }
+            continue;
+        }
+        let mut off = 0usize;
+        for w in 0..words {
+            let mut bits =
+                u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
+            // Bits past the last group are not read, nor more than r / g groups: a record
+            // that broke the layout's invariants cannot make the kernel write out of bounds.
+            if groups < 32 * (w + 1) {
+                bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
+            }
+            while bits != 0 && off + g <= r {
+                let k = 32 * w + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let a0 = acc_t.add(k * stride);
+                for c in 0..chunks {
+                    // Values off + vbase + vidx[l] (< off + vbase + 16) of the record: from
+                    // the register holding value off + vbase and the next one.
+                    let at = off + plan.vbase[c];
+                    let idx = _mm512_add_epi32(vidx[c], _mm512_set1_epi32((at % 16) as i32));
+                    let v = _mm512_permutex2var_ps(dv[at / 16], idx, dv[at / 16 + 1]);
+                    let a = _mm512_loadu_ps(a0.add(16 * c));
+                    _mm512_storeu_ps(a0.add(16 * c), _mm512_fmadd_ps(pc[c], v, a));
+                }
+                off += g;
+            }
+        }
+    }
 }
