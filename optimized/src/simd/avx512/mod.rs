@@ -39,6 +39,12 @@
 //!   q- m` for `M >= m` (`q+ = max(q, 0)`, `q- = min(q, 0)`), two FMAs per lane
 //!   instead of mul, mul, max, add, 4 pages per pass; the same bound, only the
 //!   rounding differs (FMA, 16-lane sums).
+//! - int8/int4 records ([`quant::expand_q`], SPEC.md sections 5 and 6): every group size in
+//!   one kernel, group bits spread by `pdep`, codes placed by `vpexpandb`. Value records
+//!   with few kept dims are not expanded at all: [`quant::sparse_accumulate_q`] decodes
+//!   only the kept groups and accumulates them into a head-minor accumulator
+//!   ([`crate::simd::quant::SparsePlan`]), the same FMAs in the same order as expansion +
+//!   accumulation, so the same bits.
 //!
 //! Callers hold [`crate::simd::Path::Avx512`] (which [`crate::simd::Path::runs_here`] checks)
 //! before calling anything here.
