@@ -13,7 +13,7 @@
 //! cargo run --release -p mosaickv-engine --example loss_rank -- --length 2048
 
 use clap::Parser;
-use mosaickv_engine::{model_path, suite, Model};
+use mosaickv_engine::{resolve_model, suite, Model};
 use mosaickv_reference::loss::{errors, key_loss, quadratic, value_loss};
 use mosaickv_reference::rotation::fit_rotation;
 use mosaickv_reference::side_loss;
@@ -42,7 +42,8 @@ struct Args {
     /// Context positions whose queries give the value weights.
     #[arg(long, default_value_t = 64)]
     sample: usize,
-    /// Model file.
+    /// Model: a known name (`smollm2-135m`, `qwen2.5-1.5b`, fetched on first use) or a GGUF
+    /// file; SmolLM2-135M-Instruct without it.
     #[arg(long)]
     model: Option<PathBuf>,
 }
@@ -182,7 +183,7 @@ fn measure(
 
 fn main() -> BoxResult<()> {
     let args = Args::parse();
-    let model = Model::load(&model_path(args.model.as_deref())?)?;
+    let model = Model::load(&resolve_model(args.model.as_deref())?)?;
     let cfg = model.config().clone();
     let layers: Vec<usize> = args
         .layers
@@ -316,7 +317,7 @@ fn main() -> BoxResult<()> {
     println!(
         "model {}, tasks {}, prompt length {}, layers {}, {} KV heads, {} candidates, \
          held-out {}, sample {}",
-        model_path(args.model.as_deref())?
+        resolve_model(args.model.as_deref())?
             .file_name()
             .map(|s| s.to_string_lossy().to_string())
             .unwrap_or_default(),
