@@ -804,7 +804,10 @@ pub fn packed_attention(
                                 path.tile_logits(q, g, gm.dpk, kt, n, scale, lg);
                             }
                             let st = &mut st[..partial_len(g, gm.dpv)];
-                            if fused_v {
+                            let vb = &hs.values.bytes[t * vrb..];
+                            if fused_v || sparse.is_some() {
+                                // The softmax step gives the rescale factors; the kernel
+                                // rescales its accumulator with them.
                                 let (m, rest) = st.split_at_mut(g);
                                 let (l, acc) = rest.split_at_mut(g);
                                 let corr = &mut corr[..g];
@@ -819,43 +822,27 @@ pub fn packed_attention(
                                     n,
                                     Some(&mut *corr),
                                 );
-                                let vrec = (&hs.values.bytes[t * vrb..], vrb, vl.bitmap_bytes());
-                                path.packed_accumulate(
-                                    lg,
-                                    g,
-                                    gm.dpv,
-                                    vrec,
-                                    n,
-                                    vl.kept_dims,
-                                    vl.r,
-                                    corr,
-                                    acc,
-                                );
-                            } else if let Some(plan) = &sparse {
-                                let (m, rest) = st.split_at_mut(g);
-                                let l = &mut rest[..g];
-                                let corr = &mut corr[..g];
-                                online_softmax(
-                                    path,
-                                    m,
-                                    l,
-                                    &mut [],
-                                    g,
-                                    gm.dpv,
-                                    lg,
-                                    n,
-                                    Some(&mut *corr),
-                                );
-                                let acc_t = &mut vt[..plan.len(gm.dtv)];
-                                plan.rescale(acc_t, corr);
-                                let vb = &hs.values.bytes[t * vrb..];
-                                path.sparse_accumulate_q(lg, plan, vb, vl, n, acc_t);
+                                if let Some(plan) = &sparse {
+                                    let acc_t = &mut vt[..plan.len(gm.dtv)];
+                                    plan.rescale(acc_t, corr);
+                                    path.sparse_accumulate_q(lg, plan, vb, vl, n, acc_t);
+                                } else {
+                                    path.packed_accumulate(
+                                        lg,
+                                        g,
+                                        gm.dpv,
+                                        (vb, vrb, vl.bitmap_bytes()),
+                                        n,
+                                        vl.kept_dims,
+                                        vl.r,
+                                        corr,
+                                        acc,
+                                    );
+                                }
                             } else if vl.dtype.is_quantized() {
-                                let vb = &hs.values.bytes[t * vrb..];
                                 path.expand_records_q(vb, n, vl, gm.dpv, vt);
                                 online_update(path, st, g, gm.dpv, lg, n, vt);
                             } else {
-                                let vb = &hs.values.bytes[t * vrb..];
                                 path.expand_records(
                                     vb,
                                     vb.len() - n * vrb,
