@@ -676,6 +676,9 @@ pub(crate) enum Kernel {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX-512 (F/BW/VNNI) for the k-quant rows; the Q4_1 and Q8_0 rows as [`Kernel::Avx2`].
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Kernel {
@@ -683,19 +686,40 @@ impl Kernel {
     pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return Self::Avx512;
+            }
             return Self::Avx2;
         }
         Self::Portable
+    }
+
+    /// Every kernel this CPU runs, slowest first (for the tests and the timing).
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Self> {
+        let mut k = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            match Self::detect() {
+                Self::Avx512 => k.extend([Self::Avx2, Self::Avx512]),
+                Self::Avx2 => k.push(Self::Avx2),
+                Self::Portable => {}
+            }
+        }
+        k
     }
 
     #[inline]
     fn dot_q4_1(self, qs: &[u8], dm: &[[f32; 2]], x: &QVec) -> f32 {
         match self {
             Self::Portable => dot_q4_1_portable(qs, dm, x),
-            // SAFETY: `Avx2` is only constructed by `detect` after checking avx2 and fma;
-            // slice lengths are checked inside.
+            // SAFETY: `Avx2` and `Avx512` are only constructed by `detect` (or `available`)
+            // after checking avx2 and fma; slice lengths are checked inside.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dot_q4_1(qs, dm, x) },
+            Self::Avx2 | Self::Avx512 => unsafe { avx2::dot_q4_1(qs, dm, x) },
         }
     }
 
@@ -705,7 +729,7 @@ impl Kernel {
             Self::Portable => dot_q8_0_portable(qs, d, x),
             // SAFETY: as in `dot_q4_1`.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dot_q8_0(qs, d, x) },
+            Self::Avx2 | Self::Avx512 => unsafe { avx2::dot_q8_0(qs, d, x) },
         }
     }
 
@@ -721,6 +745,13 @@ impl Kernel {
             // SAFETY: as in `dot_q4_1`.
             #[cfg(target_arch = "x86_64")]
             (Self::Avx2, KFormat::Q6K) => unsafe { avx2::dot_q6_k(row, xs) },
+            // SAFETY: `Avx512` is only constructed after checking avx512f, avx512bw and
+            // avx512vnni; slice lengths are checked inside.
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx512, KFormat::Q4K) => unsafe { avx512::dot_q4_k(row, xs) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx512, KFormat::Q6K) => unsafe { avx512::dot_q6_k(row, xs) },
         }
     }
 }
@@ -741,6 +772,23 @@ fn q4_k_scales(sc: &[u8]) -> ([u8; 8], [u8; 8]) {
         m[j + 4] = (sc[j + 8] >> 4) | ((sc[j + 4] >> 6) << 4);
     }
     (s, m)
+}
+
+/// [`q4_k_scales`] with word operations (ggml's `kmask` form): the 12 bytes as three
+/// little-endian u32, returned as four u32 whose 16 bytes are the 8 scales then the 8 mins.
+#[inline(always)]
+fn q4_k_scales_words(sc: &[u8]) -> [u32; 4] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]]);
+    let (a, b, c) = (w(0), w(1), w(2));
+    [
+        a & LOW6,
+        (c & LOW4) | (((a >> 6) & LOW2) << 4),
+        b & LOW6,
+        ((c >> 4) & LOW4) | (((b >> 6) & LOW2) << 4),
+    ]
 }
 
 /// Q4_K row (ggml blocks of 144 bytes) x Q8_K activation. Sub-block j of 32 (scale `s[j]`, min
@@ -1051,6 +1099,161 @@ mod avx2 {
     }
 }
 
+/// The k-quant rows on AVX-512: the AVX2 kernels' arithmetic on 64 weights per instruction,
+/// with VNNI's `dpwssd` (i16 pairs x i16 scales, summed into i32) fusing the scale
+/// multiply-add that AVX2 does with `madd` + `add`.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Q4_K_BYTES, Q6_K_BYTES, Q8K, QK_K};
+    use std::arch::x86_64::*;
+
+    /// Q4_K row x `N` Q8_K activations (the layout of `dot_q4_k_portable`). Each 32 nibble
+    /// bytes j, unpacked once into 64 values (low nibbles: sub-block 2j, high: 2j + 1), meet the
+    /// 64 activation bytes they multiply in one `maddubs` (u8 0..15 x i8, pair sums within i16)
+    /// and one `dpwssd` by the two sub-block scales; one float multiply-add per block. The mins
+    /// term, `dmin * sum_j m_j * (sum of sub-block j's q_x)`, is a vector `madd` of the block
+    /// sums by the mins, kept in float lanes. The same bit for bit whatever `N`.
+    /// Safety: the CPU has avx512f, avx512bw and avx512vnni.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    pub(super) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
+        let nb = row.len() / Q4_K_BYTES;
+        assert_eq!(row.len(), nb * Q4_K_BYTES);
+        for x in xs {
+            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+        }
+        let mask = _mm512_set1_epi8(0x0F);
+        // lower 256 bits: the low nibbles, upper: the high nibbles
+        let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+        // i16 lanes of the 16 unpacked scales (0..8) and mins (8..16) that each product needs:
+        // chunk j's 32 lanes take scale 2 j (lower half) and 2 j + 1 (upper); the 16 block
+        // sums take min 8 + s / 2
+        let index: [__m512i; 4] = std::array::from_fn(|j| {
+            let lanes: [i16; 32] = std::array::from_fn(|l| (2 * j + l / 16) as i16);
+            _mm512_loadu_si512(lanes.as_ptr() as *const _)
+        });
+        let min_index = {
+            let lanes: [i16; 32] = std::array::from_fn(|l| (8 + (l % 16) / 2) as i16);
+            _mm512_loadu_si512(lanes.as_ptr() as *const _)
+        };
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut mins = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
+            let (d, dmin) = (super::f16_at(blk, 0), super::f16_at(blk, 2));
+            let [w0, w1, w2, w3] = super::q4_k_scales_words(&blk[4..16]);
+            let sm = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_setr_epi32(
+                w0 as i32, w1 as i32, w2 as i32, w3 as i32,
+            )));
+            let m16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(min_index, sm));
+            let mut isum = [_mm512_setzero_si512(); N];
+            let qp = blk.as_ptr().add(16);
+            // SAFETY (loads): 4 x 32 bytes of the block's 128 nibble bytes; 4 x 64 activation
+            // bytes of block b, inside the asserted lengths
+            for j in 0..4 {
+                let w = _mm256_loadu_si256(qp.add(32 * j) as *const __m256i);
+                let q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(w), shift), mask);
+                let scale = _mm512_permutexvar_epi16(index[j], sm);
+                for (x, isum) in xs.iter().zip(isum.iter_mut()) {
+                    let xp = x.qs.as_ptr().add(b * QK_K + 64 * j);
+                    let v = _mm512_loadu_si512(xp as *const _);
+                    *isum = _mm512_dpwssd_epi32(*isum, _mm512_maddubs_epi16(q, v), scale);
+                }
+            }
+            for i in 0..N {
+                let x = xs[i];
+                let dx = x.d[b];
+                let bs = _mm256_loadu_si256(x.bsums.as_ptr().add(b * 16) as *const __m256i);
+                let msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, m16));
+                mins[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dmin), msum, mins[i]);
+                acc[i] =
+                    _mm512_fmadd_ps(_mm512_set1_ps(dx * d), _mm512_cvtepi32_ps(isum[i]), acc[i]);
+            }
+        }
+        std::array::from_fn(|i| {
+            _mm512_reduce_add_ps(acc[i]) - _mm512_reduce_add_ps(_mm512_zextps256_ps512(mins[i]))
+        })
+    }
+
+    /// Q6_K row x `N` Q8_K activations (the layout of `dot_q6_k_portable`). Per half block h:
+    /// the 64 `ql` bytes give the low 4 bits of values `128 h .. + 64` (low nibbles) and
+    /// `128 h + 64 .. + 64` (high nibbles); the 32 `qh` bytes, broadcast to both halves and
+    /// shifted by a different count in each, their top 2 bits. Each 64 values meet their 64
+    /// contiguous activation bytes in one `maddubs` (u8 0..63 x i8) and one `dpwssd` by their
+    /// four sub-block scales (`permutexvar` of the block's 16 scales). The `-32` offset,
+    /// `32 * sum_s sc_s * bsum_s`, is subtracted from the block's integer sum as a vector.
+    /// The same bit for bit whatever `N`.
+    /// Safety: the CPU has avx512f, avx512bw and avx512vnni.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    pub(super) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
+        let nb = row.len() / Q6_K_BYTES;
+        assert_eq!(row.len(), nb * Q6_K_BYTES);
+        for x in xs {
+            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+        }
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m30 = _mm512_set1_epi8(0x30);
+        // shift counts per 256-bit half: values k = 0 | k = 1 (left), k = 2 | k = 3 (right)
+        let halves = |lo: i16, hi: i16| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+                _mm256_set1_epi16(hi),
+            )
+        };
+        let (left, right) = (halves(4, 2), halves(0, 2));
+        // the scale index of each i16 lane (2 values) of group g of 64 values: 4 g + lane / 8
+        let index: [__m512i; 4] = std::array::from_fn(|g| {
+            let lanes: [i16; 32] = std::array::from_fn(|l| (4 * g + l / 8) as i16);
+            _mm512_loadu_si512(lanes.as_ptr() as *const _)
+        });
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..nb {
+            let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
+            let d = super::f16_at(blk, 208);
+            // SAFETY (loads): ql bytes 0..128, qh bytes 128..192, scales 192..208 of the
+            // block; 4 x 64 activation bytes and 16 block sums of block b, inside the asserted
+            // lengths
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.as_ptr().add(192) as *const _));
+            let sc = _mm512_zextsi256_si512(sc16);
+            let mut isum = [_mm512_setzero_si512(); N];
+            for i in 0..N {
+                let bs = _mm256_loadu_si256(xs[i].bsums.as_ptr().add(b * 16) as *const __m256i);
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                isum[i] = _mm512_sub_epi32(isum[i], _mm512_zextsi256_si512(offset));
+            }
+            for h in 0..2 {
+                let ql = _mm512_loadu_si512(blk.as_ptr().add(64 * h) as *const _);
+                let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    blk.as_ptr().add(128 + 32 * h) as *const __m256i
+                ));
+                let groups = [
+                    _mm512_or_si512(
+                        _mm512_and_si512(ql, m4),
+                        _mm512_and_si512(_mm512_sllv_epi16(qh, left), m30),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
+                        _mm512_and_si512(_mm512_srlv_epi16(qh, right), m30),
+                    ),
+                ];
+                for (k, q) in groups.into_iter().enumerate() {
+                    let g = 2 * h + k;
+                    let scale = _mm512_permutexvar_epi16(index[g], sc);
+                    for (x, isum) in xs.iter().zip(isum.iter_mut()) {
+                        let xp = x.qs.as_ptr().add(b * QK_K + 64 * g);
+                        let v = _mm512_loadu_si512(xp as *const _);
+                        *isum = _mm512_dpwssd_epi32(*isum, _mm512_maddubs_epi16(q, v), scale);
+                    }
+                }
+            }
+            for i in 0..N {
+                let dd = _mm512_set1_ps(xs[i].d[b] * d);
+                acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum[i]), acc[i]);
+            }
+        }
+        std::array::from_fn(|i| _mm512_reduce_add_ps(acc[i]))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1063,11 +1266,7 @@ mod tests {
     }
 
     fn kernels() -> Vec<Kernel> {
-        let mut k = vec![Kernel::Portable];
-        if Kernel::detect() != Kernel::Portable {
-            k.push(Kernel::detect());
-        }
-        k
+        Kernel::available()
     }
 
     /// Random Q4_1 blocks in ggml byte layout.
@@ -1289,7 +1488,7 @@ mod tests {
 
     /// Raw k-quant blocks at the edges of their ranges (every 4- and 6-bit value, the largest
     /// scales and mins, negative Q6_K scales) against activations that round to -128 and 127:
-    /// the AVX2 kernels give the portable kernels' integer sums (no i16 saturation, no bit
+    /// the AVX2 and AVX-512 kernels give the portable kernels' integer sums (no i16 saturation, no bit
     /// taken from the wrong byte), and the portable ones the dequantized product.
     #[test]
     fn kquant_kernels_agree_on_extreme_blocks() {
@@ -1345,16 +1544,36 @@ mod tests {
                     want[r]
                 );
             }
-            let mut got = vec![0f32; rows];
-            m.matvec_with(&xq, &mut got, Kernel::detect());
-            for r in 0..rows {
-                assert!(
-                    (got[r] - want[r]).abs() <= 1e-5 * want[r].abs().max(1.0),
-                    "{dtype:?} row {r}: {} vs {}",
-                    got[r],
-                    want[r]
-                );
+            for kernel in kernels() {
+                let mut got = vec![0f32; rows];
+                m.matvec_with(&xq, &mut got, kernel);
+                for r in 0..rows {
+                    assert!(
+                        (got[r] - want[r]).abs() <= 1e-5 * want[r].abs().max(1.0),
+                        "{dtype:?} {kernel:?} row {r}: {} vs {}",
+                        got[r],
+                        want[r]
+                    );
+                }
             }
+        }
+    }
+
+    /// The word form of the Q4_K scale unpacking gives the byte form's scales and mins.
+    #[test]
+    fn q4_k_scale_forms_agree() {
+        let mut seed = 5u64;
+        for t in 0..4000 {
+            let sc: [u8; 12] = std::array::from_fn(|i| match t {
+                0 => 0xFF,
+                1 => 0,
+                _ => ((rng(&mut seed) + 1.0) * 127.99) as u8 ^ i as u8,
+            });
+            let (s, m) = q4_k_scales(&sc);
+            let words = q4_k_scales_words(&sc);
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            assert_eq!(&bytes[..8], &s, "scales of {sc:?}");
+            assert_eq!(&bytes[8..], &m, "mins of {sc:?}");
         }
     }
 
@@ -1519,7 +1738,8 @@ mod kquant_timing {
             let mut xq = QVec::default();
             let mut out = vec![0f32; rows];
             let reps = 20;
-            let mut best = [f64::INFINITY; 3];
+            let kernels = Kernel::available();
+            let mut best = vec![f64::INFINITY; 1 + kernels.len()];
             for _ in 0..3 {
                 let t0 = std::time::Instant::now();
                 for _ in 0..reps {
@@ -1527,7 +1747,7 @@ mod kquant_timing {
                     std::hint::black_box(y.to_vec1::<f32>().unwrap());
                 }
                 best[0] = best[0].min(t0.elapsed().as_secs_f64() / reps as f64);
-                for (i, kernel) in [Kernel::Portable, Kernel::detect()].into_iter().enumerate() {
+                for (i, &kernel) in kernels.iter().enumerate() {
                     let t0 = std::time::Instant::now();
                     for _ in 0..reps {
                         xq.quantize(&x);
@@ -1565,16 +1785,17 @@ mod kquant_timing {
                 gmac(f32_s)
             );
             let gb = |s: f64| m.bytes() as f64 / s / 1e9;
+            let ours: Vec<String> = kernels
+                .iter()
+                .zip(&best[1..])
+                .map(|(k, &t)| format!("{k:?} {:.2} ms ({:.1} GB/s)", t * 1e3, gb(t)))
+                .collect();
             eprintln!(
-                "{name} ({:.1} MB): candle QMatMul {:.2} ms ({:.1} GB/s), ours portable {:.2} ms, \
-                 ours {:?} {:.2} ms ({:.1} GB/s), {} threads",
+                "{name} ({:.1} MB): candle QMatMul {:.2} ms ({:.1} GB/s); ours: {}; {} threads",
                 m.bytes() as f64 / 1e6,
                 best[0] * 1e3,
                 gb(best[0]),
-                best[1] * 1e3,
-                Kernel::detect(),
-                best[2] * 1e3,
-                gb(best[2]),
+                ours.join(", "),
                 rayon::current_num_threads()
             );
         }
