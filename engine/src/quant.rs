@@ -774,6 +774,14 @@ fn q4_k_scales(sc: &[u8]) -> ([u8; 8], [u8; 8]) {
     (s, m)
 }
 
+/// Panics unless every Q8_K activation has `nb` blocks (the k-quant kernels' bounds).
+#[cfg(target_arch = "x86_64")]
+fn check_k_activations(nb: usize, xs: &[&Q8K]) {
+    for x in xs {
+        assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
+    }
+}
+
 /// [`q4_k_scales`] with word operations (ggml's `kmask` form): the 12 bytes as three
 /// little-endian u32, returned as four u32 whose 16 bytes are the 8 scales then the 8 mins.
 #[inline(always)]
@@ -978,9 +986,7 @@ mod avx2 {
     pub(super) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
         let nb = row.len() / Q4_K_BYTES;
         assert_eq!(row.len(), nb * Q4_K_BYTES);
-        for x in xs {
-            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
-        }
+        super::check_k_activations(nb, &xs);
         let mask = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut mins = [0f32; N];
@@ -1034,9 +1040,7 @@ mod avx2 {
     pub(super) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
         let nb = row.len() / Q6_K_BYTES;
         assert_eq!(row.len(), nb * Q6_K_BYTES);
-        for x in xs {
-            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
-        }
+        super::check_k_activations(nb, &xs);
         let m4 = _mm256_set1_epi8(0x0F);
         let m30 = _mm256_set1_epi8(0x30);
         let mut acc = [_mm256_setzero_ps(); N];
@@ -1118,9 +1122,7 @@ mod avx512 {
     pub(super) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
         let nb = row.len() / Q4_K_BYTES;
         assert_eq!(row.len(), nb * Q4_K_BYTES);
-        for x in xs {
-            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
-        }
+        super::check_k_activations(nb, &xs);
         let mask = _mm512_set1_epi8(0x0F);
         // lower 256 bits: the low nibbles, upper: the high nibbles
         let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
@@ -1187,9 +1189,7 @@ mod avx512 {
     pub(super) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
         let nb = row.len() / Q6_K_BYTES;
         assert_eq!(row.len(), nb * Q6_K_BYTES);
-        for x in xs {
-            assert!(x.qs.len() == nb * QK_K && x.d.len() == nb && x.bsums.len() == nb * 16);
-        }
+        super::check_k_activations(nb, &xs);
         let m4 = _mm512_set1_epi8(0x0F);
         let m30 = _mm512_set1_epi8(0x30);
         // shift counts per 256-bit half: values k = 0 | k = 1 (left), k = 2 | k = 3 (right)
