@@ -1111,6 +1111,42 @@ mod avx512 {
     use super::{Q4_K_BYTES, Q6_K_BYTES, Q8K, QK_K};
     use std::arch::x86_64::*;
 
+    /// The `permutexvar` index tables of the scale lookups, one i16 lane per entry, built at
+    /// compile time: lane `l` of group `j` holds `base + j * per_group + (l % wrap) / div`.
+    const fn lane_table<const G: usize>(
+        base: usize,
+        per_group: usize,
+        wrap: usize,
+        div: usize,
+    ) -> [[i16; 32]; G] {
+        let mut t = [[0i16; 32]; G];
+        let mut j = 0;
+        while j < G {
+            let mut l = 0;
+            while l < 32 {
+                t[j][l] = (base + j * per_group + (l % wrap) / div) as i16;
+                l += 1;
+            }
+            j += 1;
+        }
+        t
+    }
+
+    /// Q4_K: chunk j's 32 lanes take scale 2 j (lower half) and 2 j + 1 (upper).
+    static Q4_K_SCALE_LANES: [[i16; 32]; 4] = lane_table(0, 2, 32, 16);
+    /// Q4_K: block sum s (i16 lane s, repeated in the upper half) takes min 8 + s / 2 (the 8
+    /// mins follow the 8 scales; two 16-element sums per 32-element sub-block).
+    static Q4_K_MIN_LANES: [[i16; 32]; 1] = lane_table(8, 0, 16, 2);
+    /// Q6_K: group g of 64 values (32 i16 lanes of 2 values) takes scale 4 g + lane / 8.
+    static Q6_K_SCALE_LANES: [[i16; 32]; 4] = lane_table(0, 4, 32, 8);
+
+    /// Safety: the CPU has avx512f.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_lanes(lanes: &[i16; 32]) -> __m512i {
+        // SAFETY: 64 bytes, the whole array
+        _mm512_loadu_si512(lanes.as_ptr() as *const _)
+    }
+
     /// Q4_K row x `N` Q8_K activations (the layout of `dot_q4_k_portable`). Each 32 nibble
     /// bytes j, unpacked once into 64 values (low nibbles: sub-block 2j, high: 2j + 1), meet the
     /// 64 activation bytes they multiply in one `maddubs` (u8 0..15 x i8, pair sums within i16)
@@ -1126,17 +1162,9 @@ mod avx512 {
         let mask = _mm512_set1_epi8(0x0F);
         // lower 256 bits: the low nibbles, upper: the high nibbles
         let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-        // i16 lanes of the 16 unpacked scales (0..8) and mins (8..16) that each product needs:
-        // chunk j's 32 lanes take scale 2 j (lower half) and 2 j + 1 (upper); the 16 block
-        // sums take min 8 + s / 2
-        let index: [__m512i; 4] = std::array::from_fn(|j| {
-            let lanes: [i16; 32] = std::array::from_fn(|l| (2 * j + l / 16) as i16);
-            _mm512_loadu_si512(lanes.as_ptr() as *const _)
-        });
-        let min_index = {
-            let lanes: [i16; 32] = std::array::from_fn(|l| (8 + (l % 16) / 2) as i16);
-            _mm512_loadu_si512(lanes.as_ptr() as *const _)
-        };
+        // i16 lanes of the 16 unpacked scales (0..8) and mins (8..16) that each product needs
+        let index: [__m512i; 4] = std::array::from_fn(|j| load_lanes(&Q4_K_SCALE_LANES[j]));
+        let min_index = load_lanes(&Q4_K_MIN_LANES[0]);
         let mut acc = [_mm512_setzero_ps(); N];
         let mut mins = [_mm256_setzero_ps(); N];
         for b in 0..nb {
@@ -1200,11 +1228,7 @@ mod avx512 {
             )
         };
         let (left, right) = (halves(4, 2), halves(0, 2));
-        // the scale index of each i16 lane (2 values) of group g of 64 values: 4 g + lane / 8
-        let index: [__m512i; 4] = std::array::from_fn(|g| {
-            let lanes: [i16; 32] = std::array::from_fn(|l| (4 * g + l / 8) as i16);
-            _mm512_loadu_si512(lanes.as_ptr() as *const _)
-        });
+        let index: [__m512i; 4] = std::array::from_fn(|g| load_lanes(&Q6_K_SCALE_LANES[g]));
         let mut acc = [_mm512_setzero_ps(); N];
         for b in 0..nb {
             let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
