@@ -41,7 +41,7 @@ fn quadratic(m: &[f64], v: &[f64]) -> f64 {
 }
 
 /// SPEC.md section 11.1.1's attention loss of `side_strategy` on one head's
-/// segment rows `[n][d]`: keys `sum e^T M e / sum x^T M x`, values `||sum w
+/// segment rows `[n][d]`: keys `sum w e^T M e / (D sum w)`, values `||sum w
 /// e||^2 / O^2` (0 on a zero denominator). The statistics must cover the
 /// segment (`ShapeMismatch` otherwise).
 pub fn attention_loss(
@@ -82,23 +82,16 @@ pub fn attention_loss(
     Ok(match side {
         Side::Key => {
             let m = ctx.stats.moment(ctx.head);
-            let terms: Vec<(f64, f64)> = errors
-                .par_chunks(d)
-                .zip(rows.par_chunks(d))
-                .map(|(e, x)| {
-                    let x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-                    (quadratic(m, e), quadratic(m, &x))
-                })
-                .collect();
+            let terms: Vec<f64> = errors.par_chunks(d).map(|e| quadratic(m, e)).collect();
             let (mut num, mut den) = (0f64, 0f64);
-            for (a, b) in terms {
-                num += a;
-                den += b;
+            for (q, &wt) in terms.iter().zip(&w) {
+                num += wt * q;
+                den += wt;
             }
             if den == 0.0 {
                 0.0
             } else {
-                num / den
+                num / (d as f64 * den)
             }
         }
         Side::Value => {

@@ -71,22 +71,24 @@ pub fn segment_weights(ctx: &LossContext<'_>) -> Result<(Vec<f64>, Vec<f64>)> {
         })
 }
 
-/// SPEC.md section 11.1.1, keys: `L_K = sum_t e_t^T M e_t / sum_t k_t^T M
-/// k_t`, the query-weighted relative key error: `E_q[(q.e)^2] / E_q[(q.k)^2]`
-/// summed over the segment's rows `[n, D]`, with `M` the KV head's query
-/// second moment. 0 when the denominator is 0.
-pub fn key_loss(rows: ArrayView2<f32>, errors: &[Vec<f64>], moment: &[f64]) -> f64 {
+/// SPEC.md section 11.1.1, keys: `L_K = sum_t w_t (e_t^T M e_t) / (D sum_t
+/// w_t)`, the squared logit error in softmax units: `E_q[(q.e_t)^2] / D` is
+/// the mean squared error of the logit `q.k_t / sqrt(D)`, weighted by how much
+/// attention token t gets (`w_t`, the mean prompt attention weight) over the
+/// segment's errors `[n][D]`, with `M` the KV head's query second moment.
+/// Sums over rows in order; 0 when `sum_t w_t` is 0.
+pub fn key_loss(errors: &[Vec<f64>], moment: &[f64], weights: &[f64]) -> f64 {
+    let d = errors.first().map_or(0, |e| e.len());
     let mut num = 0f64;
     let mut den = 0f64;
-    for (x, e) in rows.rows().into_iter().zip(errors) {
-        let x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-        num += quadratic(moment, e);
-        den += quadratic(moment, &x);
+    for (e, &w) in errors.iter().zip(weights) {
+        num += w * quadratic(moment, e);
+        den += w;
     }
     if den == 0.0 {
         0.0
     } else {
-        num / den
+        num / (d as f64 * den)
     }
 }
 
@@ -138,10 +140,10 @@ mod tests {
     fn key_and_value_losses_follow_their_definitions() {
         let e = vec![vec![1.0, 0.0], vec![0.0, 2.0]];
         let m = [4.0, 0.0, 0.0, 1.0];
-        let rows = Array2::from_shape_vec((2, 2), vec![2.0f32, 0.0, 0.0, 4.0]).unwrap();
-        // (4 + 4) / (16 + 16)
-        assert_eq!(key_loss(rows.view(), &e, &m), 0.25);
-        assert_eq!(key_loss(rows.view(), &e, &[0.0; 4]), 0.0);
+        // (1 * 4 + 3 * 4) / (2 * (1 + 3))
+        assert_eq!(key_loss(&e, &m, &[1.0, 3.0]), 2.0);
+        assert_eq!(key_loss(&e, &[0.0; 4], &[1.0, 3.0]), 0.0);
+        assert_eq!(key_loss(&e, &m, &[0.0, 0.0]), 0.0);
         // ||(1 * 1, 3 * 2)||^2 / 37 = 1
         assert_eq!(value_loss(&e, &[1.0, 3.0], 37.0), 1.0);
         assert_eq!(value_loss(&e, &[1.0, 3.0], 0.0), 0.0);
@@ -199,7 +201,7 @@ mod tests {
             energy.layout
         );
         let e = errors(rows.view(), &attention).unwrap();
-        assert!(key_loss(rows.view(), &e, &stats.key_moment) <= 1e-3);
+        assert!(key_loss(&e, &stats.key_moment, &stats.key_weight) <= 1e-3);
         // fit_loss stays the energy loss (section 10.3 compares energy losses).
         assert_eq!(
             attention.fit_loss,

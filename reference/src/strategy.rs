@@ -133,8 +133,8 @@ fn energy_losses(
 }
 
 /// SPEC.md section 11.1.1 (attention loss) of one candidate on one head's
-/// segment rows: the key loss with the head's query moment, or the value
-/// loss with the mean attention weights `w` and `O^2`. The statistics must cover
+/// segment rows: the key loss with the head's query moment and the mean
+/// attention weights `w`, or the value loss with `w` and `O^2`. The statistics must cover
 /// the segment (`ShapeMismatch` otherwise).
 pub fn attention_loss(
     rows: ArrayView2<f32>,
@@ -145,7 +145,7 @@ pub fn attention_loss(
     let (w, _) = loss::segment_weights(&ctx)?;
     let e = loss::errors(rows, side_strategy)?;
     Ok(match side {
-        Side::Key => loss::key_loss(rows, &e, ctx.stats.moment(ctx.head)),
+        Side::Key => loss::key_loss(&e, ctx.stats.moment(ctx.head), &w),
         Side::Value => loss::value_loss(&e, &w, ctx.stats.output_sq[ctx.head]),
     })
 }

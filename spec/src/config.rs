@@ -86,8 +86,10 @@ pub enum LossPolicy {
     /// Relative dropped energy, compared with the channel policy's `key_loss` / `value_loss`.
     #[default]
     Energy,
-    /// The attention loss of SPEC.md section 11.1 (query-weighted key error, attention-weighted
-    /// value error, of the reconstruction as stored), compared with these thresholds. A cache
+    /// The attention loss of SPEC.md section 11.1.1 (keys: the attention-weighted squared logit
+    /// error in softmax units, an absolute quantity; values: the attention-weighted output
+    /// error relative to the output, of the reconstruction as stored), compared with these
+    /// thresholds (finite, >= 0; the key threshold may exceed 1). A cache
     /// given no query statistics falls back to the energy loss (and says so).
     Attention { key_loss: f64, value_loss: f64 },
 }
