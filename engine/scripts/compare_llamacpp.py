@@ -26,7 +26,18 @@ fraction it saw. llama.cpp's OpenMP threads spin at barriers by default, which c
 speed when other processes compete for the 2 cores (measured here at load ~5: decode 5 tok/s
 with the default policy, 18-23 tok/s with passive); the script therefore runs it with
 OMP_WAIT_POLICY=passive unless --omp-wait-policy says otherwise or the variable is already set.
-Prints a Markdown table; --json writes every record.
+Prints a Markdown table; --json writes every record (llama.cpp's records carry its
+`llama_print_system_info()`: the CPU features its build uses).
+
+AMX: on an Intel Xeon with AMX, a llama-cpp-python built natively (the pip default) uses
+ggml's AMX matmul, which crashed with SIGSEGV in `ggml_backend_amx_mul_mat` on the project's
+2-vCPU Xeon VM (2026-12-03, llama-cpp-python 0.3.36). Build it without AMX, keeping every
+AVX-512 path and the weight repacking:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF" python3 -m pip install --no-cache-dir llama-cpp-python==0.3.36
 """
 import argparse
 import json
@@ -127,7 +138,7 @@ def kv_elems_per_token(llm):
 
 def llama_cpp(llm, args, n, toks, kv="f16"):
     import numpy as np
-    from llama_cpp import __version__
+    from llama_cpp import __version__, llama_print_system_info
 
     n_vocab = llm.n_vocab()
     llm.reset()
@@ -147,6 +158,7 @@ def llama_cpp(llm, args, n, toks, kv="f16"):
         "kv": kv,
         "kv_bytes": n * kv_elems_per_token(llm) * KV_TYPES[kv][1],
         "version": __version__,
+        "system_info": llama_print_system_info().decode(errors="replace").strip(),
         "length": n,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
