@@ -86,9 +86,13 @@ fn every_candidate_loss_is_bit_identical() {
                 len: 296,
             };
             let cands = rules::candidates(&cfg, d);
-            let opt =
-                mosaickv_optimized::loss::attention_losses(&flat, &rotation, &cands, side, ctx)
-                    .unwrap();
+            // the rows' rotated coordinates, as the strategy search computes them once
+            let mut xr = vec![0f64; flat.len()];
+            mosaickv_optimized::encode::rotate_rows_f64(&rotation, d, &flat, d, &mut xr);
+            let opt = mosaickv_optimized::loss::attention_losses(
+                &flat, &xr, &rotation, &cands, side, ctx,
+            )
+            .unwrap();
             let mut distinct = std::collections::BTreeSet::new();
             for (layout, o) in cands.iter().zip(&opt) {
                 let st = SideStrategy {
@@ -98,6 +102,14 @@ fn every_candidate_loss_is_bit_identical() {
                 };
                 let r = mosaickv_reference::strategy::attention_loss(rows.view(), &st, side, ctx)
                     .unwrap();
+                // the one-candidate form (its own encode) agrees with the batched one
+                let single =
+                    mosaickv_optimized::loss::attention_loss(&flat, &st, side, ctx).unwrap();
+                assert_eq!(
+                    single.to_bits(),
+                    o.to_bits(),
+                    "head {h} {side:?} {layout:?}"
+                );
                 assert_eq!(r.to_bits(), o.to_bits(), "head {h} {side:?} {layout:?}");
                 assert!(r.is_finite() && r >= 0.0);
                 distinct.insert(r.to_bits());

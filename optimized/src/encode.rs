@@ -963,7 +963,7 @@ pub fn fit_side_rotated_with(
     let losses = candidate_losses(rows, &xr, d, &cands);
     let k = match (mosaickv_spec::query::attention_config(config, ctx), ctx) {
         (Some(att), Some(ctx)) => {
-            let attn = crate::loss::attention_losses(rows, &rotation, &cands, side, ctx)?;
+            let attn = crate::loss::attention_losses(rows, &xr, &rotation, &cands, side, ctx)?;
             rules::choose_candidate(&cands, &attn, side, &att)
         }
         _ => rules::choose_candidate(&cands, &losses, side, config),
