@@ -55,28 +55,29 @@ fn quadratic_body(m_t: &[f64], v: &[f64], t: &mut [f64]) -> f64 {
     q
 }
 
+/// What every task of one loss shares: the head dimension, the rotation's first `Dt` columns
+/// transposed (`[Dt][d]`, f64) and, for keys, the query moment transposed (`[d][d]`).
+#[derive(Clone, Copy)]
+struct Shared<'a> {
+    d: usize,
+    rot_t: &'a [f64],
+    m_t: Option<&'a [f64]>,
+}
+
 /// One task's rows: the errors `[rows][d]` of `x` (`[rows][d]`) against their decoded `k`
-/// (`[rows][dt]`), and with `m_t` (keys) each row's `e^T M e` into `terms`.
+/// (`[rows][dt]`), and for keys each row's `e^T M e` into `terms`.
 #[inline(always)]
-fn task_body(
-    x: &[f32],
-    k: &[f32],
-    rot_t: &[f64],
-    m_t: Option<&[f64]>,
-    out: &mut [f64],
-    terms: &mut [f64],
-) {
-    let d = out.len() / terms.len().max(1);
-    let dt = rot_t.len() / d.max(1);
-    let mut t = vec![0f64; d];
+fn task_body(c: Shared<'_>, x: &[f32], k: &[f32], out: &mut [f64], terms: &mut [f64]) {
+    let dt = c.rot_t.len() / c.d;
+    let mut t = vec![0f64; c.d];
     for (((e, x), k), q) in out
-        .chunks_exact_mut(d)
-        .zip(x.chunks_exact(d))
+        .chunks_exact_mut(c.d)
+        .zip(x.chunks_exact(c.d))
         .zip(k.chunks_exact(dt))
         .zip(terms.iter_mut())
     {
-        row_error_body(x, k, rot_t, e);
-        if let Some(m_t) = m_t {
+        row_error_body(x, k, c.rot_t, e);
+        if let Some(m_t) = c.m_t {
             *q = quadratic_body(m_t, e, &mut t);
         }
     }
@@ -84,69 +85,43 @@ fn task_body(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn task_avx512(
-    x: &[f32],
-    k: &[f32],
-    rot_t: &[f64],
-    m_t: Option<&[f64]>,
-    out: &mut [f64],
-    terms: &mut [f64],
-) {
-    task_body(x, k, rot_t, m_t, out, terms)
+unsafe fn task_avx512(c: Shared<'_>, x: &[f32], k: &[f32], out: &mut [f64], terms: &mut [f64]) {
+    task_body(c, x, k, out, terms)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn task_avx2(
-    x: &[f32],
-    k: &[f32],
-    rot_t: &[f64],
-    m_t: Option<&[f64]>,
-    out: &mut [f64],
-    terms: &mut [f64],
-) {
-    task_body(x, k, rot_t, m_t, out, terms)
+unsafe fn task_avx2(c: Shared<'_>, x: &[f32], k: &[f32], out: &mut [f64], terms: &mut [f64]) {
+    task_body(c, x, k, out, terms)
 }
 
 /// [`task_body`] compiled for the detected path (the same operations and order on every path:
 /// separate multiplies and adds, no FMA, so the bits do not depend on it).
 fn task(
     path: crate::simd::Path,
+    c: Shared<'_>,
     x: &[f32],
     k: &[f32],
-    rot_t: &[f64],
-    m_t: Option<&[f64]>,
     out: &mut [f64],
     terms: &mut [f64],
 ) {
     #[cfg(target_arch = "x86_64")]
     match path {
         // SAFETY: the path's features were detected; all indexing is bounds-checked.
-        crate::simd::Path::Avx512 => return unsafe { task_avx512(x, k, rot_t, m_t, out, terms) },
-        crate::simd::Path::Avx2 => return unsafe { task_avx2(x, k, rot_t, m_t, out, terms) },
+        crate::simd::Path::Avx512 => return unsafe { task_avx512(c, x, k, out, terms) },
+        crate::simd::Path::Avx2 => return unsafe { task_avx2(c, x, k, out, terms) },
         crate::simd::Path::Portable => {}
     }
     let _ = path;
-    task_body(x, k, rot_t, m_t, out, terms)
+    task_body(c, x, k, out, terms)
 }
 
-/// `[rows][cols]` row-major f32 as `[cols][rows]` f64.
-fn transposed_f64(m: &[f32], rows: usize, cols: usize) -> Vec<f64> {
+/// `[rows][cols]` row-major (f32 or f64) as `[cols][rows]` f64.
+fn transposed<T: Copy + Into<f64>>(m: &[T], rows: usize, cols: usize) -> Vec<f64> {
     let mut t = vec![0f64; rows * cols];
     for i in 0..rows {
         for j in 0..cols {
-            t[j * rows + i] = f64::from(m[i * cols + j]);
-        }
-    }
-    t
-}
-
-/// `M` transposed (`[d][d]`), for the key side's [`quadratic_body`].
-fn moment_transposed(m: &[f64], d: usize) -> Vec<f64> {
-    let mut t = vec![0f64; d * d];
-    for a in 0..d {
-        for b in 0..d {
-            t[b * d + a] = m[a * d + b];
+            t[j * rows + i] = m[i * cols + j].into();
         }
     }
     t
@@ -189,7 +164,7 @@ fn loss_of_packed(
         .zip(terms.par_chunks_mut(ROWS_PER_TASK))
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .zip(dense.par_chunks(dt * ROWS_PER_TASK))
-        .for_each(|(((out, q), x), k)| task(path, x, k, rot_t, m_t, out, q));
+        .for_each(|(((out, q), x), k)| task(path, Shared { d, rot_t, m_t }, x, k, out, q));
     match m_t {
         Some(_) => {
             let (mut num, mut den) = (0f64, 0f64);
@@ -237,8 +212,8 @@ pub fn attention_loss(
     let (d, dt) = (layout.head_dim, layout.kept_dims);
     let w = row_weights(&ctx, rows.len() / d)?;
     let packed = encode::encode_rows(rows, side_strategy)?;
-    let rot_t = transposed_f64(&side_strategy.rotation, d, dt);
-    let m_t = (side == Side::Key).then(|| moment_transposed(ctx.stats.moment(ctx.head), d));
+    let rot_t = transposed(&side_strategy.rotation, d, dt);
+    let m_t = (side == Side::Key).then(|| transposed(ctx.stats.moment(ctx.head), d, d));
     let o2 = ctx.stats.output_sq[ctx.head];
     Ok(loss_of_packed(
         rows,
@@ -271,8 +246,8 @@ pub fn attention_losses(
     let n = rows.len() / d;
     let w = row_weights(&ctx, n)?;
     // column j of the rotation at rows j*d..(j+1)*d: a candidate's Dt columns are a prefix
-    let rot_t = transposed_f64(rotation, d, d);
-    let m_t = (side == Side::Key).then(|| moment_transposed(ctx.stats.moment(ctx.head), d));
+    let rot_t = transposed(rotation, d, d);
+    let m_t = (side == Side::Key).then(|| transposed(ctx.stats.moment(ctx.head), d, d));
     let o2 = ctx.stats.output_sq[ctx.head];
     candidates
         .par_iter()
