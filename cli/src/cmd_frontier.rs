@@ -25,6 +25,10 @@ pub struct Args {
         default_value = "0.0025/0.01,0.005/0.02,0.01/0.03,0.02/0.05"
     )]
     pub thresholds: Vec<String>,
+    /// More methods on the same prompts (comma-separated `Method` names, e.g.
+    /// `mosaic:aloss=0.1/0.001` for the attention loss of SPEC.md section 11.1.1).
+    #[arg(long, value_delimiter = ',')]
+    pub extra: Vec<String>,
     /// Tasks of the accuracy part.
     #[arg(
         long,
@@ -53,7 +57,8 @@ pub struct Args {
     /// Write the points as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// A local GGUF file instead of the cached (or fetched) SmolLM2-135M-Instruct.
+    /// The model: a known name (`smollm2-135m`, `qwen2.5-1.5b`, fetched on first use) or a
+    /// local GGUF file [default: SmolLM2-135M-Instruct].
     #[arg(long)]
     pub model: Option<PathBuf>,
 }
@@ -107,6 +112,17 @@ pub fn run(a: Args) -> Result<(), CliError> {
             "mosaic (loss threshold)",
             None,
         ));
+    }
+    for e in &a.extra {
+        let m = Method::parse(e)?;
+        let family = if e.contains("aloss") {
+            "mosaic (attention loss)"
+        } else {
+            "other"
+        };
+        if !methods.iter().any(|x| x.0 == m) {
+            methods.push((m, family, None));
+        }
     }
     if !methods
         .iter()
