@@ -115,10 +115,9 @@ pub fn run(a: Args) -> Result<(), CliError> {
     }
     for e in &a.extra {
         let m = Method::parse(e)?;
-        let family = if e.contains("aloss") {
-            "mosaic (attention loss)"
-        } else {
-            "other"
+        let family = match &m {
+            Method::Mosaic { config, .. } if !config.loss.is_energy() => "mosaic (attention loss)",
+            _ => "other",
         };
         if !methods.iter().any(|x| x.0 == m) {
             methods.push((m, family, None));
