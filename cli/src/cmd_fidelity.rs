@@ -79,6 +79,10 @@ pub struct ForcedRecord {
     pub kl: f64,
     pub top1: f64,
     pub kv_bytes_per_token: f64,
+    /// All layers' itemized memory (SPEC.md section 13) at the end of the run, for methods
+    /// whose caches itemize it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<mosaickv_spec::MemoryReport>,
     pub positions: usize,
     pub tokens: usize,
 }
@@ -192,21 +196,26 @@ pub fn teacher_forced(
     } else {
         model.prefill(&tokens[..split])?
     };
-    let run = |m: &Method| -> Result<(Vec<Vec<f32>>, f64), CliError> {
+    type Run = (Vec<Vec<f32>>, f64, Option<mosaickv_spec::MemoryReport>);
+    let run = |m: &Method| -> Result<Run, CliError> {
         let mut caches = m.new_caches(model.config())?;
         pre.fill(&mut caches)?;
         let mut logits = Vec::with_capacity(positions);
         for (i, &t) in tokens[split..].iter().enumerate() {
             logits.push(model.decode_step(t, split + i, &mut caches)?);
         }
-        Ok((logits, llm::bytes_per_token(&caches)))
+        Ok((
+            logits,
+            llm::bytes_per_token(&caches),
+            llm::memory_report(&caches),
+        ))
     };
     // the logits of the last feed predict a token past the text; all `positions` feeds count
-    let (full, _) = run(&Method::Full)?;
+    let (full, _, _) = run(&Method::Full)?;
     let mut out = Vec::new();
     for m in methods {
         progress(m);
-        let (lg, bytes) = run(m)?;
+        let (lg, bytes, memory) = run(m)?;
         let (mut kl, mut top) = (0.0, 0usize);
         for (a, b) in full.iter().zip(&lg) {
             let (k, t) = kl_and_top1(a, b);
@@ -218,6 +227,7 @@ pub fn teacher_forced(
             kl: kl / positions as f64,
             top1: top as f64 / positions as f64,
             kv_bytes_per_token: bytes,
+            memory,
             positions,
             tokens: tokens.len(),
         });
@@ -309,6 +319,32 @@ pub fn run(a: Args) -> Result<(), CliError> {
             "| {} | {:.4} | {:.3} | {:.1} |",
             r.method, r.kl, r.top1, r.kv_bytes_per_token
         );
+    }
+    let itemized: Vec<_> = forced
+        .iter()
+        .filter_map(|r| r.memory.map(|m| (r, m)))
+        .collect();
+    if !itemized.is_empty() {
+        println!("\nKV bytes per token, by kind (SPEC.md section 13; all layers, device bytes)\n");
+        println!("| method | values | scales | bitmaps | padding | block meta | rotations | dense rows | headers | total | host rows (apart) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (r, m) in itemized {
+            let t = m.tokens.max(1) as f64;
+            let per = |b: usize| format!("{:.1}", b as f64 / t);
+            println!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.method,
+                per(m.values),
+                per(m.scales),
+                per(m.bitmaps),
+                per(m.padding),
+                per(m.block_meta),
+                per(m.rotations),
+                per(m.dense),
+                per(m.segment_headers),
+                per(m.device_bytes()),
+                per(m.host_rows)
+            );
+        }
     }
     if let Some(p) = &a.json {
         let rep = Report {

@@ -83,6 +83,25 @@ pub fn bytes_per_token(caches: &[Box<dyn LayerKv>]) -> f64 {
     }
 }
 
+/// The itemized memory of all layers together (SPEC.md section 13), where every layer has one.
+pub fn memory_report(caches: &[Box<dyn LayerKv>]) -> Option<mosaickv_spec::MemoryReport> {
+    let mut sum = mosaickv_spec::MemoryReport::default();
+    for c in caches {
+        let m = c.memory_report()?;
+        sum.tokens += m.tokens;
+        sum.values += m.values;
+        sum.bitmaps += m.bitmaps;
+        sum.scales += m.scales;
+        sum.padding += m.padding;
+        sum.block_meta += m.block_meta;
+        sum.rotations += m.rotations;
+        sum.dense += m.dense;
+        sum.segment_headers += m.segment_headers;
+        sum.host_rows += m.host_rows;
+    }
+    Some(sum)
+}
+
 pub use mosaickv_engine::suite::{answer_budget, task_sample};
 
 /// Seconds as a short string.

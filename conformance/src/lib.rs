@@ -163,7 +163,7 @@ pub fn check_fit_side(
             rows.axis_iter(Axis(0))
                 .map(|x| {
                     (0..d)
-                        .map(|i| x[i] as f64 * want.rotation[i * dt + j] as f64)
+                        .map(|i| x[i] as f64 * want.rotation[i * dt + j].to_f64())
                         .sum::<f64>()
                         .powi(2)
                 })
@@ -187,13 +187,18 @@ pub fn check_fit_side(
         if gap_lo.min(gap_hi) < 1e-3 * top {
             continue;
         }
-        let diff = (0..d)
-            .map(|i| (want.rotation[i * dt + j] as f64 - got.rotation[i * dt + j] as f64).abs())
-            .fold(0.0, f64::max);
-        if diff > ROTATION_ABS {
-            return Err(format!(
-                "rotation column {j} differs by {diff:e} > {ROTATION_ABS:e}"
-            ));
+        for i in 0..d {
+            let (w, g) = (
+                want.rotation[i * dt + j].to_f64(),
+                got.rotation[i * dt + j].to_f64(),
+            );
+            let tol = ROTATION_ABS + crate::tolerances::f16_ulp(w.abs().max(g.abs()));
+            if (w - g).abs() > tol {
+                return Err(format!(
+                    "rotation entry ({i}, {j}) differs by {:e} > {tol:e}",
+                    (w - g).abs()
+                ));
+            }
         }
     }
     if (want.fit_loss - got.fit_loss).abs() > FIT_LOSS_ABS {
@@ -565,7 +570,7 @@ pub fn check_large_finite(
     let dt = side.layout.kept_dims;
     let along = |c: f32, col: usize| -> Vec<f32> {
         (0..head_dim)
-            .map(|i| c * side.rotation[i * dt + col])
+            .map(|i| c * side.rotation[i * dt + col].to_f32())
             .collect()
     };
     let mut rows = structured_rows(700, head_dim, seed);
@@ -631,9 +636,9 @@ pub fn check_quantized_rounding_rules(cand: &dyn Backend) -> Check {
                 group_size: g,
                 dtype,
             };
-            let mut rotation = vec![0f32; d * dt];
+            let mut rotation = vec![half::f16::ZERO; d * dt];
             for j in 0..dt {
-                rotation[j * dt + j] = 1.0;
+                rotation[j * dt + j] = half::f16::ONE;
             }
             let side = SideStrategy {
                 layout,

@@ -118,15 +118,28 @@ pub const ATTEND_REL_L2_PEAKED: f64 = 6e-5;
 /// - an eigenvector whose gap is >= 1e-3 lambda_max moves by
 ///   `sin(theta) <= ||dC + E|| / gap <= (1027 * 256 + 10 * 256) u64 / 1e-3
 ///   = 3.0e-8`;
-/// - rounding to f32 adds at most one f32 ulp of an entry below 1 (2^-24 =
-///   6.0e-8) to the difference of the two f64 values.
+/// - rounding to f16 (SPEC 3 step 4): two f64 values 3e-8 apart can straddle a
+///   rounding boundary and round one f16 ulp apart. That part is per entry,
+///   [`f16_ulp`] of the larger magnitude (2^-11 = 4.9e-4 for an entry in [0.5, 1),
+///   7.6e-6 for one near 0.01), added to this constant by the check.
 ///
-/// Total 9.0e-8: 1e-7. An f32 covariance (error ~ sqrt(n) u tr(C), ~1e-3
-/// after the 1e-3 gap) is far above it. The CPU backends compute C with the
+/// Total 3.0e-8 plus one f16 ulp of the entry: 1e-7 plus that ulp. An f32
+/// covariance (error ~ sqrt(n) u tr(C), ~1e-3 after the 1e-3 gap) moves
+/// entries by more than an ulp. The CPU backends compute C with the
 /// same products in the same row order and the same solver as the reference,
 /// so their rotations are equal bit for bit (asserted in
 /// `benches/tests/agree_with_reference.rs`).
 pub const ROTATION_ABS: f64 = 1e-7;
+
+/// One f16 ulp at magnitude `x` (`|x| < 65504`): `2^(e - 10)` for `2^e <= |x| < 2^(e+1)`,
+/// `2^-24` for subnormals and 0.
+pub fn f16_ulp(x: f64) -> f64 {
+    let a = x.abs();
+    if a < 2f64.powi(-14) {
+        return 2f64.powi(-24);
+    }
+    2f64.powi(a.log2().floor() as i32 - 10)
+}
 
 /// Fit loss (SPEC 11.1), absolute. Given equal rotation bits (as above), the
 /// losses differ only by the order of f64 sums: the rotated coordinates

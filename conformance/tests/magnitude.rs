@@ -99,7 +99,7 @@ fn prompt_rows_beyond_f16_are_refused_alike() {
             nonfinite(ROW_KEYS, flat(90, 0, 0)),
         ),
         (
-            "segment value row norm past 65504, keys fine",
+            "segment value row norm past 65472, keys fine",
             |_, v| v.slice_mut(s![120, 1, ..]).fill(-11600.0),
             nonfinite(ROW_VALUES, flat(120, 1, 0)),
         ),
@@ -129,13 +129,13 @@ fn prompt_rows_beyond_f16_are_refused_alike() {
             assert_eq!(c.len(), 200);
         }
     }
-    // The limit itself: a row of norm exactly 65504 (one element 65504) is stored.
+    // The limit itself: a row of norm exactly 65472 (one element 65472) is stored.
     let (mut kb, vb) = (k.clone(), v.clone());
     kb.slice_mut(s![100, 0, ..]).fill(0.0);
-    kb[[100, 0, 7]] = 65504.0;
+    kb[[100, 0, 7]] = 65472.0;
     for (cache_name, mut c) in caches() {
         c.prefill(kb.view(), vb.view())
-            .unwrap_or_else(|e| panic!("{cache_name}: norm 65504 refused: {e}"));
+            .unwrap_or_else(|e| panic!("{cache_name}: norm 65472 refused: {e}"));
         let out = attend(c.as_mut(), 1).unwrap();
         assert!(out.iter().all(|x| x.is_finite()), "{cache_name}");
     }

@@ -83,7 +83,7 @@ fn kappa_r(v: ArrayView2<f32>, cfg: &CompressConfig) -> f64 {
     let (n, d) = v.dim();
     let st = ReferenceBackend.fit_side(v, Side::Value, cfg).unwrap();
     let dt = st.layout.kept_dims;
-    let r = |i: usize, j: usize| st.rotation[i * dt + j] as f64;
+    let r = |i: usize, j: usize| st.rotation[i * dt + j].to_f64();
     let mean: Vec<f64> = (0..d)
         .map(|i| (0..n).map(|t| v[[t, i]] as f64).sum::<f64>() / n as f64)
         .collect();

@@ -31,6 +31,11 @@ pub trait LayerKv: Send {
     fn set_query_stats(&mut self, _stats: mosaickv_spec::QueryStats) -> Result<(), String> {
         Ok(())
     }
+    /// The itemized memory report (SPEC.md section 13) where the cache has one; `None` for
+    /// caches that only know their total.
+    fn memory_report(&self) -> Option<mosaickv_spec::MemoryReport> {
+        None
+    }
 }
 
 /// Dense cache: every key and value stored as f16, attention accumulated in f32.

@@ -52,6 +52,9 @@ impl<C: KvCache> LayerKv for KvAdapter<C> {
     fn host_bytes(&self) -> usize {
         self.0.memory().host_rows
     }
+    fn memory_report(&self) -> Option<mosaickv_spec::MemoryReport> {
+        Some(self.0.memory())
+    }
 }
 
 /// A layer cache that can also say which tokens it attends for given queries (for recall@k,

@@ -24,7 +24,7 @@ extern "C" __global__ void __launch_bounds__(MKV_ATT_THREADS)
 mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot, const SegHead* __restrict__ sh,
                      const BlockRef* __restrict__ blocks, const i64* __restrict__ base, const int* __restrict__ sel,
                      const int3* __restrict__ items, const int* __restrict__ item_count, int max_items,
-                     const u8* __restrict__ packed_k, const u8* __restrict__ packed_v, const float* __restrict__ rot,
+                     const u8* __restrict__ packed_k, const u8* __restrict__ packed_v, const u16* __restrict__ rot,
                      const u16* __restrict__ dense_k, const u16* __restrict__ dense_v,
                      const i64* __restrict__ dense_base, const int* __restrict__ dense_count,
                      int kv_heads, int q_heads, int D, float scale_log2,
@@ -206,14 +206,14 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
 
     // Rotate the value accumulator back once: o[h][i] = sum_{d<Dt_v} R_v[i][d] so[h][d].
     // A warp per output row i, lanes over d (coalesced reads of R_v's row).
-    const float* Rv = rot + s.val_rot_off;
+    const u16* Rv = rot + s.val_rot_off;  // f16 bits (SPEC.md section 3)
     for (int i = warp; i < D; i += nwarps) {
         for (int h0 = 0; h0 < G; h0 += MKV_HCHUNK) {
             float acc[MKV_HCHUNK];
             #pragma unroll
             for (int h = 0; h < MKV_HCHUNK; ++h) acc[h] = 0.0f;
             for (int d = lane; d < s.val_dt; d += 32) {
-                const float rv = __ldg(Rv + (i64)i * s.val_dt + d);  // R_v stored D x Dt_v
+                const float rv = mkv_h2f(__ldg(Rv + (i64)i * s.val_dt + d));  // R_v stored D x Dt_v
                 #pragma unroll
                 for (int h = 0; h < MKV_HCHUNK; ++h)
                     if (h0 + h < G) acc[h] += rv * so[(h0 + h) * D + d];

@@ -40,7 +40,7 @@ __device__ __forceinline__ float mkv_warp_min(float v) {
 // NonFinite; the record's bytes are then meaningless). blockDim.x must be a multiple of
 // 32 and at most 1024; dynamic shared memory: encode_smem_bytes(D, Dt, Dt/g) (kernels/src/lib.rs).
 extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64 row_stride,
-                                      const float* __restrict__ R, int D, int Dt, int r, int g,
+                                      const u16* __restrict__ R, int D, int Dt, int r, int g,
                                       int rb, int dtype, u8* __restrict__ out, int* __restrict__ status) {
     MKV_EXTERN_SMEM(smem);
     float* x = reinterpret_cast<float*>(smem);           // [D]
@@ -58,11 +58,12 @@ extern "C" __global__ void mkv_encode(const float* __restrict__ rows, i64 n, i64
         const float* src = rows + row * row_stride;
         for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] = src[i];
         __syncthreads();
-        // Step 1: y_j = f16(sum_i R[i][j] x_i), f64, ascending i. Each product of two
-        // f32 is exact in f64, so the fused multiply-add rounds like add-after-multiply.
+        // Step 1: y_j = f16(sum_i R[i][j] x_i), f64, ascending i (R's f16 widened). Each
+        // product of an f16 and an f32 is exact in f64, so the fused multiply-add rounds like
+        // add-after-multiply.
         for (int j = threadIdx.x; j < Dt; j += blockDim.x) {
             double acc = 0.0;
-            for (int i = 0; i < D; ++i) acc = fma((double)R[(i64)i * Dt + j], (double)x[i], acc);  // R stored D x Dt
+            for (int i = 0; i < D; ++i) acc = fma((double)mkv_h2f(R[(i64)i * Dt + j]), (double)x[i], acc);  // R stored D x Dt
             u16 h = mkv_d2h(acc);
             if (!mkv_h_is_finite(h)) atomicOr(status, 1);
             y[j] = h;

@@ -15,7 +15,7 @@
 // q: [batch][q_heads][D] f32. qrot: [total_segs][q_heads][D] f32 (first Dt used).
 // grid: (total_segs, q_heads); seg_batch[gseg] = sequence of the segment.
 extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const SegHead* __restrict__ sh,
-                                              const int* __restrict__ seg_batch, const float* __restrict__ rot,
+                                              const int* __restrict__ seg_batch, const u16* __restrict__ rot,
                                               int kv_heads, int q_heads, int D, float* __restrict__ qrot) {
     MKV_EXTERN_SMEM(smem);
     float* qs = reinterpret_cast<float*>(smem);  // [D]
@@ -27,13 +27,13 @@ extern "C" __global__ void mkv_rotate_queries(const float* __restrict__ q, const
     const float* qh = q + ((i64)b * q_heads + h) * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = qh[i];
     __syncthreads();
-    const float* R = rot + s.key_rot_off;
+    const u16* R = rot + s.key_rot_off;  // f16 bits (SPEC.md section 3)
     float* dst = qrot + ((i64)gseg * q_heads + h) * D;
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
         double acc = 0.0;
         if (j < s.key_dt)
             for (int i = 0; i < D; ++i)  // R_k stored D x Dt_k; no FMA (SPEC.md 8.1)
-                acc = __dadd_rn(acc, __dmul_rn((double)R[(i64)i * s.key_dt + j], (double)qs[i]));
+                acc = __dadd_rn(acc, __dmul_rn((double)mkv_h2f(R[(i64)i * s.key_dt + j]), (double)qs[i]));
         dst[j] = __double2float_rn(acc);
     }
 }

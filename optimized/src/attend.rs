@@ -576,6 +576,8 @@ pub fn packed_attention(
             .zip(sc.sel.par_iter_mut().zip(sc.keys.par_iter_mut()))
             .enumerate()
             .for_each(|(h, ((qr, scores), (sel, keys)))| {
+                // the f16 rotations widened to f32 (exact), one segment at a time
+                let mut rot32 = Vec::new();
                 let mut bmin = usize::MAX;
                 let mut total_blocks = 0;
                 for (s, seg) in cache.segments.iter().enumerate() {
@@ -583,7 +585,8 @@ pub fn packed_attention(
                     let hs = &seg.heads[h];
                     let q = &mut qr[s * qstride..(s + 1) * qstride];
                     let qh = &queries[h * g * d..(h + 1) * g * d];
-                    path.rotate_queries(&hs.strategy.key.rotation, d, qh, g, q, gm.dpk);
+                    mosaickv_spec::layout::widen_rotation(&hs.strategy.key.rotation, &mut rot32);
+                    path.rotate_queries(&rot32, d, qh, g, q, gm.dpk);
                     for k in 0..g {
                         q[k * gm.dpk + gm.dtk..(k + 1) * gm.dpk].fill(0.0);
                     }
@@ -884,6 +887,8 @@ pub fn packed_attention(
             .par_chunks_mut(hlen)
             .enumerate()
             .for_each(|(h, buf)| {
+                // a segment's f16 value rotation widened to f32 (exact)
+                let mut rv32 = Vec::new();
                 let (dense, rest) = buf.split_at_mut(partial_len(g, dp));
                 let (qd, rest) = rest.split_at_mut(g * dp);
                 let (acc, mx) = rest.split_at_mut(g * dp);
@@ -972,7 +977,11 @@ pub fn packed_attention(
                         i += 1;
                     }
                     // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j (R_v stored D x Dt_v).
-                    let rv = &cache.segments[s].heads[h].strategy.value.rotation;
+                    mosaickv_spec::layout::widen_rotation(
+                        &cache.segments[s].heads[h].strategy.value.rotation,
+                        &mut rv32,
+                    );
+                    let rv = &rv32;
                     for k in 0..g {
                         let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
                         let o = &mut o_acc[k * dp..k * dp + d];

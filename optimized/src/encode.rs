@@ -119,12 +119,13 @@ fn mirror(c: &mut [f64], d: usize) {
 }
 
 /// SPEC 3 steps 2-4: eigenvectors of C sorted by eigenvalue descending (stable),
-/// sign-normalized, as a row-major f32 `d x d` matrix (columns = eigenvectors).
-pub fn rotation_from_covariance(c: &[f64], d: usize) -> Vec<f32> {
-    let mut r = vec![0f32; d * d];
+/// sign-normalized, as a row-major f16 `d x d` matrix (columns = eigenvectors), each
+/// element rounded once from f64.
+pub fn rotation_from_covariance(c: &[f64], d: usize) -> Vec<f16> {
+    let mut r = vec![f16::ZERO; d * d];
     if c.iter().all(|&x| x == 0.0) {
         for i in 0..d {
-            r[i * d + i] = 1.0;
+            r[i * d + i] = f16::ONE;
         }
         return r;
     }
@@ -148,7 +149,7 @@ pub fn rotation_from_covariance(c: &[f64], d: usize) -> Vec<f32> {
         }
         let s = if col[best] < 0.0 { -1.0 } else { 1.0 };
         for i in 0..d {
-            r[i * d + j] = (s * col[i]) as f32;
+            r[i * d + j] = f16_from_f64(s * col[i]);
         }
     }
     r
@@ -178,8 +179,11 @@ unsafe fn rotate_f64_avx2(rot: &[f32], d: usize, rows: &[f32], dims: usize, out:
     }
 }
 
-/// Rotates every row of `rows` (`[n][d]`) to its first `dims` rotated coordinates in f64.
-pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
+/// Rotates every row of `rows` (`[n][d]`) to its first `dims` rotated coordinates in f64
+/// (the f16 rotation widened once to f32, exactly).
+pub fn rotate_rows_f64(rot: &[f16], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
+    let rot = mosaickv_spec::layout::rotation_f32(rot);
+    let rot = &rot[..];
     #[cfg(target_arch = "x86_64")]
     if crate::simd::Path::detect().runs_avx2() {
         // SAFETY: avx2 detected; all indexing is bounds-checked slice access.

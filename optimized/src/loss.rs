@@ -235,7 +235,7 @@ pub fn attention_loss(
 pub fn attention_losses(
     rows: &[f32],
     xr: &[f64],
-    rotation: &[f32],
+    rotation: &[half::f16],
     candidates: &[RecordLayout],
     side: Side,
     ctx: LossContext<'_>,

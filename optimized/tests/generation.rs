@@ -1,6 +1,6 @@
 //! Long generation (SPEC.md section 10.3): 8,192 generated tokens of drifting,
 //! real-model-like rows after a 1,024-token prompt must not cascade into many
-//! short segments, whose rotations (`2 * D * Dt * 4` bytes per head each)
+//! short segments, whose rotations (`2 * D * Dt * 2` bytes per head each)
 //! would cost more than the dense rows they replace.
 //!
 //! Bound checked, for `LiveCache` (sync, and async drained) and

@@ -176,7 +176,7 @@ pub fn attend_selected(
                 let dtv = acc.len();
                 for i in 0..d {
                     for (jj, a) in acc.iter().enumerate() {
-                        o[i] += f64::from(r[i * dtv + jj]) * a;
+                        o[i] += r[i * dtv + jj].to_f64() * a;
                     }
                 }
             }

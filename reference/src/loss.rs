@@ -14,14 +14,14 @@ use ndarray::ArrayView2;
 /// The row as attention reads it, in the model basis: `x^_i = sum_{j<Dt}
 /// R[i][j] k^_j`, f64, ascending j (`rotation` row-major `D x Dt`, `decoded`
 /// the dense rotated row of section 6, zeros where not kept).
-pub fn reconstruct(decoded: &[f32], rotation: &[f32]) -> Vec<f64> {
+pub fn reconstruct(decoded: &[f32], rotation: &[half::f16]) -> Vec<f64> {
     let dt = decoded.len();
     let d = rotation.len() / dt.max(1);
     (0..d)
         .map(|i| {
             let mut s = 0f64;
             for j in 0..dt {
-                s += f64::from(rotation[i * dt + j]) * f64::from(decoded[j]);
+                s += rotation[i * dt + j].to_f64() * f64::from(decoded[j]);
             }
             s
         })
@@ -128,12 +128,14 @@ mod tests {
         let m = [2.0, 1.0, 1.0, 3.0];
         assert_eq!(quadratic(&m, &[1.0, -1.0]), 2.0 - 1.0 - 1.0 + 3.0);
         // R = [[0, 1], [1, 0]] stored D x Dt with Dt = 2: x^ = (k_1, k_0).
+        let h =
+            |v: &[f32]| -> Vec<half::f16> { v.iter().map(|&x| half::f16::from_f32(x)).collect() };
         assert_eq!(
-            reconstruct(&[3.0, 5.0], &[0.0, 1.0, 1.0, 0.0]),
+            reconstruct(&[3.0, 5.0], &h(&[0.0, 1.0, 1.0, 0.0])),
             vec![5.0, 3.0]
         );
         // Dt = 1 keeps column 0 only: x^ = (0 * k_0, 1 * k_0).
-        assert_eq!(reconstruct(&[3.0], &[0.0, 1.0]), vec![0.0, 3.0]);
+        assert_eq!(reconstruct(&[3.0], &h(&[0.0, 1.0])), vec![0.0, 3.0]);
     }
 
     #[test]

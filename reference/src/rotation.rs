@@ -26,7 +26,7 @@ pub fn scatter_matrix(rows: ArrayView2<f32>) -> Array2<f64> {
 }
 
 /// SPEC.md section 3: the rotation `R` (columns = eigenvectors of
-/// `C = X^T X`, eigenvalues descending) in f64, before rounding to f32.
+/// `C = X^T X`, eigenvalues descending) in f64, before rounding to f16.
 ///
 /// 1. `C` from [`scatter_matrix`];
 /// 2. nalgebra `SymmetricEigen`; eigenpairs ordered by eigenvalue descending
@@ -63,7 +63,11 @@ pub fn fit_rotation_f64(rows: ArrayView2<f32>) -> Array2<f64> {
     r
 }
 
-/// SPEC.md section 3 step 4: `R` stored row-major as f32 (`rotation[i * D + j] = R[i][j]`).
-pub fn fit_rotation(rows: ArrayView2<f32>) -> Vec<f32> {
-    fit_rotation_f64(rows).iter().map(|&v| v as f32).collect()
+/// SPEC.md section 3 step 4: `R` stored row-major as f16, each element rounded once from
+/// f64 to nearest-even (`rotation[i * D + j] = R[i][j]`).
+pub fn fit_rotation(rows: ArrayView2<f32>) -> Vec<half::f16> {
+    fit_rotation_f64(rows)
+        .iter()
+        .map(|&v| crate::round::f16_from_f64(v))
+        .collect()
 }

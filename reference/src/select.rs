@@ -6,7 +6,7 @@ use mosaickv_spec::{BlockMeta, CompressedCache, MosaicError, Result, Selection, 
 use ndarray::{Array2, ArrayView2};
 
 /// SPEC.md section 8.1 for one query: `q'_j = sum_i R_k[i][j] * q_i` for
-/// `j < Dt`, f64, ascending i (R's f32 values widened).
+/// `j < Dt`, f64, ascending i (R's f16 values widened).
 pub fn rotate_query_f64(q: &[f32], key: &SideStrategy) -> Vec<f64> {
     let d = key.head_dim();
     let dt = key.layout.kept_dims;
@@ -14,7 +14,7 @@ pub fn rotate_query_f64(q: &[f32], key: &SideStrategy) -> Vec<f64> {
     for i in 0..d {
         let qi = f64::from(q[i]);
         for j in 0..dt {
-            out[j] += f64::from(key.rotation[i * dt + j]) * qi;
+            out[j] += key.rotation[i * dt + j].to_f64() * qi;
         }
     }
     out

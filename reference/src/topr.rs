@@ -5,10 +5,10 @@ use half::f16;
 use mosaickv_spec::RecordLayout;
 
 /// SPEC.md section 5 step 1 (before f16 rounding), over the rotation's
-/// columns: `x'_j = sum_i R[i][j] * x_i`, f64, ascending i, R's f32 values
+/// columns: `x'_j = sum_i R[i][j] * x_i`, f64, ascending i, R's f16 values
 /// widened. `rotation` is row-major `D x W` (`W = rotation.len() / D`: `Dt`
 /// for a stored strategy, `D` for the full R while fitting).
-pub fn rotate_row_f64(row: &[f32], rotation: &[f32]) -> Vec<f64> {
+pub fn rotate_row_f64(row: &[f32], rotation: &[f16]) -> Vec<f64> {
     let d = row.len();
     let w = rotation.len() / d.max(1);
     let mut out = vec![0.0f64; w];
@@ -16,7 +16,7 @@ pub fn rotate_row_f64(row: &[f32], rotation: &[f32]) -> Vec<f64> {
         let xi = f64::from(row[i]);
         for j in 0..w {
             // For each j the terms are added in ascending i, as SPEC.md says.
-            out[j] += f64::from(rotation[i * w + j]) * xi;
+            out[j] += rotation[i * w + j].to_f64() * xi;
         }
     }
     out

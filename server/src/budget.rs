@@ -16,7 +16,7 @@
 //!   size `g`; `align4(4 * ceil(D / 32) + 2 * r)` bytes each with the bitmap at g = 1, section
 //!   6), plus the key block metadata at the smallest block size (`ceil((2 * D + 4) / b_min)`,
 //!   section 7). Once per sequence: the rows kept dense f16 (`sink_tokens + buffer_capacity`
-//!   rows of `4 * D` bytes for K and V). Per segment, layer and KV head: two f32 rotations
+//!   rows of `4 * D` bytes for K and V). Per segment, layer and KV head: two f16 rotations
 //!   `D x D`, the segment and strategy headers (16 + 2 * 32 B) and one more (partial) metadata
 //!   block. Segments: exactly the prompt's closed segments of SPEC.md section 10.1
 //!   ([`mosaickv_spec::rules::prompt_segments`]), one open segment for the generated tokens

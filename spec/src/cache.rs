@@ -130,7 +130,7 @@ impl CompressedCache {
                     m.scales += rows.count * l.scale_bytes();
                     m.bitmaps += rows.count * l.bitmap_bytes();
                     m.padding += rows.count * l.padding_bytes();
-                    m.rotations += 4 * side.rotation.len();
+                    m.rotations += 2 * side.rotation.len();
                     m.segment_headers += STRATEGY_HEADER_BYTES;
                 }
                 m.block_meta += h.meta.bytes();

@@ -302,8 +302,9 @@ pub struct SideStrategy {
     /// The first `Dt` columns of the orthogonal rotation R, `head_dim x kept_dims`, row-major:
     /// `rotation[i * Dt + j] = R[i][j]` (SPEC.md section 3). Column j is the j-th principal
     /// direction; a row x is stored as `x'_j = (R^T x)_j`, `j < Dt`. The truncated columns
-    /// are never used after the fit, so they are not stored.
-    pub rotation: Vec<f32>,
+    /// are never used after the fit, so they are not stored. Elements are f16 (rounded once
+    /// from the f64 eigenvectors); every stage widens them to f32/f64 exactly.
+    pub rotation: Vec<f16>,
     /// Relative dropped energy (with the quantization error of an int8/int4 layout) of the
     /// rows this strategy was fitted on (SPEC.md sections 10, 11.1).
     pub fit_loss: f64,
@@ -331,8 +332,35 @@ impl SideStrategy {
                 index: i,
             });
         }
+        // A fitted column is a unit vector rounded to f16; a longer one (a crafted file)
+        // could make a later flush overflow f16 (SPEC.md section 14).
+        let dt = self.layout.kept_dims;
+        let max = rotation_column_norm_max(d);
+        let max_sq = max * max;
+        for j in 0..dt {
+            let mut sq = 0f64;
+            for i in 0..d {
+                let r = self.rotation[i * dt + j].to_f64();
+                sq += r * r;
+            }
+            if !(sq <= max_sq) {
+                return Err(MosaicError::InvalidConfig(format!(
+                    "rotation column {j} has norm {:.6}, above {max:.6} \
+                     (a fitted column is a unit vector rounded to f16, SPEC.md section 3)",
+                    sq.sqrt()
+                )));
+            }
+        }
         Ok(())
     }
+}
+
+/// The largest norm a stored rotation column of `head_dim` entries may have (SPEC.md
+/// sections 3, 14): a unit vector rounded to f16 entry by entry (relative error at most
+/// 2^-11 for a normal entry, absolute error at most 2^-25 for a subnormal one) has norm at
+/// most `1 + 2^-11 + sqrt(D) 2^-25`.
+pub fn rotation_column_norm_max(head_dim: usize) -> f64 {
+    1.0 + 2f64.powi(-11) + (head_dim as f64).sqrt() * 2f64.powi(-25)
 }
 
 /// A segment's strategy for one KV head: K side, V side, block size.
@@ -382,10 +410,26 @@ impl PackedRows {
 
 /// The stored rotation (SPEC.md section 3 step 4): the first `dt` columns of the row-major
 /// `d x d` matrix `full`, row-major `d x dt`.
-pub fn trim_rotation(full: &[f32], d: usize, dt: usize) -> Vec<f32> {
+pub fn trim_rotation<T: Copy>(full: &[T], d: usize, dt: usize) -> Vec<T> {
     full.chunks_exact(d)
         .flat_map(|row| row[..dt].iter().copied())
         .collect()
+}
+
+/// A stored rotation's elements widened to f32 (exact), into `out` (cleared first): what the
+/// f32 kernels (query rotation, value back-rotation) read.
+pub fn widen_rotation(rotation: &[f16], out: &mut Vec<f32>) {
+    use half::slice::HalfFloatSliceExt;
+    out.clear();
+    out.resize(rotation.len(), 0.0);
+    rotation.convert_to_f32_slice(out);
+}
+
+/// A stored rotation widened to f32 (exact), as a new vector.
+pub fn rotation_f32(rotation: &[f16]) -> Vec<f32> {
+    let mut v = Vec::new();
+    widen_rotation(rotation, &mut v);
+    v
 }
 
 /// Reads bits `64 w .. 64 w + 64` of a record's bitmap (bits past the stored

@@ -24,6 +24,9 @@ use std::path::Path;
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// The format version this build writes and reads.
+/// Version 6 (SPEC.md sections 3, 15): rotations stored as f16 (2 bytes per element, was f32);
+/// a version-5 file's f32 rotation would be misread as twice as many f16 values, so it is
+/// refused.
 /// Version 5 (SPEC.md section 8.3): the manifest's configuration carries `min_budget_tokens`;
 /// a version-4 file, written before the budget floor existed, is refused rather than read
 /// with a budget it was not written for.
@@ -32,7 +35,7 @@ pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// Version 3: record bitmaps in whole u32 words, records padded to 4 bytes. Version 2 added
 /// int8 block bounds with an f32 scale per block (section 7). Files of versions 1 to 4 are
 /// refused (a version-3 reader would misread a quantized record as f16 values).
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 
 /// File header (SPEC.md section 15.1), 24 bytes at offset 0.
 ///
@@ -225,7 +228,7 @@ fn side_payload(b: &mut Buf, s: &SideStrategy) -> Result<()> {
     b.u32(l.dtype as u32);
     b.u32(0);
     b.f64(s.fit_loss);
-    b.f32s(&s.rotation);
+    b.f16s(&s.rotation);
     Ok(())
 }
 
@@ -543,7 +546,7 @@ fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
     let n = head_dim
         .checked_mul(kept_dims)
         .ok_or_else(|| bad("rotation size overflows"))?;
-    let rotation = c.f32s(n, "rotation")?;
+    let rotation = c.f16s(n, "rotation")?;
     Ok(SideStrategy {
         layout: RecordLayout {
             head_dim,

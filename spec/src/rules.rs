@@ -40,18 +40,23 @@ pub fn f16_storable<'a>(
     }
 }
 
-/// Largest L2 norm of a K/V row a MosaicKV cache accepts: the largest finite
-/// f16, 65504 (SPEC.md section 14).
+/// Largest L2 norm of a K/V row a MosaicKV cache accepts: 65472, the largest
+/// finite f16 (65504) less 32 (SPEC.md section 14).
 ///
 /// Why a norm: a stored rotated value is `x'_j = sum_i R_ij x_i` with `R`'s
-/// columns unit vectors rounded to f32, so `|x'_j| <= (1 + 2^-20) ||x||` (plus
-/// f64 rounding, far below that) `< 65520` whenever `||x|| <= 65504`: no
-/// rotation a fit produces can overflow f16, and no element of the row can
-/// either (so the sink and the buffer store it finitely). Checked once, at
+/// columns unit vectors rounded to f16 (SPEC.md section 3), each entry within
+/// 2^-11 of its value relative (or 2^-25 absolute when subnormal), so a column's
+/// norm is at most `1 + 2^-11 + sqrt(D) 2^-25` (checked on load:
+/// [`crate::layout::rotation_column_norm_max`]) and `|x'_j| <= 65472 (1 + 2^-11 +
+/// sqrt(D) 2^-25)`, 65504.03 at D = 256 (plus f64 rounding, far below that), `< 65520`
+/// whenever `||x|| <= 65472` and `D < 2^26`: no rotation a fit produces can
+/// overflow f16, and no element of the row can either (so the sink and the
+/// buffer store it finitely). With the limit at 65504 a rotated value could reach
+/// 65536 and round to infinity. Checked once, at
 /// `prefill`/`append`, the same on every backend, it makes every later flush
 /// and segment close unable to fail on magnitude, which the background worker
 /// of a production cache relies on.
-pub const ROW_NORM_MAX: f64 = 65504.0;
+pub const ROW_NORM_MAX: f64 = 65472.0;
 
 /// The `what` of [`rows_storable`]'s error at `prefill` (keys, values) and `append`
 /// (key, value), the same on every backend.
@@ -61,12 +66,12 @@ pub const ROW_KEY: &str = "key (row norm beyond f16 range)";
 pub const ROW_VALUE: &str = "value (row norm beyond f16 range)";
 
 /// SPEC.md section 14: every row of `rows` (`[n][d]` row-major, the rows of
-/// `[tokens, kv_heads, head_dim]` in order) has `||x||^2 <= 65504^2`, with
+/// `[tokens, kv_heads, head_dim]` in order) has `||x||^2 <= 65472^2`, with
 /// `||x||^2 = sum_i x_i^2` in f64 over ascending i (each square is exact in
 /// f64). Else `NonFinite` with the flat index of the first such row's first
 /// element. NaN and Inf fail too (the caller checks finiteness first).
 pub fn rows_storable(what: &'static str, rows: &[f32], d: usize) -> Result<()> {
-    let max = ROW_NORM_MAX * ROW_NORM_MAX; // 4290774016, exact in f64
+    let max = ROW_NORM_MAX * ROW_NORM_MAX; // 4286582784, exact in f64
     for (t, row) in rows.chunks(d.max(1)).enumerate() {
         let mut sq = 0f64;
         for &x in row {
@@ -148,11 +153,11 @@ pub fn worst_token_bytes(config: &CompressConfig, head_dim: usize) -> usize {
 }
 
 /// SPEC.md section 13: the most device bytes one KV head of a segment holds apart from its
-/// tokens: two f32 rotations `D x Dt` (at most `D x D`), the two side strategy headers and one
+/// tokens: two f16 rotations `D x Dt` (at most `D x D`), the two side strategy headers and one
 /// partial block of metadata. The segment's own header ([`crate::cache::SEGMENT_HEADER_BYTES`])
 /// is per segment, not per head.
 pub fn worst_segment_head_bytes(head_dim: usize) -> usize {
-    2 * 4 * head_dim * head_dim + 2 * crate::cache::STRATEGY_HEADER_BYTES + 2 * head_dim + 4
+    2 * 2 * head_dim * head_dim + 2 * crate::cache::STRATEGY_HEADER_BYTES + 2 * head_dim + 4
 }
 
 /// SPEC.md section 11.2: the candidate record layouts of a policy for
@@ -291,11 +296,11 @@ mod tests {
 
     #[test]
     fn row_norm_edges() {
-        // 65504 alone is storable; one more ulp of norm is not.
+        // 65472 alone is storable; one more ulp of norm is not.
         let mut row = vec![0f32; 8];
-        row[3] = 65504.0;
+        row[3] = 65472.0;
         assert!(rows_storable("k", &row, 8).is_ok());
-        row[5] = 1.0; // norm sqrt(65504^2 + 1) > 65504
+        row[5] = 1.0; // norm sqrt(65472^2 + 1) > 65472
         assert_eq!(
             rows_storable("k", &row, 8),
             Err(MosaicError::NonFinite {
@@ -303,7 +308,7 @@ mod tests {
                 index: 0
             })
         );
-        // Small elements, large norm: 8 x 23170 has norm 65534 > 65504.
+        // Small elements, large norm: 8 x 23170 has norm 65534 > 65472.
         let rows: Vec<f32> = [vec![1.0f32; 8], vec![23170.0; 8]].concat();
         assert_eq!(
             rows_storable("v", &rows, 8),
@@ -312,7 +317,12 @@ mod tests {
                 index: 8
             })
         );
-        assert!(rows_storable("v", &[23158.0f32; 8], 8).is_ok()); // norm 65500.6
+        assert!(rows_storable("v", &[23147.0f32; 8], 8).is_ok()); // norm 65470.5
+        assert!(rows_storable("v", &[23158.0f32; 8], 8).is_err()); // norm 65500.6
+                                                                   // The largest element alone (65504, a finite f16) is past the norm limit.
+        let mut row = vec![0f32; 8];
+        row[0] = 65504.0;
+        assert!(rows_storable("k", &row, 8).is_err());
         assert!(rows_storable("v", &[f32::NAN; 4], 4).is_err());
     }
 

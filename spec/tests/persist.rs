@@ -86,7 +86,10 @@ fn side(rng: &mut Rng, kept_dims: usize, r: usize, g: usize) -> SideStrategy {
             group_size: g,
             dtype,
         },
-        rotation: (0..D * kept_dims).map(|_| rng.f32()).collect(),
+        // columns shorter than a unit vector (SideStrategy::validate bounds their norm)
+        rotation: (0..D * kept_dims)
+            .map(|_| half::f16::from_f32(rng.f32() / D as f32))
+            .collect(),
         fit_loss: rng.f32().abs() as f64 / 7.0,
     }
 }
@@ -368,7 +371,16 @@ fn sample_covers_every_dtype() {
 fn other_version_is_named() {
     let (cache, hk, hv) = sample();
     let mut b = save(&cache, &hk, &hv);
-    assert_eq!(FORMAT_VERSION, 5);
+    assert_eq!(FORMAT_VERSION, 6);
+    // Version 5 (f32 rotations: read today, each rotation would be taken as twice as many
+    // f16 values and the sections would not parse, or worse) is refused by name.
+    b[8..12].copy_from_slice(&5u32.to_le_bytes());
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(
+        matches!(e, MosaicError::BadFormat(ref m) if m.contains("unsupported format version 5")),
+        "{e}"
+    );
     // Version 4 (no budget floor in the manifest's configuration: read today, its caches
     // would attend a larger budget than they were written for) is refused by name.
     b[8..12].copy_from_slice(&4u32.to_le_bytes());

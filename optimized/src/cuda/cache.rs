@@ -182,7 +182,7 @@ impl Ranges {
 
     /// Bytes of data on the device.
     fn bytes(&self) -> usize {
-        self.pk.1 + self.pv.1 + 4 * self.rot.1 + 2 * self.meta.1 + 4 * self.scale.1
+        self.pk.1 + self.pv.1 + 2 * self.rot.1 + 2 * self.meta.1 + 4 * self.scale.1
     }
 }
 
@@ -757,7 +757,7 @@ impl CudaCache {
         let a = &self.arenas;
         let host_tables = t.packed_k.len()
             + t.packed_v.len()
-            + 4 * t.rot.len()
+            + 2 * t.rot.len()
             + t.meta_min.len()
             + t.meta_max.len()
             + 4 * t.meta_scale.len()
@@ -824,7 +824,7 @@ impl CudaCache {
         };
         let free = a.pk.free_total()
             + a.pv.free_total()
-            + 4 * a.rot.free_total()
+            + 2 * a.rot.free_total()
             + 2 * a.meta.free_total()
             + 4 * a.scale.free_total();
         CudaCacheMemory {

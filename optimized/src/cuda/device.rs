@@ -515,7 +515,7 @@ pub struct DeviceCache {
     pub t: HostTables,
     pub(crate) packed_k: Buf<u8>,
     pub(crate) packed_v: Buf<u8>,
-    pub(crate) rot: Buf<f32>,
+    pub(crate) rot: Buf<u16>,
     pub(crate) meta_min: Buf<u8>,
     pub(crate) meta_max: Buf<u8>,
     pub(crate) meta_scale: Buf<f32>,

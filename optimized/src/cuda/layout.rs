@@ -63,7 +63,8 @@ pub struct HostTables {
     pub batch: usize,
     pub packed_k: Vec<u8>,
     pub packed_v: Vec<u8>,
-    pub rot: Vec<f32>,
+    /// Rotations as f16 bits (SPEC.md section 3), keys then values per (segment, head).
+    pub rot: Vec<u16>,
     /// Block metadata (SPEC.md 7): int8 bounds as bytes, one f32 scale per block.
     pub meta_min: Vec<u8>,
     pub meta_max: Vec<u8>,
@@ -195,8 +196,10 @@ impl HostTables {
                     };
                     t.packed_k.extend_from_slice(&h.keys.bytes);
                     t.packed_v.extend_from_slice(&h.values.bytes);
-                    t.rot.extend_from_slice(&h.strategy.key.rotation);
-                    t.rot.extend_from_slice(&h.strategy.value.rotation);
+                    t.rot
+                        .extend(h.strategy.key.rotation.iter().map(|x| x.to_bits()));
+                    t.rot
+                        .extend(h.strategy.value.rotation.iter().map(|x| x.to_bits()));
                     t.meta_min.extend(h.meta.min.iter().map(|&x| x as u8));
                     t.meta_max.extend(h.meta.max.iter().map(|&x| x as u8));
                     t.meta_scale.extend_from_slice(&h.meta.scale);

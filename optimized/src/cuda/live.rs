@@ -285,7 +285,7 @@ impl CudaLiveBatch {
                 std::mem::size_of::<Held>()
                     + h.strategies
                         .iter()
-                        .map(|s| 4 * (s.key.rotation.len() + s.value.rotation.len()))
+                        .map(|s| 2 * (s.key.rotation.len() + s.value.rotation.len()))
                         .sum::<usize>()
             })
             .sum();

@@ -35,7 +35,7 @@ fn head_rate(st: &Strategy) -> usize {
 
 /// Bytes of one head's strategy held once per segment: rotations and side headers.
 fn head_overhead(st: &Strategy) -> usize {
-    4 * (st.key.rotation.len() + st.value.rotation.len()) + 2 * STRATEGY_HEADER_BYTES
+    2 * (st.key.rotation.len() + st.value.rotation.len()) + 2 * STRATEGY_HEADER_BYTES
 }
 
 impl LiveCache {

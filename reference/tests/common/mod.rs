@@ -19,9 +19,9 @@ pub fn random_rows(n: usize, d: usize, scale: f32, seed: u64) -> Array2<f32> {
 /// A side strategy with the identity rotation.
 pub fn identity_side(d: usize, kept_dims: usize, r: usize, g: usize) -> SideStrategy {
     // The first `kept_dims` columns of I (the stored rotation is D x Dt).
-    let mut rotation = vec![0.0f32; d * kept_dims];
+    let mut rotation = vec![half::f16::ZERO; d * kept_dims];
     for i in 0..kept_dims {
-        rotation[i * kept_dims + i] = 1.0;
+        rotation[i * kept_dims + i] = half::f16::ONE;
     }
     SideStrategy {
         layout: RecordLayout {

@@ -15,7 +15,7 @@ class MosaicError(Exception):
 
 class NonFiniteError(MosaicError, ValueError):
     """NaN or +-Inf in an input, or a value whose stored f16 form would overflow
-    (a K/V row norm beyond 65504, SPEC.md section 14)."""
+    (a K/V row norm beyond 65472, SPEC.md section 14)."""
 
 
 class ShapeMismatchError(MosaicError, ValueError):
