@@ -445,14 +445,14 @@ pub fn a_reencoded_segment_swaps_in_without_stopping_decode(gpu: Arc<Gpu>) {
             .map(|h| {
                 h.keys.bytes.len()
                     + h.values.bytes.len()
-                    + 4 * (h.strategy.key.rotation.len() + h.strategy.value.rotation.len())
+                    + 2 * (h.strategy.key.rotation.len() + h.strategy.value.rotation.len())
                     + 4 * h.meta.scale.len()
             })
             .sum()
     };
     // Both versions are on the device, in memory reserved up front. The staged bytes are
     // exactly the new segment's: its records (int4: with each record's 4-byte minimum and
-    // scale, SPEC.md section 6), rotations, block scales, and int8 bounds in 8-byte chunks.
+    // scale, SPEC.md section 6), rotations (f16, section 3), block scales, and int8 bounds in 8-byte chunks.
     assert_eq!(m1.device_bytes, m0.device_bytes, "{m1:?}");
     for h in &sr.heads {
         for (side, packed) in [(&h.strategy.key, &h.keys), (&h.strategy.value, &h.values)] {
