@@ -183,7 +183,6 @@ fn time_steps(
 /// the selected K and V records (bitmap, scale, values, padding), and the dense sink +
 /// buffer rows.
 fn mosaic_bytes(c: &CompressedCache, q: &Array2<f32>) -> BoxResult<usize> {
-    let d = c.shape.head_dim;
     let sel = CpuBackend::new().select(c, q.view())?;
     let mut bytes = c.sink.bytes() + c.buffer.bytes();
     for (h, blocks) in sel.per_head.iter().enumerate() {
@@ -199,9 +198,10 @@ fn mosaic_bytes(c: &CompressedCache, q: &Array2<f32>) -> BoxResult<usize> {
         }
         for (s, seg) in c.segments.iter().enumerate() {
             let hs = &seg.heads[h];
-            bytes += hs.meta.bytes() + 4 * d * hs.strategy.key.layout.kept_dims;
+            // the stored rotations, D x Dt f16 (SPEC.md section 3)
+            bytes += hs.meta.bytes() + std::mem::size_of_val(&hs.strategy.key.rotation[..]);
             if touched[s] {
-                bytes += 4 * d * hs.strategy.value.layout.kept_dims;
+                bytes += std::mem::size_of_val(&hs.strategy.value.rotation[..]);
             }
         }
     }
