@@ -179,7 +179,8 @@ mod tests {
         // per token
         assert_eq!(f.per_token, 30 * 3 * (2 * 104 + 9));
         assert!(f.per_token < dense.per_token);
-        assert_eq!(f.per_segment, 30 * 3 * (32768 + 80 + 132));
+        // two D x D f16 rotations (2 * 2 * 64 * 64 B), two side headers, one partial block
+        assert_eq!(f.per_segment, 30 * 3 * (16384 + 80 + 132));
         assert_eq!(f.dense, 30 * 3 * (4 + 64) * 256);
         // 1 prompt segment (SPEC 10.1: 996 tokens after the sink < L_in), 1 open one, no close
         // (100 < L_min)

@@ -155,5 +155,5 @@ def test_memory_counts_every_kind():
     assert m["dense_f16_bytes_per_token"] == 4 * 2 * 16
     assert m["bytes_per_token"] == pytest.approx(m["device_bytes"] / 201)
     assert m["host_rows"] == 4 * 2 * (2 * 16)  # the one buffered token's f32 K and V
-    # SPEC 13: rotations are f32 D x kept_dims, K and V, per segment and head.
-    assert m["rotations"] == sum(4 * 16 * (h.key.kept_dims + h.value.kept_dims) for s in cache.segments for h in s.heads)
+    # SPEC 13: rotations are f16 D x kept_dims, K and V, per segment and head.
+    assert m["rotations"] == sum(2 * 16 * (h.key.kept_dims + h.value.kept_dims) for s in cache.segments for h in s.heads)
