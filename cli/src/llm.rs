@@ -87,17 +87,7 @@ pub fn bytes_per_token(caches: &[Box<dyn LayerKv>]) -> f64 {
 pub fn memory_report(caches: &[Box<dyn LayerKv>]) -> Option<mosaickv_spec::MemoryReport> {
     let mut sum = mosaickv_spec::MemoryReport::default();
     for c in caches {
-        let m = c.memory_report()?;
-        sum.tokens += m.tokens;
-        sum.values += m.values;
-        sum.bitmaps += m.bitmaps;
-        sum.scales += m.scales;
-        sum.padding += m.padding;
-        sum.block_meta += m.block_meta;
-        sum.rotations += m.rotations;
-        sum.dense += m.dense;
-        sum.segment_headers += m.segment_headers;
-        sum.host_rows += m.host_rows;
+        sum += c.memory_report()?;
     }
     Some(sum)
 }

@@ -81,16 +81,7 @@ fn main() -> BoxResult<()> {
                         *blocks.entry(h.strategy.block_size).or_default() += 1;
                     }
                 }
-                let m = c.memory();
-                sum.tokens += m.tokens;
-                sum.values += m.values;
-                sum.scales += m.scales;
-                sum.bitmaps += m.bitmaps;
-                sum.padding += m.padding;
-                sum.block_meta += m.block_meta;
-                sum.rotations += m.rotations;
-                sum.dense += m.dense;
-                sum.segment_headers += m.segment_headers;
+                sum += c.memory();
             }
         }
     }

@@ -179,11 +179,10 @@ unsafe fn rotate_f64_avx2(rot: &[f32], d: usize, rows: &[f32], dims: usize, out:
     }
 }
 
-/// Rotates every row of `rows` (`[n][d]`) to its first `dims` rotated coordinates in f64
-/// (the f16 rotation widened once to f32, exactly).
-pub fn rotate_rows_f64(rot: &[f16], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
-    let rot = mosaickv_spec::layout::rotation_f32(rot);
-    let rot = &rot[..];
+/// Rotates every row of `rows` (`[n][d]`) to its first `dims` rotated coordinates in f64.
+/// `rot` is the stored f16 rotation widened to f32 (`spec::layout::rotation_f32`, exact),
+/// once per call site rather than once per chunk of rows.
+pub fn rotate_rows_f64(rot: &[f32], d: usize, rows: &[f32], dims: usize, out: &mut [f64]) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::Path::detect().runs_avx2() {
         // SAFETY: avx2 detected; all indexing is bounds-checked slice access.
@@ -400,13 +399,14 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
     let n = rows.len() / d;
     let rb = layout.record_bytes();
     let mut bytes = vec![0u8; n * rb];
+    let rot = mosaickv_spec::layout::rotation_f32(&side.rotation);
     let overflows: Vec<Option<(usize, usize)>> = bytes
         .par_chunks_mut(rb * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .map(|(out, x)| {
             let mut b = PackBufs::new(d);
             let mut xr = vec![0f64; x.len() / d * dt];
-            rotate_rows_f64(&side.rotation, d, x, dt, &mut xr);
+            rotate_rows_f64(&rot, d, x, dt, &mut xr);
             let mut first = None;
             for (i, (o, row)) in out
                 .chunks_exact_mut(rb)
@@ -955,11 +955,12 @@ pub fn fit_side_rotated_with(
     config.validate(d)?;
     let c = covariance(rows, d);
     let rotation = rotation_from_covariance(&c, d);
+    let rot = mosaickv_spec::layout::rotation_f32(&rotation);
     let n = rows.len() / d;
     let mut xr = vec![0f64; n * d];
     xr.par_chunks_mut(d * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
-        .for_each(|(o, x)| rotate_rows_f64(&rotation, d, x, d, o));
+        .for_each(|(o, x)| rotate_rows_f64(&rot, d, x, d, o));
     let cands = rules::candidates(config, d);
     for l in &cands {
         l.validate()?;
@@ -988,9 +989,10 @@ pub fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
     let (d, dt) = (side.layout.head_dim, side.layout.kept_dims);
     let n = rows.len() / d;
     let mut xr = vec![0f64; n * dt];
+    let rot = mosaickv_spec::layout::rotation_f32(&side.rotation);
     xr.par_chunks_mut(dt * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
-        .for_each(|(o, x)| rotate_rows_f64(&side.rotation, d, x, dt, o));
+        .for_each(|(o, x)| rotate_rows_f64(&rot, d, x, dt, o));
     loss_sums_rotated(rows, &xr, dt, &side.layout)
 }
 
@@ -1179,7 +1181,8 @@ mod tests {
                 };
                 let rotation = rotation_from_covariance(&covariance(&rows, d), d);
                 let mut xr = vec![0f64; n * d];
-                rotate_rows_f64(&rotation, d, &rows, d, &mut xr);
+                let rot = mosaickv_spec::layout::rotation_f32(&rotation);
+                rotate_rows_f64(&rot, d, &rows, d, &mut xr);
                 let cands = rules::candidates(&config, d);
                 assert!(cands.len() > 20);
                 let slow: Vec<f64> = cands

@@ -169,6 +169,22 @@ pub struct MemoryReport {
     pub host_rows: usize,
 }
 
+/// Kind by kind: the memory of several caches together (e.g. all layers of a model).
+impl std::ops::AddAssign for MemoryReport {
+    fn add_assign(&mut self, o: Self) {
+        self.tokens += o.tokens;
+        self.values += o.values;
+        self.bitmaps += o.bitmaps;
+        self.scales += o.scales;
+        self.padding += o.padding;
+        self.block_meta += o.block_meta;
+        self.rotations += o.rotations;
+        self.dense += o.dense;
+        self.segment_headers += o.segment_headers;
+        self.host_rows += o.host_rows;
+    }
+}
+
 impl MemoryReport {
     pub fn device_bytes(&self) -> usize {
         self.values

@@ -671,6 +671,38 @@ impl BlockMeta {
 mod tests {
     use super::*;
 
+    #[test]
+    fn rotation_columns_longer_than_a_rounded_unit_vector_are_refused() {
+        let (d, dt) = (4, 2);
+        let side = |col1: [f32; 4]| SideStrategy {
+            layout: RecordLayout {
+                head_dim: d,
+                kept_dims: dt,
+                r: 1,
+                group_size: 1,
+                dtype: ValueDtype::F16,
+            },
+            // column 0 = e_0, column 1 = col1 (row-major D x Dt)
+            rotation: (0..d)
+                .flat_map(|i| [if i == 0 { 1.0 } else { 0.0 }, col1[i]])
+                .map(f16::from_f32)
+                .collect(),
+            fit_loss: 0.0,
+        };
+        // unit columns, and a unit vector rounded to f16 entry by entry, are accepted
+        assert!(side([0.0, 1.0, 0.0, 0.0]).validate().is_ok());
+        let h = 0.5f32.sqrt(); // rounds to 0.70703125: norm 0.99990
+        assert!(side([0.0, h, h, 0.0]).validate().is_ok());
+        // one f16 step above 1 (1 + 2^-10) is past 1 + 2^-11 + sqrt(D) 2^-25
+        let e = side([0.0, 1.0009765625, 0.0, 0.0]).validate().unwrap_err();
+        assert!(
+            matches!(e, MosaicError::InvalidConfig(ref m) if m.contains("rotation column 1")),
+            "{e}"
+        );
+        // a crafted column of large finite entries
+        assert!(side([0.0, 60000.0, 0.0, 0.0]).validate().is_err());
+    }
+
     /// Every magnitude the bounds can take (f16 values, zeros, subnormals) and
     /// random mixtures: the stored bounds enclose the exact ones, the scale is
     /// the smallest f32 with `127 s >= a`, and the i8 range is respected.

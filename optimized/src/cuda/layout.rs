@@ -197,9 +197,9 @@ impl HostTables {
                     t.packed_k.extend_from_slice(&h.keys.bytes);
                     t.packed_v.extend_from_slice(&h.values.bytes);
                     t.rot
-                        .extend(h.strategy.key.rotation.iter().map(|x| x.to_bits()));
+                        .extend_from_slice(bytemuck::cast_slice(&h.strategy.key.rotation));
                     t.rot
-                        .extend(h.strategy.value.rotation.iter().map(|x| x.to_bits()));
+                        .extend_from_slice(bytemuck::cast_slice(&h.strategy.value.rotation));
                     t.meta_min.extend(h.meta.min.iter().map(|&x| x as u8));
                     t.meta_max.extend(h.meta.max.iter().map(|&x| x as u8));
                     t.meta_scale.extend_from_slice(&h.meta.scale);

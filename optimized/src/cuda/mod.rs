@@ -237,8 +237,7 @@ impl Backend for CudaBackend {
         let run = || -> Result<Vec<i32>> {
             let host: Vec<f32> = rows.iter().copied().collect();
             let d_rows = gpu.up(&host)?;
-            let bits: Vec<u16> = side.rotation.iter().map(|x| x.to_bits()).collect();
-            let d_rot = gpu.up(&bits)?;
+            let d_rot = gpu.up(bytemuck::cast_slice::<_, u16>(&side.rotation))?;
             let out = gpu.zeros::<u8>(n * rb)?;
             let status = gpu.zeros::<i32>(1)?;
             let (nn, stride) = (n as i64, l.head_dim as i64);
@@ -392,8 +391,7 @@ impl Backend for CudaBackend {
             let dq = gpu.up(&q)?;
             let sh = gpu.up(bytemuck::cast_slice::<_, u8>(&[single_key_desc(key, 1, 0)]))?;
             let seg_batch = gpu.up(&[0i32])?;
-            let bits: Vec<u16> = key.rotation.iter().map(|x| x.to_bits()).collect();
-            let rot = gpu.up(&bits)?;
+            let rot = gpu.up(bytemuck::cast_slice::<_, u16>(&key.rotation))?;
             let qrot = gpu.zeros::<f32>(m * d)?;
             // One KV head whose group is every query row: kv_heads 1, q_heads m.
             let (kv, qh, di) = (1i32, m as i32, d as i32);

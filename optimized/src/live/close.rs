@@ -18,11 +18,12 @@ fn fit_side_from_cov(
     config: &CompressConfig,
 ) -> Result<(SideStrategy, Vec<f64>)> {
     let rotation = encode::rotation_from_covariance(&mirrored(lower, d), d);
+    let rot = mosaickv_spec::layout::rotation_f32(&rotation);
     let n = rows.len() / d;
     let mut xr = vec![0f64; n * d];
     xr.par_chunks_mut(d * 256)
         .zip(rows.par_chunks(d * 256))
-        .for_each(|(o, x)| encode::rotate_rows_f64(&rotation, d, x, d, o));
+        .for_each(|(o, x)| encode::rotate_rows_f64(&rot, d, x, d, o));
     let cands = rules::candidates(config, d);
     for l in &cands {
         l.validate()?;

@@ -155,7 +155,8 @@ impl WorkerState {
                     let n = rows.len() / d;
                     let dt = side.layout.kept_dims;
                     let mut xr = vec![0f64; n * dt];
-                    encode::rotate_rows_f64(&side.rotation, d, rows, dt, &mut xr);
+                    let rot = mosaickv_spec::layout::rotation_f32(&side.rotation);
+                    encode::rotate_rows_f64(&rot, d, rows, dt, &mut xr);
                     let p = encode::pack_rotated(&xr, dt, &side.layout)?;
                     add_loss_terms(&mut sides[s].loss, rows, &xr, &p, &side.layout);
                     packed.push(p);
