@@ -21,7 +21,7 @@ use mosaickv_engine::{BatchSeq, ChunkedPrefill, LayerKv, Method, Model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
@@ -95,6 +95,15 @@ pub struct Shared {
     pub running_peak: AtomicUsize,
     /// Steps where a sequence's measured bytes exceeded its reservation (a bug if ever > 0).
     pub reservation_overruns: AtomicUsize,
+    /// Engine time in batched decode steps (the step, sampling and streaming), nanoseconds.
+    pub decode_ns: AtomicU64,
+    /// Batched decode steps run, and the tokens they produced (a prompt's first token comes
+    /// from its prefill and is not counted here).
+    pub decode_steps: AtomicUsize,
+    pub decode_tokens: AtomicUsize,
+    /// Engine time in prompt prefill turns (forward chunks and the caches taking the prompt,
+    /// compression included), nanoseconds.
+    pub prefill_ns: AtomicU64,
     pub metrics: Metrics,
 }
 
@@ -113,6 +122,10 @@ impl Shared {
             running: AtomicUsize::new(0),
             running_peak: AtomicUsize::new(0),
             reservation_overruns: AtomicUsize::new(0),
+            decode_ns: AtomicU64::new(0),
+            decode_steps: AtomicUsize::new(0),
+            decode_tokens: AtomicUsize::new(0),
+            prefill_ns: AtomicU64::new(0),
             metrics: Metrics::new(),
         }
     }
@@ -135,6 +148,13 @@ impl Shared {
 
     pub fn queued(&self) -> usize {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Adds the time since `t` to an engine-time counter and its Prometheus twin.
+    fn add_time(&self, ns: &AtomicU64, seconds: &prometheus::Counter, t: Instant) {
+        let dt = t.elapsed();
+        ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
+        seconds.inc_by(dt.as_secs_f64());
     }
 
     pub fn stop(&self) {
@@ -256,7 +276,10 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
         }
         if let Some(mut p) = prefilling.take() {
-            match prefill_step(&model, &method, &shared, &mut p) {
+            let t = Instant::now();
+            let step = prefill_step(&model, &method, &shared, &mut p);
+            shared.add_time(&shared.prefill_ns, &shared.metrics.prefill_seconds, t);
+            match step {
                 Step::More => prefilling = Some(p),
                 Step::Ready(caches, logits) => {
                     if let Some(seq) = start(&model, &foot, &shared, p.job, caches, &logits) {
@@ -284,6 +307,7 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             continue;
         }
         // 3. one batched decode step
+        let t_step = Instant::now();
         let results = {
             let mut batch: Vec<BatchSeq<'_>> = running
                 .iter_mut()
@@ -296,6 +320,11 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             model.decode_batch(&mut batch)
         };
         shared.metrics.step();
+        shared.decode_steps.fetch_add(1, Ordering::Relaxed);
+        shared.decode_tokens.fetch_add(
+            results.iter().filter(|r| r.is_ok()).count(),
+            Ordering::Relaxed,
+        );
         let mut keep = Vec::with_capacity(running.len());
         for (mut s, r) in running.drain(..).zip(results) {
             match r {
@@ -313,6 +342,7 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
         }
         running = keep;
+        shared.add_time(&shared.decode_ns, &shared.metrics.decode_seconds, t_step);
         publish(&shared, &running, prefilling.as_ref());
     }
 }

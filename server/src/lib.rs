@@ -71,7 +71,7 @@ pub struct Server {
 }
 
 /// Counters of a running server, for tests and the load generator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Stats {
     pub running: usize,
     pub queued: usize,
@@ -80,6 +80,12 @@ pub struct Stats {
     pub kv_peak: usize,
     pub running_peak: usize,
     pub reservation_overruns: usize,
+    /// Batched decode steps, the tokens they produced and the engine seconds they took.
+    pub decode_steps: usize,
+    pub decode_tokens: usize,
+    pub decode_s: f64,
+    /// Engine seconds spent prefilling prompts (compression included).
+    pub prefill_s: f64,
 }
 
 impl Server {
@@ -168,6 +174,10 @@ impl Server {
             kv_peak: s.kv_peak.load(Ordering::SeqCst),
             running_peak: s.running_peak.load(Ordering::SeqCst),
             reservation_overruns: s.reservation_overruns.load(Ordering::SeqCst),
+            decode_steps: s.decode_steps.load(Ordering::SeqCst),
+            decode_tokens: s.decode_tokens.load(Ordering::SeqCst),
+            decode_s: s.decode_ns.load(Ordering::SeqCst) as f64 * 1e-9,
+            prefill_s: s.prefill_ns.load(Ordering::SeqCst) as f64 * 1e-9,
         }
     }
 

@@ -24,6 +24,9 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub tbt: Histogram,
     pub tokens_per_second: prometheus::Gauge,
+    /// Engine seconds in batched decode steps and in prompt prefill turns.
+    pub decode_seconds: prometheus::Counter,
+    pub prefill_seconds: prometheus::Counter,
     /// (window start, tokens at its start) for the tokens-per-second gauge.
     window: Mutex<(Instant, u64)>,
 }
@@ -82,6 +85,19 @@ impl Metrics {
         registry
             .register(Box::new(tokens_per_second.clone()))
             .expect("register");
+        let counter = |name: &str, help: &str| {
+            let c = prometheus::Counter::new(name, help).expect("metric name");
+            registry.register(Box::new(c.clone())).expect("register");
+            c
+        };
+        let decode_seconds = counter(
+            "mosaickv_decode_seconds_total",
+            "Engine time in batched decode steps (step, sampling, streaming)",
+        );
+        let prefill_seconds = counter(
+            "mosaickv_prefill_seconds_total",
+            "Engine time prefilling prompts (forward chunks, caches taking the prompt)",
+        );
         Self {
             registry,
             running,
@@ -94,6 +110,8 @@ impl Metrics {
             ttft,
             tbt,
             tokens_per_second,
+            decode_seconds,
+            prefill_seconds,
             window: Mutex::new((Instant::now(), 0)),
         }
     }

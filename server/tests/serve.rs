@@ -298,9 +298,17 @@ async fn bad_requests_get_400_and_the_server_stays_up() {
         "mosaickv_generated_tokens_per_second",
         "mosaickv_time_to_first_token_seconds_bucket",
         "mosaickv_time_between_tokens_seconds_bucket",
+        "mosaickv_decode_seconds_total",
+        "mosaickv_prefill_seconds_total",
     ] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
+    // the engine's time split: the 48-token answer alone needed 47 decode steps after its
+    // prefill's first token, and every request a prefill
+    let st = s.stats();
+    assert!(st.decode_tokens >= 47 && st.decode_steps >= 47, "{st:?}");
+    assert!(st.decode_tokens <= st.decode_steps * 2, "{st:?}"); // max batch 2
+    assert!(st.decode_s > 0.0 && st.prefill_s > 0.0, "{st:?}");
     s.shutdown();
 }
 

@@ -5,8 +5,11 @@
 //! concurrent streaming clients that send `--requests` completions in all (RULER needle
 //! haystacks of `--prompt-tokens` tokens from the tasks crate, greedy, `--max-tokens` each), and
 //! reports generated tokens per second, time to first token and time between tokens (p50, p99),
-//! the peak KV bytes, the most sequences the budget admitted at once, and errors. It prints a
-//! table and writes JSON (`--json`).
+//! the peak KV bytes, the most sequences the budget admitted at once, and errors. From the
+//! server's engine thread it also reports where its time went: decode tokens per second (the
+//! tokens of batched decode steps over the engine seconds in those steps, the part of serving
+//! the KV cache changes), the mean batch of a step, and the seconds spent prefilling prompts
+//! (the same forward passes for every method). It prints a table and writes JSON (`--json`).
 //!
 //! Time between tokens is measured between consecutive streamed chunks of one request (a chunk
 //! carries one token, or a few when text is held back for a partial character).
@@ -284,6 +287,14 @@ fn main() {
                 "peak_kv_bytes": stats.kv_peak,
                 "max_admitted": stats.running_peak,
                 "reservation_overruns": stats.reservation_overruns,
+                // the engine thread's time: decode steps alone (the KV cache's share of
+                // serving) and prompt prefills (the same forward passes for every method)
+                "decode_steps": stats.decode_steps,
+                "decode_tokens": stats.decode_tokens,
+                "decode_s": stats.decode_s,
+                "decode_tokens_per_s": stats.decode_tokens as f64 / stats.decode_s,
+                "mean_batch": stats.decode_tokens as f64 / stats.decode_steps.max(1) as f64,
+                "prefill_s": stats.prefill_s,
                 "errors": errors.len(),
                 "error_examples": errors.iter().take(3).collect::<Vec<_>>(),
             })
@@ -301,14 +312,18 @@ fn main() {
         a.max_batch
     );
     println!(
-        "| method | tokens/s | TTFT p50 s | TTFT p99 s | TBT p50 s | TBT p99 s | peak KV bytes | max admitted | errors |"
+        "| method | tokens/s | decode tokens/s | mean batch | prefill s | decode s | TTFT p50 s | TTFT p99 s | TBT p50 s | TBT p99 s | peak KV bytes | max admitted | errors |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {} | {} | {} |",
+            "| {} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.2} | {:.2} | {:.3} | {:.3} | {} | {} | {} |",
             r["method"].as_str().unwrap_or(""),
             r["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            r["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+            r["mean_batch"].as_f64().unwrap_or(f64::NAN),
+            r["prefill_s"].as_f64().unwrap_or(f64::NAN),
+            r["decode_s"].as_f64().unwrap_or(f64::NAN),
             r["ttft_p50_s"].as_f64().unwrap_or(f64::NAN),
             r["ttft_p99_s"].as_f64().unwrap_or(f64::NAN),
             r["tbt_p50_s"].as_f64().unwrap_or(f64::NAN),

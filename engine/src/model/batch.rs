@@ -282,9 +282,12 @@ impl Model {
     /// Prefills the next `tokens` of a prompt whose earlier tokens are in `state` (issue 16: a
     /// long prompt runs in bounded chunks between decode steps). Same f32 layer blocks as
     /// [`Model::prefill`]; the chunk's queries attend every earlier prompt token and the
-    /// chunk's own causally, per KV head as one masked `[group * chunk, tokens]` product. Returns
-    /// the logits at the chunk's last token. Floating sums run in another order than
-    /// [`Model::prefill`]'s online softmax, so logits agree to rounding, not bit for bit.
+    /// chunk's own causally, with the whole prefill's blocked online softmax
+    /// (`causal_attention_at` at the chunk's offset: key blocks of 1,024, so no
+    /// `chunk x tokens` score matrix is formed). Returns the logits at the chunk's last token.
+    /// The layer products run on the chunk's rows instead of the whole prompt's (and
+    /// [`Model::prefill_weights`] of the chunk's length picks their arithmetic), so logits
+    /// agree with [`Model::prefill`]'s to rounding, not bit for bit.
     pub fn prefill_chunk(&self, state: &mut ChunkedPrefill, tokens: &[u32]) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let n = tokens.len();
@@ -303,8 +306,9 @@ impl Model {
             state.values = vec![Vec::new(); c.n_layers];
         }
         let (qd, kvd, d) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim);
-        let group = c.q_heads / c.kv_heads;
-        let scale = 1.0 / (d as f64).sqrt();
+        // query rows per parallel attention task: about two tasks per thread (a 256-token
+        // chunk on 2 threads: 4 tasks of 64 rows), at most the whole prefill's 256
+        let q_chunk = n.div_ceil(2 * rayon::current_num_threads()).clamp(16, 256);
         let mut x = self.embed_tokens(tokens)?;
         let weights = self.prefill_weights(n);
         for (li, l) in self.layers.iter().enumerate() {
@@ -331,30 +335,10 @@ impl Model {
             let vt = Tensor::from_slice(&state.values[li], (total, c.kv_heads, d), &self.dev)?
                 .transpose(0, 1)?
                 .contiguous()?;
-            // [kv_heads, group * n, d]: row g * n + i is query head kv * group + g, token a + i
-            let qt = (Tensor::from_vec(q, (n, c.q_heads, d), &self.dev)?
+            let qt = Tensor::from_vec(q, (n, c.q_heads, d), &self.dev)?
                 .transpose(0, 1)?
-                .contiguous()?
-                .reshape((c.kv_heads, group * n, d))?
-                * scale)?;
-            let mut s = qt.matmul(&kt.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-            s.par_chunks_mut(total).enumerate().for_each(|(r, row)| {
-                // causal: token a + i sees keys 0..=a + i
-                let vis = a + r % n + 1;
-                let (on, off) = row.split_at_mut(vis);
-                let m = on.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                super::exp_shifted_in_place(on, m);
-                let inv = 1.0 / on.iter().sum::<f32>();
-                on.iter_mut().for_each(|p| *p *= inv);
-                off.fill(0.0);
-            });
-            let p = Tensor::from_vec(s, (c.kv_heads, group * n, total), &self.dev)?;
-            let attn = p
-                .matmul(&vt)?
-                .reshape((c.q_heads, n, d))?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((n, qd))?;
+                .contiguous()?;
+            let attn = self.causal_attention_at(&qt, &kt, &vt, a, q_chunk)?;
             x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, weights)?)?;
             x = (&x + self.mlp(l, &x, weights)?)?;
         }

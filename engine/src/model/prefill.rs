@@ -190,15 +190,33 @@ impl Model {
 
     /// q: [q_heads, n, d], k/v: [kv_heads, n, d] (contiguous). Returns [n, q_heads * d].
     fn causal_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        self.causal_attention_at(q, k, v, 0, Q_CHUNK)
+    }
+
+    /// Causal attention of `n` queries at prompt positions `offset..offset + n` over the keys
+    /// of positions `0..offset + n`: q `[q_heads, n, d]`, k/v `[kv_heads, offset + n, d]`
+    /// (contiguous). Queries run in parallel chunks of `q_chunk` rows; keys in blocks of
+    /// [`K_CHUNK`] with an online softmax, so no `n x (offset + n)` matrix is formed (the
+    /// chunked prefill of [`Model::prefill_chunk`] calls it with its chunk's offset). Returns
+    /// `[n, q_heads * d]`.
+    pub(super) fn causal_attention_at(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        offset: usize,
+        q_chunk: usize,
+    ) -> Result<Tensor> {
         let c = &self.cfg;
         let (_, n, d) = q.dims3()?;
         let group = c.q_heads / c.kv_heads;
         let scale = 1.0 / (d as f64).sqrt();
-        let starts: Vec<usize> = (0..n).step_by(Q_CHUNK).collect();
+        let q_chunk = q_chunk.max(1);
+        let starts: Vec<usize> = (0..n).step_by(q_chunk).collect();
         let outs: Vec<Tensor> = starts
             .par_iter()
             .map(|&a| -> Result<Tensor> {
-                let qc = Q_CHUNK.min(n - a);
+                let qc = q_chunk.min(n - a);
                 let rows = c.kv_heads * group * qc;
                 // [kv_heads, group * qc, d]: row g * qc + i is query head kv * group + g, position a + i
                 let qg =
@@ -209,7 +227,8 @@ impl Model {
                 let mut m = vec![f32::NEG_INFINITY; rows];
                 let mut l = vec![0f32; rows];
                 let mut acc = vec![0f32; rows * d];
-                let end = a + qc; // keys 0..end are visible to some query of the chunk
+                // keys 0..end are visible to some query of the chunk
+                let end = offset + a + qc;
                 for k0 in (0..end).step_by(K_CHUNK) {
                     let kl = K_CHUNK.min(end - k0);
                     let kc = k.narrow(1, k0, kl)?;
@@ -218,7 +237,7 @@ impl Model {
                     let mut corr = vec![0f32; rows];
                     // fused causal mask + online softmax update, one row at a time
                     for (r, row) in p.chunks_exact_mut(kl).enumerate() {
-                        let pos = a + r % qc;
+                        let pos = offset + a + r % qc;
                         // keys k0 + j with k0 + j <= pos are visible; key 0 is in the first chunk,
                         // so every row has a finite max after the first chunk
                         let vis = (pos + 1).saturating_sub(k0).min(kl);
