@@ -21,7 +21,7 @@ use mosaickv_engine::{BatchSeq, ChunkedPrefill, LayerKv, Method, Model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
@@ -95,15 +95,11 @@ pub struct Shared {
     pub running_peak: AtomicUsize,
     /// Steps where a sequence's measured bytes exceeded its reservation (a bug if ever > 0).
     pub reservation_overruns: AtomicUsize,
-    /// Engine time in batched decode steps (the step, sampling and streaming), nanoseconds.
-    pub decode_ns: AtomicU64,
     /// Batched decode steps run, and the tokens they produced (a prompt's first token comes
-    /// from its prefill and is not counted here).
+    /// from its prefill and is not counted here). Their engine seconds, and the prefills',
+    /// are the Prometheus counters `metrics.decode_seconds` and `metrics.prefill_seconds`.
     pub decode_steps: AtomicUsize,
     pub decode_tokens: AtomicUsize,
-    /// Engine time in prompt prefill turns (forward chunks and the caches taking the prompt,
-    /// compression included), nanoseconds.
-    pub prefill_ns: AtomicU64,
     pub metrics: Metrics,
 }
 
@@ -122,10 +118,8 @@ impl Shared {
             running: AtomicUsize::new(0),
             running_peak: AtomicUsize::new(0),
             reservation_overruns: AtomicUsize::new(0),
-            decode_ns: AtomicU64::new(0),
             decode_steps: AtomicUsize::new(0),
             decode_tokens: AtomicUsize::new(0),
-            prefill_ns: AtomicU64::new(0),
             metrics: Metrics::new(),
         }
     }
@@ -148,13 +142,6 @@ impl Shared {
 
     pub fn queued(&self) -> usize {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Adds the time since `t` to an engine-time counter and its Prometheus twin.
-    fn add_time(&self, ns: &AtomicU64, seconds: &prometheus::Counter, t: Instant) {
-        let dt = t.elapsed();
-        ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
-        seconds.inc_by(dt.as_secs_f64());
     }
 
     pub fn stop(&self) {
@@ -278,7 +265,10 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
         if let Some(mut p) = prefilling.take() {
             let t = Instant::now();
             let step = prefill_step(&model, &method, &shared, &mut p);
-            shared.add_time(&shared.prefill_ns, &shared.metrics.prefill_seconds, t);
+            shared
+                .metrics
+                .prefill_seconds
+                .inc_by(t.elapsed().as_secs_f64());
             match step {
                 Step::More => prefilling = Some(p),
                 Step::Ready(caches, logits) => {
@@ -342,7 +332,10 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             }
         }
         running = keep;
-        shared.add_time(&shared.decode_ns, &shared.metrics.decode_seconds, t_step);
+        shared
+            .metrics
+            .decode_seconds
+            .inc_by(t_step.elapsed().as_secs_f64());
         publish(&shared, &running, prefilling.as_ref());
     }
 }

@@ -176,8 +176,8 @@ impl Server {
             reservation_overruns: s.reservation_overruns.load(Ordering::SeqCst),
             decode_steps: s.decode_steps.load(Ordering::SeqCst),
             decode_tokens: s.decode_tokens.load(Ordering::SeqCst),
-            decode_s: s.decode_ns.load(Ordering::SeqCst) as f64 * 1e-9,
-            prefill_s: s.prefill_ns.load(Ordering::SeqCst) as f64 * 1e-9,
+            decode_s: s.metrics.decode_seconds.get(),
+            prefill_s: s.metrics.prefill_seconds.get(),
         }
     }
 

@@ -307,8 +307,10 @@ impl Model {
         }
         let (qd, kvd, d) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim);
         // query rows per parallel attention task: about two tasks per thread (a 256-token
-        // chunk on 2 threads: 4 tasks of 64 rows), at most the whole prefill's 256
-        let q_chunk = n.div_ceil(2 * rayon::current_num_threads()).clamp(16, 256);
+        // chunk on 2 threads: 4 tasks of 64 rows), at most the whole prefill's
+        let q_chunk = n
+            .div_ceil(2 * rayon::current_num_threads())
+            .clamp(16, super::prefill::Q_CHUNK);
         let mut x = self.embed_tokens(tokens)?;
         let weights = self.prefill_weights(n);
         for (li, l) in self.layers.iter().enumerate() {

@@ -9,7 +9,7 @@ use ndarray::{Array3, ArrayView3};
 use rayon::prelude::*;
 
 /// Query rows per attention chunk in prefill.
-const Q_CHUNK: usize = 256;
+pub(super) const Q_CHUNK: usize = 256;
 /// Key rows per online-softmax step in prefill.
 const K_CHUNK: usize = 1024;
 /// Last prompt positions whose queries give the value weights of the attention loss.
