@@ -2,6 +2,7 @@
 
 use crate::cachedir;
 use crate::error::CliError;
+use mosaickv_optimized::{LiveCache, Mode};
 use mosaickv_spec::persist::load_cache;
 use std::path::PathBuf;
 
@@ -14,6 +15,10 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<(), CliError> {
     let (cache, hk, hv) = load_cache(&cachedir::cache_path(&a.cache))?;
+    // The same structural checks `attend` makes (host rows finite and within range, equal to
+    // the buffer's f16 rows, the open segment a whole number of flushes): a file `attend`
+    // refuses is not reported as a healthy cache.
+    LiveCache::from_parts(cache.clone(), hk.clone(), hv.clone(), Mode::Sync)?;
     let m = cachedir::memory(&cache, &hk, &hv);
     print!("{}", cachedir::report_text(&cache, &m));
     Ok(())

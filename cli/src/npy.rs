@@ -22,13 +22,26 @@ pub fn read(path: &Path, what: &str) -> Result<ArrayD<f32>, CliError> {
             )))
         }
     };
+    // A data part shorter than the header's shape says is a truncated file: name it so,
+    // with the bytes the shape needs (npyz reports only "failed to fill whole buffer").
+    let data_err = |e: std::io::Error, item: usize| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            let need = shape
+                .iter()
+                .try_fold(item as u128, |a, &d| a.checked_mul(d as u128))
+                .map_or("more than 2^128".to_string(), |n| n.to_string());
+            bad(format!(
+                "truncated: its shape {shape:?} needs {need} bytes of data, the file ends before"
+            ))
+        } else {
+            bad(format!("reading data: {e}"))
+        }
+    };
     let data: Vec<f32> = match descr.as_str() {
-        "<f4" | ">f4" => npy
-            .into_vec::<f32>()
-            .map_err(|e| bad(format!("reading data: {e}")))?,
+        "<f4" | ">f4" => npy.into_vec::<f32>().map_err(|e| data_err(e, 4))?,
         "<f2" | ">f2" => npy
             .into_vec::<half::f16>()
-            .map_err(|e| bad(format!("reading data: {e}")))?
+            .map_err(|e| data_err(e, 2))?
             .into_iter()
             .map(f32::from)
             .collect(),

@@ -195,3 +195,48 @@ fn appended_rows_beyond_f16_are_refused_alike_and_lose_nothing() {
     let lens: Vec<usize> = cs.iter().map(|(_, c)| c.len()).collect();
     assert!(lens.iter().all(|&l| l == 400), "{lens:?}");
 }
+
+/// SPEC.md section 14: a finite query row whose norm is beyond 2^64 is `NonFinite`
+/// (`rules::ROW_QUERY`) on every cache, MosaicKV and baselines, reference and optimized,
+/// with the flat index of the row's first element; a row of norm 2^63 is attended to a
+/// finite output everywhere. (Before the rule, a query of norm 1e37 overflowed the
+/// optimized backend's f32 logits into a NaN output while the f64 reference answered.)
+#[test]
+fn queries_beyond_the_attention_range_are_refused_alike() {
+    use mosaickv_optimized::{DenseF16Cache, QuestF16Cache};
+    use mosaickv_reference::{FullCache, Naive2dCache, QuestCache};
+    use mosaickv_spec::rules::ROW_QUERY;
+    let sh = shape();
+    let (k, v) = structured_kv(200, sh.kv_heads, sh.head_dim, 3);
+    let mut all = caches();
+    all.push(("full", Box::new(FullCache::new(sh))));
+    all.push(("dense-f16", Box::new(DenseF16Cache::new(sh).unwrap())));
+    all.push(("quest", Box::new(QuestCache::new(sh, 0.2).unwrap())));
+    all.push(("quest-f16", Box::new(QuestF16Cache::new(sh, 0.2).unwrap())));
+    all.push((
+        "naive2d",
+        Box::new(Naive2dCache::new(sh, 0.2, 0.5).unwrap()),
+    ));
+    for (name, c) in all.iter_mut() {
+        c.prefill(k.view(), v.view()).unwrap();
+        let base = queries(sh.q_heads, sh.head_dim, 7);
+        let unit = |h: usize| {
+            let r = base.row(h);
+            let n = r.iter().map(|x| x * x).sum::<f32>().sqrt();
+            r.mapv(|x| x / n)
+        };
+        let mut out = Array2::zeros((sh.q_heads, sh.head_dim));
+        // every element of row 2 scaled so that its norm is 2^64 * (1 + 2^-20): refused
+        let mut q = base.clone();
+        q.row_mut(2)
+            .assign(&(unit(2) * (2f32.powi(64) * (1.0 + 2f32.powi(-20)))));
+        let e = c.attend(q.view(), out.view_mut()).unwrap_err();
+        assert_eq!(e, nonfinite(ROW_QUERY, 2 * sh.head_dim), "{name}");
+        // norm 2^63 (every logit far beyond what softmax can tell apart, but representable)
+        let mut q = base.clone();
+        q.row_mut(1).assign(&(unit(1) * 2f32.powi(63)));
+        c.attend(q.view(), out.view_mut())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(out.iter().all(|x| x.is_finite()), "{name}: {out:?}");
+    }
+}

@@ -156,16 +156,17 @@ struct Prepared {
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 }
 
-fn parse_max_tokens(v: &Value) -> Result<usize, ApiError> {
+/// `max_tokens` or `max_completion_tokens` (`field` names which one, for the error).
+fn parse_max_tokens(field: &str, v: &Value) -> Result<usize, ApiError> {
     match v.as_i64() {
         Some(n) if n >= 1 => Ok(n as usize),
         Some(n) => Err(ApiError::bad(
             "invalid_max_tokens",
-            format!("max_tokens must be at least 1, got {n}"),
+            format!("{field} must be at least 1, got {n}"),
         )),
         None => Err(ApiError::bad(
             "invalid_max_tokens",
-            format!("max_tokens must be an integer, got {v}"),
+            format!("{field} must be an integer, got {v}"),
         )),
     }
 }
@@ -219,12 +220,14 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
         return Err(ApiError::bad("invalid_prompt", "prompt is empty"));
     }
     let context = state.model.config().context_length;
-    let max_tokens = match req
-        .max_completion_tokens
-        .as_ref()
-        .or(req.max_tokens.as_ref())
-    {
-        Some(v) => parse_max_tokens(v)?,
+    // OpenAI's newer name wins when both are given; each is validated under its own name
+    let given = match (&req.max_completion_tokens, &req.max_tokens) {
+        (Some(v), _) => Some(("max_completion_tokens", v)),
+        (None, Some(v)) => Some(("max_tokens", v)),
+        (None, None) => None,
+    };
+    let max_tokens = match given {
+        Some((field, v)) => parse_max_tokens(field, v)?,
         None => DEFAULT_MAX_TOKENS
             .min(context.saturating_sub(prompt.len()))
             .max(1),
@@ -314,9 +317,23 @@ pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response
 }
 
 async fn completion(state: AppState, body: Bytes, kind: Kind) -> Response {
-    let p = match prepare(&state, &body, kind) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
+    // Parsing and tokenizing a prompt of up to 2 MiB takes about a second: on a blocking
+    // thread, not on the few async workers that answer /health and every other client.
+    let prepared = {
+        let state = state.clone();
+        tokio::task::spawn_blocking(move || prepare(&state, &body, kind)).await
+    };
+    let p = match prepared {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return e.into_response(),
+        Err(e) => {
+            return ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: format!("request preparation failed: {e}"),
+                code: "internal_error",
+            }
+            .into_response()
+        }
     };
     match state.shared.submit(p.job) {
         Ok(()) => {}
@@ -504,6 +521,88 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         state.shared.metrics.render(),
     )
         .into_response()
+}
+
+/// A known path with another HTTP method (405, with axum's `Allow` header kept).
+pub async fn method_not_allowed() -> Response {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "this endpoint does not take that HTTP method".into(),
+        code: "method_not_allowed",
+    }
+    .into_response()
+}
+
+/// Most bytes of a request body (axum's default limit, kept): a prompt of the model's whole
+/// context is tens of kilobytes.
+pub const BODY_LIMIT: usize = 2 << 20;
+/// A client has this long to send its whole body once its request head is in.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A body over [`BODY_LIMIT`] but at most this large is read to its end and dropped before the
+/// 413 goes out, so that a client still writing it reads the answer instead of a broken pipe;
+/// a larger one is answered at once and its connection closed.
+pub const DRAIN_LIMIT: u64 = 64 << 20;
+
+/// Reads the request body before the handler does, bounded in bytes and in time, so that a
+/// body too large (413), a broken one (400) or one that never arrives (408) gets the JSON
+/// error shape instead of axum's plain-text rejection, and a stalled client holds its
+/// connection for at most [`BODY_TIMEOUT`].
+pub async fn read_body(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use http_body_util::BodyExt;
+    let (parts, mut body) = req.into_parts();
+    let too_large = || {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("the request body is larger than {BODY_LIMIT} bytes"),
+            code: "request_too_large",
+        }
+        .into_response()
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > DRAIN_LIMIT) {
+        return too_large();
+    }
+    let mut kept = Vec::new();
+    let mut total = 0u64;
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                total += data.len() as u64;
+                if total <= BODY_LIMIT as u64 {
+                    kept.extend_from_slice(&data);
+                } else if total > DRAIN_LIMIT {
+                    break;
+                }
+            }
+        }
+        Ok::<(), axum::Error>(())
+    };
+    match tokio::time::timeout(BODY_TIMEOUT, read).await {
+        Ok(Ok(())) if total > BODY_LIMIT as u64 => too_large(),
+        Ok(Ok(())) => {
+            next.run(axum::extract::Request::from_parts(parts, kept.into()))
+                .await
+        }
+        Ok(Err(e)) => ApiError::bad(
+            "invalid_body",
+            format!("the request body could not be read: {e}"),
+        )
+        .into_response(),
+        Err(_) => ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "the request body did not arrive within {} s",
+                BODY_TIMEOUT.as_secs()
+            ),
+            code: "request_timeout",
+        }
+        .into_response(),
+    }
 }
 
 pub async fn not_found() -> Response {

@@ -185,12 +185,14 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
     if s.temperature <= 0.0 {
         return mosaickv_engine::argmax(logits);
     }
-    let inv_t = 1.0 / s.temperature;
+    // (l - m) / t, not (l - m) * (1 / t): at a temperature so small that 1 / t is infinite
+    // the top logit would be 0 * inf = NaN; divided, it is 0 (weight 1) and every lower
+    // logit -inf (weight 0), the greedy limit.
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let mut probs: Vec<(u32, f64)> = logits
         .iter()
         .enumerate()
-        .map(|(i, &l)| (i as u32, ((l as f64 - m) * inv_t).exp()))
+        .map(|(i, &l)| (i as u32, ((l as f64 - m) / s.temperature).exp()))
         .collect();
     let z: f64 = probs.iter().map(|p| p.1).sum();
     if s.top_p < 1.0 {
@@ -491,8 +493,20 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
             return None;
         }
     };
-    let stop_at = s.stop.iter().filter_map(|st| text.find(st.as_str())).min();
     let at_limit = s.tokens() >= s.max_tokens;
+    // A trailing U+FFFD is a character whose bytes are still being generated, not text:
+    // stop strings are looked for in the text before it (in the whole text once the
+    // sequence ends anyway), so that a stop of "\u{FFFD}" does not match a half emoji.
+    let settled = if eos || at_limit {
+        &text[..]
+    } else {
+        text.trim_end_matches('\u{FFFD}')
+    };
+    let stop_at = s
+        .stop
+        .iter()
+        .filter_map(|st| settled.find(st.as_str()))
+        .min();
     let finish = if stop_at.is_some() || eos {
         Some("stop")
     } else if at_limit {

@@ -139,19 +139,17 @@ impl Server {
             shared: shared.clone(),
         };
         use axum::routing::{get, post};
+        let body = axum::middleware::from_fn(api::read_body);
         let app = axum::Router::new()
-            .route("/v1/chat/completions", post(api::chat))
-            .route("/v1/completions", post(api::completions))
+            .route("/v1/chat/completions", post(api::chat).layer(body.clone()))
+            .route("/v1/completions", post(api::completions).layer(body))
             .route("/v1/models", get(api::models))
             .route("/health", get(api::health))
             .route("/metrics", get(api::metrics))
+            .method_not_allowed_fallback(api::method_not_allowed)
             .fallback(api::not_found)
             .with_state(state);
-        let http = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                eprintln!("mosaickv serve: HTTP server stopped: {e}");
-            }
-        });
+        let http = tokio::spawn(serve_http(listener, app));
         Ok(Server {
             addr,
             shared,
@@ -204,6 +202,48 @@ impl Server {
         if let Some(h) = self.engine.take() {
             let _ = h.join();
         }
+    }
+}
+
+/// A client has this long to send its request head (each request of a keep-alive
+/// connection): a slow or silent client cannot hold a connection for longer.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Most connections open at once; more wait in the listen backlog until one closes, so
+/// clients that open connections and send nothing cannot use up the process's file
+/// descriptors (each is closed after [`HEADER_TIMEOUT`]).
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// The HTTP side: axum's router on hyper's HTTP/1 connections, with what `axum::serve` does
+/// not set: a timeout on each request head ([`HEADER_TIMEOUT`]; the body's is
+/// `api::BODY_TIMEOUT`) and a cap on open connections ([`MAX_CONNECTIONS`]).
+async fn serve_http(listener: tokio::net::TcpListener, app: axum::Router) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return; // never closed
+        };
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // out of file descriptors or a connection reset before accept: wait, go on
+                eprintln!("mosaickv serve: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let mut http1 = hyper::server::conn::http1::Builder::new();
+            http1
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT);
+            // a connection ends with an error when its client goes away: nothing to report
+            let _ = http1
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+            drop(slot);
+        });
     }
 }
 

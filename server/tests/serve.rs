@@ -312,6 +312,113 @@ async fn bad_requests_get_400_and_the_server_stays_up() {
     s.shutdown();
 }
 
+/// The HTTP edges answer in the API's JSON error shape too: a body over the limit is 413
+/// (declared or chunked), another HTTP method on a known path 405 (with `Allow`), a bad
+/// `max_completion_tokens` is named as such; a temperature so small that its reciprocal is
+/// infinite samples the greedy answer (it gave NaN weights and the last vocabulary token);
+/// a stop string of U+FFFD does not match a character still being generated; and a client
+/// that opens a connection and sends nothing does not keep the others waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_edges_get_json_errors_and_tiny_temperatures_are_greedy() {
+    let s = start("full", 1 << 34, 2, 4).await;
+    // an idle connection, held through the whole test
+    let _idle = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(3 << 20));
+    let r = client()
+        .post(url(&s, "/v1/completions"))
+        .header("content-type", "application/json")
+        .body(big.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "request_too_large", "{v}");
+    // the same body chunked (no Content-Length): stopped at the limit
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big
+        .into_bytes()
+        .chunks(1 << 16)
+        .map(|c| Ok(c.to_vec()))
+        .collect();
+    let r = client()
+        .post(url(&s, "/v1/completions"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "request_too_large", "{v}");
+    for (method, path) in [
+        (reqwest::Method::GET, "/v1/chat/completions"),
+        (reqwest::Method::DELETE, "/v1/completions"),
+        (reqwest::Method::POST, "/health"),
+    ] {
+        let r = client()
+            .request(method.clone(), url(&s, path))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 405, "{method} {path}");
+        assert!(r.headers().contains_key("allow"), "{method} {path}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
+    }
+    let (st, v) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "max_completion_tokens": 0})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("max_completion_tokens"),
+        "{v}"
+    );
+    let ask = |t: f64| {
+        json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": t, "seed": 3})
+            .to_string()
+    };
+    let (st, greedy) = post(&s, "/v1/completions", &ask(0.0)).await;
+    assert_eq!(st, 200, "{greedy}");
+    let (st, tiny) = post(&s, "/v1/completions", &ask(1e-310)).await;
+    assert_eq!(st, 200, "{tiny}");
+    assert_eq!(tiny["choices"][0]["text"], greedy["choices"][0]["text"]);
+    // U+FFFD as a stop string: the emoji comes out whole (or the request stops on a real
+    // U+FFFD, never on the half of a character)
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "Emoji party: 🎉🎉🎉🎉", "max_tokens": 8, "temperature": 0,
+                "stop": ["\u{FFFD}"]})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let (_, plain) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "Emoji party: 🎉🎉🎉🎉", "max_tokens": 8, "temperature": 0}).to_string(),
+    )
+    .await;
+    let whole = plain["choices"][0]["text"].as_str().unwrap();
+    let cut = whole.find('\u{FFFD}').unwrap_or(whole.len());
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap(),
+        &whole[..cut],
+        "{v} / {plain}"
+    );
+    s.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn budget_queue_429_and_cancellation() {
     let m = model();

@@ -162,6 +162,18 @@ impl Default for CompressConfig {
     }
 }
 
+/// What a JSON value is, for an error message.
+pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 impl CompressConfig {
     /// The paper's fixed setting: 25 % channels, g = 1, f16 values, 10 % token rate with no
     /// budget floor, 25 % truncation, blocks of 16, everything else default.
@@ -182,6 +194,17 @@ impl CompressConfig {
 
     /// Parses a JSON configuration; missing keys take their defaults, unknown keys are an error.
     pub fn from_json(text: &str) -> Result<Self> {
+        // serde reads a struct from a JSON array too (fields by position); a configuration
+        // is an object of named keys, so anything else is refused before that.
+        match serde_json::from_str::<serde_json::Value>(text) {
+            Ok(serde_json::Value::Object(_)) | Err(_) => {}
+            Ok(other) => {
+                return Err(MosaicError::InvalidConfig(format!(
+                    "a configuration is a JSON object of named keys, not {}",
+                    json_kind(&other)
+                )))
+            }
+        }
         let cfg: Self = serde_json::from_str(text).map_err(|e| {
             let msg = e.to_string();
             match msg.strip_prefix("unknown field `") {

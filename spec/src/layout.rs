@@ -526,6 +526,10 @@ pub struct BlockMeta {
     pub scale: Vec<f32>,
 }
 
+/// The largest magnitude a decoded key element can have: `65504 + 255 * 65504` (an int8
+/// record's minimum plus its largest code times its scale, both f16; section 6).
+pub const DECODED_KEY_MAX: f64 = 65504.0 + 255.0 * 65504.0;
+
 /// SPEC.md section 7: the scale of one block from `a = max_j max(|m_j|, |M_j|)`:
 /// the smallest f32 `s` with `127 * s >= a` (exact; `127 * s` of an f32 is
 /// exact in f64), i.e. `a / 127` rounded up to f32. `a = 0` gives 0.
@@ -642,13 +646,18 @@ impl BlockMeta {
                 self.block_size
             ));
         }
+        // A decoded key element is an f16 (<= 65504) or `m + c s` with `|m|, s <= 65504` and
+        // `c <= 255` (section 6): at most DECODED_KEY_MAX, so no block written by section 7
+        // has a larger scale than meta_scale of it, and a larger one would only inflate the
+        // block scores of section 8.2 towards f32 overflow.
+        let most = meta_scale(DECODED_KEY_MAX);
         if let Some(b) = self
             .scale
             .iter()
-            .position(|s| !(s.is_finite() && *s >= 0.0))
+            .position(|s| !(s.is_finite() && *s >= 0.0 && *s <= most))
         {
             return Err(format!(
-                "block {b}: scale {} is not finite and >= 0",
+                "block {b}: scale {} is not finite and in [0, {most}]",
                 self.scale[b]
             ));
         }

@@ -417,7 +417,9 @@ impl<'a> Cursor<'a> {
 }
 
 /// Splits a file into verified `(kind, payload)` sections.
-pub(crate) fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
+/// The checks of the 24-byte file header (SPEC.md section 15.1) that need nothing after it:
+/// magic, version, header checksum, reserved field. Returns the section count.
+fn check_file_header(bytes: &[u8]) -> Result<u32> {
     if bytes.len() < 8 || bytes[..8] != MAGIC {
         return Err(bad(
             "not a MosaicKV file (the magic bytes `MOSAICKV` are missing)",
@@ -442,6 +444,51 @@ pub(crate) fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
     if reserved != 0 {
         return Err(bad("file header reserved field is not zero"));
     }
+    Ok(count)
+}
+
+/// Reads a MosaicKV file whole for the `load_*` functions, but only a regular file, and
+/// only once its 24-byte header has passed [`check_file_header`]: a device (`/dev/zero`),
+/// a pipe or a file that is not ours is refused before anything is allocated, and what is
+/// read is bounded by the file's size as it was when opened.
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let name = path.display().to_string();
+    let file = std::fs::File::open(path).map_err(|e| io_err(&name, e))?;
+    let meta = file.metadata().map_err(|e| io_err(&name, e))?;
+    if !meta.is_file() {
+        return Err(bad(format!(
+            "{name}: not a regular file (a MosaicKV file is read from disk whole)"
+        )));
+    }
+    let size = usize::try_from(meta.len())
+        .map_err(|_| bad(format!("{name}: {} bytes do not fit in memory", meta.len())))?;
+    let mut bytes = Vec::with_capacity(FILE_HEADER_BYTES.min(size));
+    let mut limited = file.take(meta.len());
+    (&mut limited)
+        .take(FILE_HEADER_BYTES as u64)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_err(&name, e))?;
+    if bytes.len() < FILE_HEADER_BYTES {
+        // the magic check names a file that is not ours; a short one of ours is truncated
+        check_file_header(&bytes).map_err(|e| with_path(path, e))?;
+        return Err(bad(format!(
+            "{name}: truncated: {} bytes, the file header alone is {FILE_HEADER_BYTES}",
+            bytes.len()
+        )));
+    }
+    check_file_header(&bytes).map_err(|e| with_path(path, e))?;
+    bytes.reserve_exact(size - bytes.len());
+    limited
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_err(&name, e))?;
+    Ok(bytes)
+}
+
+pub(crate) fn read_sections(bytes: &[u8]) -> Result<Vec<(u32, &[u8])>> {
+    let count = check_file_header(bytes)?;
+    let mut c = Cursor::new(bytes, "file header");
+    c.take(FILE_HEADER_BYTES)?;
     // Each section needs at least its header, which bounds the allocation.
     let count = usize::try_from(count).map_err(|_| bad("section count does not fit"))?;
     if count > c.remaining() / SECTION_HEADER_BYTES {
@@ -501,6 +548,17 @@ pub(crate) fn expect_kind(
 }
 
 pub(crate) fn parse_json<'de, T: Deserialize<'de>>(payload: &'de [u8], what: &str) -> Result<T> {
+    // Every JSON section is an object of named fields; serde would also read a struct from an
+    // array (fields by position), which no writer produces.
+    match serde_json::from_slice::<serde_json::Value>(payload) {
+        Ok(serde_json::Value::Object(_)) | Err(_) => {}
+        Ok(other) => {
+            return Err(bad(format!(
+                "{what}: a JSON object was expected, not {}",
+                crate::config::json_kind(&other)
+            )))
+        }
+    }
     serde_json::from_slice(payload).map_err(|e| bad(format!("{what}: {e}")))
 }
 
@@ -755,7 +813,7 @@ pub fn save_cache(
 
 /// Reads a cache file at `path` (see [`read_cache`]); errors name the path.
 pub fn load_cache(path: &Path) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)> {
-    let bytes = std::fs::read(path).map_err(|e| io_err(&path.display().to_string(), e))?;
+    let bytes = read_file(path)?;
     read_cache(&bytes).map_err(|e| with_path(path, e))
 }
 
@@ -768,7 +826,7 @@ pub fn save_dense(path: &Path, shape: &KvShape, rows: &DenseRows) -> Result<()> 
 
 /// Reads a dense baseline file at `path` (see [`read_dense`]).
 pub fn load_dense(path: &Path) -> Result<(KvShape, DenseRows)> {
-    let bytes = std::fs::read(path).map_err(|e| io_err(&path.display().to_string(), e))?;
+    let bytes = read_file(path)?;
     read_dense(&bytes).map_err(|e| with_path(path, e))
 }
 

@@ -648,7 +648,7 @@ pub fn save_baseline(path: &Path, file: &BaselineFile) -> Result<()> {
 /// file is `BadFormat` naming what it is. `full` also takes the CLI's dense input file
 /// (no method recorded): its rows are exactly a full cache's.
 pub fn load_baseline(path: &Path, want: &str) -> Result<BaselineFile> {
-    let bytes = std::fs::read(path).map_err(|e| io_err(&path.display().to_string(), e))?;
+    let bytes = crate::persist::read_file(path)?;
     let file = read_baseline(&bytes).map_err(|e| with_path(path, e))?;
     let ok = match file.method() {
         None => want == "full",

@@ -58,6 +58,29 @@ pub fn f16_storable<'a>(
 /// of a production cache relies on.
 pub const ROW_NORM_MAX: f64 = 65472.0;
 
+/// Largest L2 norm of a query row that attention accepts: 2^64 (SPEC.md section 14).
+///
+/// Why: queries are finite f32 but never stored, so f16's range does not bound them, and
+/// the optimized backends compute logits in f32. A key attention reads is an f16 value or
+/// an int8/int4 decoded value `m + c s` (`|m|, s <= 65504`, `c <= 255`), so every element
+/// is below 2^24 and `|q . k| <= ||q|| 2^24 sqrt(D)`: with `||q|| <= 2^64` that is below
+/// 2^98 at any head_dim up to 2^20, and the block scores of section 8.2 below 2^100, far
+/// from f32's 2^128. Without a bound a query of norm 1e37 made the f32 logits overflow to
+/// a NaN output on the CPU backend while the f64 reference answered.
+pub const QUERY_NORM_MAX: f64 = 18_446_744_073_709_551_616.0; // 2^64
+
+/// The `what` of the `NonFinite` error for a query row beyond [`QUERY_NORM_MAX`].
+pub const ROW_QUERY: &str = "queries (row norm beyond 2^64)";
+
+/// SPEC.md section 14: a query row (finite, checked first) has `||q||^2 <= 2^128`, the sum
+/// of squares in f64 over ascending i.
+pub fn query_in_range(row: impl IntoIterator<Item = f32>) -> bool {
+    let sq = row
+        .into_iter()
+        .fold(0f64, |a, x| a + f64::from(x) * f64::from(x));
+    sq <= QUERY_NORM_MAX * QUERY_NORM_MAX
+}
+
 /// The `what` of [`rows_storable`]'s error at `prefill` (keys, values) and `append`
 /// (key, value), the same on every backend.
 pub const ROW_KEYS: &str = "keys (row norm beyond f16 range)";

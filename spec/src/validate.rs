@@ -57,7 +57,8 @@ pub fn token_kv(shape: &KvShape, key: &ArrayView2<f32>, value: &ArrayView2<f32>)
     finite("value", value.iter())
 }
 
-/// Queries `[q_heads, head_dim]`, finite; output of the same shape.
+/// Queries `[q_heads, head_dim]`, finite, each row's norm at most 2^64
+/// ([`crate::rules::QUERY_NORM_MAX`]); output of the same shape.
 pub fn queries(shape: &KvShape, queries: &ArrayView2<f32>, out_shape: &[usize]) -> Result<()> {
     if queries.shape() != [shape.q_heads, shape.head_dim] {
         return Err(mismatch(
@@ -73,7 +74,16 @@ pub fn queries(shape: &KvShape, queries: &ArrayView2<f32>, out_shape: &[usize]) 
             out_shape,
         ));
     }
-    finite("queries", queries.iter())
+    finite("queries", queries.iter())?;
+    for (h, row) in queries.rows().into_iter().enumerate() {
+        if !crate::rules::query_in_range(row.iter().copied()) {
+            return Err(MosaicError::NonFinite {
+                what: crate::rules::ROW_QUERY,
+                index: h * shape.head_dim,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Inputs of top-k selection (SPEC.md section 8.3): one length per score, every

@@ -521,3 +521,65 @@ fn overflowing_shape_is_refused() {
     assert!(KvShape::new(1, 1 << 40, 1 << 30).is_err());
     assert!(KvShape::new(8, 32, 128).is_ok());
 }
+
+/// The `load_*` functions read only regular files, and check the 24-byte header before
+/// reading the rest: `/dev/zero` (endless) and a directory are `BadFormat` at once, a file
+/// of ours with a damaged version is refused without being read whole, and a good file
+/// still loads.
+#[test]
+fn loading_reads_only_regular_files_and_checks_the_header_first() {
+    use mosaickv_spec::persist::{load_cache, load_dense};
+    let dir = std::env::temp_dir().join(format!("mkv-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for p in [std::path::Path::new("/dev/zero"), dir.as_path()] {
+        if !p.exists() {
+            continue;
+        }
+        for e in [load_cache(p).unwrap_err(), load_dense(p).unwrap_err()] {
+            assert!(
+                matches!(&e, MosaicError::BadFormat(m) if m.contains("not a regular file")),
+                "{}: {e}",
+                p.display()
+            );
+        }
+    }
+    let (cache, hk, hv) = sample();
+    let bytes = save(&cache, &hk, &hv);
+    let good = dir.join("cache.mkv");
+    std::fs::write(&good, &bytes).unwrap();
+    assert_eq!(load_cache(&good).unwrap().0, cache);
+    // a wrong version: refused from the header (the file is otherwise whole)
+    let mut old = bytes.clone();
+    old[8..12].copy_from_slice(&(FORMAT_VERSION - 1).to_le_bytes());
+    let bad = dir.join("old.mkv");
+    std::fs::write(&bad, &old).unwrap();
+    let e = load_cache(&bad).unwrap_err();
+    assert!(
+        matches!(&e, MosaicError::BadFormat(m) if m.contains("unsupported format version")),
+        "{e}"
+    );
+    // shorter than the header
+    std::fs::write(&bad, &bytes[..20]).unwrap();
+    assert!(matches!(
+        load_cache(&bad).unwrap_err(),
+        MosaicError::BadFormat(_)
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A configuration, and every JSON section of a file, is an object of named keys: serde
+/// would read a struct from an array by field position, so an array is refused.
+#[test]
+fn json_arrays_are_not_configurations() {
+    for text in ["[0.5, 7]", "[]", "0.5", "null", "\"x\""] {
+        let e = CompressConfig::from_json(text).unwrap_err();
+        assert!(
+            matches!(&e, MosaicError::InvalidConfig(m) if m.contains("JSON object")),
+            "{text}: {e}"
+        );
+    }
+    assert_eq!(
+        CompressConfig::from_json("{}").unwrap(),
+        CompressConfig::default()
+    );
+}
