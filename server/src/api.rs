@@ -92,6 +92,40 @@ struct Request {
     /// `max_tokens`; the EOS tokens count as completion tokens and are left out of the text.
     /// For load tests that need every request to run its full length.
     ignore_eos: Option<bool>,
+    /// Asked-for features this server does not have: refused with 400 when they ask for
+    /// something (`logprobs: true`, `top_logprobs > 0`, `echo: true`, `best_of > 1`, a
+    /// non-empty `suffix`), accepted in their "off" form, which clients send by default.
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    echo: Option<Value>,
+    best_of: Option<Value>,
+    suffix: Option<Value>,
+}
+
+impl Request {
+    /// The first asked-for feature that the server cannot give, if any: answering without it
+    /// would look like an answer to the question asked.
+    fn unsupported(&self) -> Option<&'static str> {
+        let on = |v: &Option<Value>| match v {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+            Some(Value::String(s)) => !s.is_empty(),
+            Some(_) => true,
+        };
+        if on(&self.logprobs) {
+            Some("logprobs")
+        } else if on(&self.top_logprobs) {
+            Some("top_logprobs")
+        } else if on(&self.echo) {
+            Some("echo")
+        } else if matches!(&self.best_of, Some(v) if !v.is_null() && v.as_f64() != Some(1.0)) {
+            Some("best_of")
+        } else if on(&self.suffix) {
+            Some("suffix")
+        } else {
+            None
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -189,6 +223,12 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
         if n != 1 {
             return Err(ApiError::bad("invalid_n", "only n = 1 is supported"));
         }
+    }
+    if let Some(field) = req.unsupported() {
+        return Err(ApiError::bad(
+            "unsupported_parameter",
+            format!("{field} is not supported by this server; leave it out (or off)"),
+        ));
     }
     let text = match kind {
         Kind::Chat => {

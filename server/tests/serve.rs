@@ -214,6 +214,10 @@ async fn bad_requests_get_400_and_the_server_stays_up() {
         ("/v1/completions", json!({"prompt": 5}).to_string(), "invalid_prompt"),
         ("/v1/completions", json!({"prompt": "hi", "temperature": -1}).to_string(), "invalid_temperature"),
         ("/v1/completions", json!({"prompt": "hi", "ignore_eos": "yes"}).to_string(), "invalid_json"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 2}).to_string(), "unsupported_parameter"),
+        ("/v1/completions", json!({"prompt": "hi", "echo": true}).to_string(), "unsupported_parameter"),
+        ("/v1/completions", json!({"prompt": "hi", "best_of": 3}).to_string(), "unsupported_parameter"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 2}).to_string(), "unsupported_parameter"),
     ];
     for (path, body, code) in &cases {
         let (st, v) = post(&s, path, body).await;
@@ -389,6 +393,17 @@ async fn http_edges_get_json_errors_and_tiny_temperatures_are_greedy() {
     };
     let (st, greedy) = post(&s, "/v1/completions", &ask(0.0)).await;
     assert_eq!(st, 200, "{greedy}");
+    // the "off" forms of the unsupported features, as clients send them by default
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "logprobs": null, "echo": false, "best_of": 1, "suffix": null, "top_logprobs": 0})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], greedy["choices"][0]["text"]);
     let (st, tiny) = post(&s, "/v1/completions", &ask(1e-310)).await;
     assert_eq!(st, 200, "{tiny}");
     assert_eq!(tiny["choices"][0]["text"], greedy["choices"][0]["text"]);
