@@ -144,14 +144,16 @@ impl MosaicCache {
         compressed.validate()?;
         let shape = compressed.shape;
         let cfg = &compressed.config;
-        let bad = |m: String| Err(MosaicError::InvalidConfig(m));
+        // The parts come from a file (or a caller who built them): a disagreement is a bad
+        // cache, reported as `BadFormat` in the optimized backend's words.
+        let bad = |m: String| Err(MosaicError::BadFormat(m));
         // (`validate` checked the sink rule and the buffer below capacity.)
         let open_len = match compressed.segments.last() {
             Some(seg) if seg.state == SegmentState::Open => seg.len,
             _ => 0,
         };
         if open_len % cfg.buffer_capacity != 0 || open_len >= cfg.max_segment_len {
-            return bad(format!("open segment of {open_len} tokens"));
+            return bad(format!("open segment of {open_len} tokens is not a whole number of flushes below max_segment_len"));
         }
         let host_tokens = open_len + compressed.buffer.tokens;
         let want = host_tokens * shape.kv_heads * shape.head_dim;
