@@ -489,6 +489,17 @@ pub fn resolve_suite(a: &Args, defaults: &DefaultSuite) -> Result<(Suite, usize,
             "eval needs at least one task, length, sample and method".into(),
         ));
     }
+    // a repeated cell or method would count the same prompts twice in the pooled headline
+    no_repeats("--lengths", &suite.lengths)?;
+    no_repeats("--tasks", &suite.tasks)?;
+    no_repeats(
+        "--methods",
+        &suite
+            .methods
+            .iter()
+            .map(|m| m.to_string())
+            .collect::<Vec<_>>(),
+    )?;
     Ok((
         suite,
         a.kl_length.unwrap_or(defaults.kl_length),
@@ -507,6 +518,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
         (c.n_layers, c.q_heads, c.kv_heads, c.head_dim),
     );
     let (suite, kl_length, kl_positions) = resolve_suite(&a, defaults)?;
+    lengths_fit(&model, &suite.lengths)?;
     eprintln!(
         "eval: {} (default suite of {}), {} tasks x {:?} x {} samples, {} methods, KL over {} tokens",
         a.model
@@ -689,5 +701,30 @@ mod tests {
         );
         assert!(lines[0].ends_with(" s elapsed"), "{out}");
         assert_eq!(lines[2], "a verbose prediction");
+    }
+}
+
+/// An option's list with an entry given twice is refused (it would be run, and counted, twice).
+pub fn no_repeats<T: PartialEq + std::fmt::Debug>(
+    option: &str,
+    items: &[T],
+) -> Result<(), CliError> {
+    for (i, x) in items.iter().enumerate() {
+        if items[..i].contains(x) {
+            return Err(CliError::Input(format!("{option}: {x:?} is given twice")));
+        }
+    }
+    Ok(())
+}
+
+/// Every prompt length fits the model's context (checked before any prompt is built: a huge
+/// length would build a prompt of millions of tokens first).
+pub fn lengths_fit(model: &mosaickv_engine::Model, lengths: &[usize]) -> Result<(), CliError> {
+    let context = model.config().context_length;
+    match lengths.iter().find(|&&n| n == 0 || n >= context) {
+        Some(n) => Err(CliError::Input(format!(
+            "--lengths {n}: a prompt length must be between 1 and the context length {context} (exclusive)"
+        ))),
+        None => Ok(()),
     }
 }

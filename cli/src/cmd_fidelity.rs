@@ -248,6 +248,11 @@ pub fn text_tokens(model: &Model, text: &str, length: usize) -> Result<Vec<u32>,
 }
 
 pub fn run(a: Args) -> Result<(), CliError> {
+    if a.steps == 0 || a.recall_k == 0 {
+        return Err(CliError::Input(
+            "--steps and --recall-k must be at least 1 (a mean over no steps, or recall@0, is no measurement)".into(),
+        ));
+    }
     let methods = llm::parse_methods(&a.methods)?;
     let model = llm::load_model(a.model.as_deref())?;
     let mut layers = Vec::new();
@@ -255,6 +260,14 @@ pub fn run(a: Args) -> Result<(), CliError> {
     if !a.no_layers {
         let (_, ids) = llm::task_sample(&model, Task::NiahSingle1, a.length, a.seed)?;
         prompt_tokens = ids.len();
+        let context = model.config().context_length;
+        if a.steps > context.saturating_sub(ids.len()) {
+            return Err(CliError::Input(format!(
+                "--steps {} after a prompt of {} tokens passes the context length {context}",
+                a.steps,
+                ids.len()
+            )));
+        }
         eprintln!(
             "fidelity: niah_single_1 prompt of {} tokens, {} decode steps",
             ids.len(),

@@ -129,7 +129,14 @@ pub fn run(a: Args) -> Result<(), CliError> {
     {
         methods.push((Method::parse("mosaic")?, "mosaic (loss threshold)", None));
     }
+    if a.samples == 0 || a.lengths.is_empty() {
+        return Err(CliError::Input(
+            "frontier needs at least one length and one sample".into(),
+        ));
+    }
+    cmd_eval::no_repeats("--lengths", &a.lengths)?;
     let model = llm::load_model(a.model.as_deref())?;
+    cmd_eval::lengths_fit(&model, &a.lengths)?;
     let suite = Suite {
         tasks: cmd_eval::parse_tasks(&a.tasks)?,
         lengths: a.lengths.clone(),

@@ -37,6 +37,25 @@ pub fn run(a: Args) -> Result<(), CliError> {
     } else {
         model.encode_chat(&a.prompt)?
     };
+    // generation stops at the model's context: say so rather than run past it
+    let context = model.config().context_length;
+    let room = context.saturating_sub(ids.len());
+    if room == 0 {
+        return Err(CliError::Input(format!(
+            "the prompt is {} tokens, the model's context {context}: no room to generate",
+            ids.len()
+        )));
+    }
+    let max_tokens = if a.max_tokens > room {
+        eprintln!(
+            "mosaickv generate: --max-tokens {} capped at {room} (prompt {} tokens, context {context})",
+            a.max_tokens,
+            ids.len()
+        );
+        room
+    } else {
+        a.max_tokens
+    };
     let t = Instant::now();
     let pre = model.prefill(&ids)?;
     let prefill_s = t.elapsed().as_secs_f64();
@@ -46,7 +65,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let mut generated: Vec<u32> = Vec::new();
     let mut printed = 0usize;
     let mut write_err = None;
-    let d = llm::decode_greedy(&model, &pre, &method, a.max_tokens, |id| {
+    let d = llm::decode_greedy(&model, &pre, &method, max_tokens, |id| {
         generated.push(id);
         if let Ok(text) = model.decode(&generated) {
             if text.len() > printed && text.is_char_boundary(printed) && !text.ends_with('\u{fffd}')

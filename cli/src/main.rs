@@ -63,6 +63,22 @@ fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 fn main() {
+    // `println!` panics when stdout cannot be written (a full disk, a closed pipe): report
+    // that as the error it is, exit 1, instead of a panic message and exit 101.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if let Some(rest) = msg.strip_prefix("failed printing to stdout: ") {
+            eprintln!("mosaickv: error: writing to stdout: {rest}");
+            std::process::exit(1);
+        }
+        default_hook(info)
+    }));
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("mosaickv: error: {}", e.one_line());

@@ -198,7 +198,13 @@ impl Method {
             let (k, v) = p.split_once('=').ok_or_else(|| {
                 EngineError::Invalid(format!("method {spec:?}: override {p:?} is not key=value"))
             })?;
-            kv.push((k.trim().to_string(), v.trim().to_string()));
+            let k = k.trim().to_string();
+            if kv.iter().any(|(seen, _): &(String, String)| *seen == k) {
+                return Err(EngineError::Invalid(format!(
+                    "method {spec:?}: {k} is given twice"
+                )));
+            }
+            kv.push((k, v.trim().to_string()));
         }
         let num = |k: &str, v: &str| -> Result<f64> {
             v.parse::<f64>().map_err(|_| {
@@ -214,6 +220,9 @@ impl Method {
         };
         let list =
             |k: &str, v: &str| -> Result<Vec<f64>> { v.split('/').map(|x| num(k, x)).collect() };
+        let counts = |k: &str, v: &str| -> Result<Vec<usize>> {
+            v.split('/').map(|x| count(k, x)).collect()
+        };
         let default_rate = CompressConfig::default().token_rate;
         let unknown = |k: &str| {
             EngineError::Invalid(format!(
@@ -293,7 +302,7 @@ impl Method {
                 for (k, v) in &kv {
                     match k.as_str() {
                         "rate" => c.token_rate = num(k, v)?,
-                        "minb" => c.min_budget_tokens = num(k, v)? as usize,
+                        "minb" => c.min_budget_tokens = count(k, v)?,
                         // value dtypes the strategy may use (SPEC.md section 11.2), `/`-separated
                         "dt" => {
                             c.value_dtypes = v
@@ -311,10 +320,10 @@ impl Method {
                                 .collect::<Result<_>>()?
                         }
                         "ret" => ret = Some(num(k, v)?),
-                        "g" => g = num(k, v)? as usize,
+                        "g" => g = count(k, v)?,
                         "trunc" => c.truncate_fraction = num(k, v)?,
-                        "sink" => c.sink_tokens = num(k, v)? as usize,
-                        "lin" => c.input_segment_len = num(k, v)? as usize,
+                        "sink" => c.sink_tokens = count(k, v)?,
+                        "lin" => c.input_segment_len = count(k, v)?,
                         "var" => c.variance_threshold = num(k, v)?,
                         // the attention loss (SPEC.md section 11.1) with its K/V thresholds
                         "aloss" => match list(k, v)?.as_slice() {
@@ -331,7 +340,7 @@ impl Method {
                             }
                         },
                         "bs" => {
-                            c.block_sizes = list(k, v)?.into_iter().map(|x| x as usize).collect()
+                            c.block_sizes = counts(k, v)?
                         }
                         "kloss" | "vloss" | "rets" | "gs" => {
                             let ChannelPolicy::LossThreshold {
@@ -349,7 +358,7 @@ impl Method {
                                 "rets" => *retentions = list(k, v)?,
                                 _ => {
                                     *group_sizes =
-                                        list(k, v)?.into_iter().map(|x| x as usize).collect()
+                                        counts(k, v)?
                                 }
                             }
                         }
@@ -806,6 +815,17 @@ mod tests {
             "quest-sink:ret=0.5",
             "quest-sink:rate=0",
             "kvq8:rate=0.5",
+            // counts are integers, not numbers cast to one (-5 and NaN became 0, 1e30 the
+            // largest usize, 1.5 became 1)
+            "mosaic:minb=-5",
+            "mosaic:minb=nan",
+            "mosaic:minb=1e30",
+            "mosaic:g=1.5:ret=0.5",
+            "mosaic:bs=16.7/32",
+            "mosaic:sink=1e30",
+            // a key given twice (the last silently won)
+            "mosaic:ret=0.5:ret=0.25",
+            "quest:rate=0.1:rate=0.2",
         ] {
             assert!(Method::parse(s).is_err(), "{s} should not parse");
         }

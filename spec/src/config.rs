@@ -100,6 +100,9 @@ impl LossPolicy {
     }
 }
 
+/// Largest token count a configuration may name (2^40): see `CompressConfig::validate`.
+pub const MAX_TOKENS: u64 = 1 << 40;
+
 /// Every parameter of the method. Defaults and their reasons: SPEC.md section 2.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -249,6 +252,20 @@ impl CompressConfig {
         }
         if self.input_segment_len == 0 || self.buffer_capacity == 0 {
             return bad("input_segment_len and buffer_capacity must be positive".into());
+        }
+        // Token counts stay far from usize overflow in the segment rules (2 * input_segment_len,
+        // a segment's length times its row size): 2^40 tokens, beyond any context.
+        for (name, n) in [
+            ("input_segment_len", self.input_segment_len),
+            ("max_segment_len", self.max_segment_len),
+            ("min_segment_len", self.min_segment_len),
+            ("buffer_capacity", self.buffer_capacity),
+            ("min_budget_tokens", self.min_budget_tokens),
+            ("sink_tokens", self.sink_tokens),
+        ] {
+            if n as u64 > MAX_TOKENS {
+                return bad(format!("{name} {n} is above 2^40 tokens"));
+            }
         }
         if self.max_segment_len < self.buffer_capacity
             || self.max_segment_len % self.buffer_capacity != 0

@@ -454,6 +454,13 @@ fn check_file_header(bytes: &[u8]) -> Result<u32> {
 pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     let name = path.display().to_string();
+    // checked before opening too: opening a named pipe with no writer blocks
+    let before = std::fs::metadata(path).map_err(|e| io_err(&name, e))?;
+    if !before.is_file() {
+        return Err(bad(format!(
+            "{name}: not a regular file (a MosaicKV file is read from disk whole)"
+        )));
+    }
     let file = std::fs::File::open(path).map_err(|e| io_err(&name, e))?;
     let meta = file.metadata().map_err(|e| io_err(&name, e))?;
     if !meta.is_file() {

@@ -85,20 +85,41 @@ impl<T> OrRaise<T> for mosaickv_spec::Result<T> {
 
 // ------------------------------------------------------------------ arrays in
 
-/// An input array as f32: a float32 array is read in place (no copy); a float16
-/// array is widened exactly into a new f32 array. Anything else is a `DtypeError`.
+/// An input array as f32, always copied (a float16 array widened exactly) while the GIL is
+/// held: the calls run with the GIL released (`Python::detach`), and another Python thread
+/// could otherwise change a float32 array between its validation and its use (a row checked
+/// finite, then read as infinity). The copy's memory is reserved fallibly: an input too large
+/// to copy is a `MemoryError`, not an abort. Anything else than float32/float16 is a
+/// `DtypeError`.
 enum Input<'py> {
-    F32(PyReadonlyArrayDyn<'py, f32>),
-    Widened(ArrayD<f32>),
+    Widened(ArrayD<f32>, std::marker::PhantomData<&'py ()>),
+}
+
+/// `a`'s elements mapped by `f` into a new array, its memory reserved first (`MemoryError`).
+fn copied<T: Copy>(
+    a: ndarray::ArrayViewD<'_, T>,
+    what: &str,
+    f: impl Fn(T) -> f32,
+) -> PyResult<ArrayD<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(a.len()).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "{what}: {} elements of shape {:?} do not fit in memory",
+            a.len(),
+            a.shape()
+        ))
+    })?;
+    v.extend(a.iter().map(|&x| f(x)));
+    ArrayD::from_shape_vec(a.raw_dim(), v).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 impl<'py> Input<'py> {
     fn from(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
         if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'py, f32>>() {
-            return Ok(Input::F32(a));
+            return Ok(Input::Widened(copied(a.as_array(), what, |x| x)?, Default::default()));
         }
         if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'py, half::f16>>() {
-            return Ok(Input::Widened(a.as_array().mapv(f32::from)));
+            return Ok(Input::Widened(copied(a.as_array(), what, f32::from)?, Default::default()));
         }
         let got = match obj.getattr("dtype") {
             Ok(d) => format!("dtype {}", d.str()?),
@@ -113,8 +134,7 @@ impl<'py> Input<'py> {
 
     fn view(&self) -> ArrayViewD<'_, f32> {
         match self {
-            Input::F32(a) => a.as_array(),
-            Input::Widened(a) => a.view(),
+            Input::Widened(a, _) => a.view(),
         }
     }
 }
@@ -229,7 +249,10 @@ impl Kind {
     fn attend(&mut self, q: ArrayView2<f32>) -> mosaickv_spec::Result<Array2<f32>> {
         let s = self.kv_ref().shape();
         if q.ncols() == s.head_dim && q.nrows() != s.q_heads {
-            // Validated by `KvShape::new`; on error nothing changed.
+            // The queries are checked against the shape they would give before the cache takes
+            // it: a refused call must leave the cache (and what it saves) as it was.
+            let want = mosaickv_spec::KvShape::new(s.kv_heads, q.nrows(), s.head_dim)?;
+            mosaickv_spec::validate::queries(&want, &q, &[want.q_heads, want.head_dim])?;
             self.set_q_heads(q.nrows())?;
         }
         let s = self.kv_ref().shape();

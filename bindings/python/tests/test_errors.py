@@ -239,3 +239,44 @@ def test_bad_dimensions_are_typed_errors(make):
     assert len(make(np.int64(2), np.int32(32))) == 0
     with pytest.raises(TypeError):
         make(2.0, 64)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_refused_attend_keeps_the_caches_q_heads(tmp_path, backend):
+    """Queries of another q_heads that are refused (NaN) leave the cache's shape, and what
+    it saves, as they were (the shape was taken before the queries were checked)."""
+    k, v = low_rank_kv(0, 200, KV, D)
+    c = mosaickv.Cache(KV, D, mosaickv.Config(input_segment_len=64), backend=backend)
+    c.prefill(k, v)
+    q = queries(1, 2 * KV, D)
+    before = c.attend(q)
+    c.save(str(tmp_path / "a"))
+    bad = queries(2, 4 * KV, D)
+    bad[1, 3] = np.nan
+    with pytest.raises(mosaickv.NonFiniteError):
+        c.attend(bad)
+    c.save(str(tmp_path / "b"))
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+    np.testing.assert_array_equal(c.attend(q), before)
+
+
+def test_an_input_too_large_to_copy_is_a_memory_error():
+    """Inputs are copied before the GIL is released; a broadcast view of 2^40 elements
+    cannot be, and raises MemoryError instead of aborting the interpreter."""
+    big = np.broadcast_to(np.float32(0.1), (2**35, KV, D))
+    c = mosaickv.FullCache(KV, D)
+    with pytest.raises(MemoryError):
+        c.prefill(big, big)
+    assert len(c) == 0
+
+
+def test_config_json_must_be_an_object_and_configs_pickle():
+    import copy
+    import pickle
+    for text in ["[1]", "0.5", "null", "{not json"]:
+        with pytest.raises(mosaickv.InvalidConfigError):
+            mosaickv.Config.from_json(text)
+    cfg = mosaickv.Config(token_rate=0.3, input_segment_len=64)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert copy.deepcopy(cfg) == cfg
+    assert copy.copy(cfg).token_rate == 0.3

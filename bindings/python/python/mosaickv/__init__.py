@@ -109,8 +109,16 @@ class Config:
 
     @classmethod
     def from_json(cls, text: str) -> "Config":
-        """A configuration from JSON text (the CLI's ``--config`` file format)."""
-        return cls(**json.loads(text))
+        """A configuration from JSON text (the CLI's ``--config`` file format): a JSON
+        object of keys; anything else raises :class:`InvalidConfigError`."""
+        try:
+            keys = json.loads(text)
+        except ValueError as e:
+            raise _errors.InvalidConfigError(f"malformed JSON: {e}") from None
+        if not isinstance(keys, dict):
+            raise _errors.InvalidConfigError(
+                f"a configuration is a JSON object of named keys, not {type(keys).__name__}")
+        return cls(**keys)
 
     def to_json(self) -> str:
         """Every key as JSON, readable by the CLI's ``--config``."""
@@ -121,10 +129,18 @@ class Config:
         return json.loads(json.dumps(self._d))
 
     def __getattr__(self, name: str) -> Any:
+        # `_d` itself is looked up here only before __init__ set it (copy and pickle build
+        # the object without calling __init__): no recursion
+        if name == "_d":
+            raise AttributeError(name)
         try:
             return json.loads(json.dumps(self._d[name]))
         except KeyError:
             raise AttributeError(name) from None
+
+    def __reduce__(self):
+        # pickle and copy rebuild from the keys, validated again
+        return (_config_from_dict, (dict(self._d),))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Config is immutable: build a new one, e.g. Config(**{**cfg.to_dict(), key: value})")
@@ -439,3 +455,7 @@ class Kvq4Cache(_KvqCache):
 
     _method = "kvq4"
     _bits = 4
+
+
+def _config_from_dict(keys: Dict[str, Any]) -> "Config":
+    return Config(**keys)
