@@ -753,6 +753,30 @@ pub fn read_cache(bytes: &[u8]) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)>
         buffer,
     };
     validate_structure(&cache, &host_keys, &host_values).map_err(as_format_error)?;
+    // Encode never stores a non-finite f16 (SPEC.md section 14), so one in a file is damage:
+    // refused here rather than met by attention (where the backends would differ).
+    for (s, seg) in cache.segments.iter().enumerate() {
+        for (h, head) in seg.heads.iter().enumerate() {
+            for (side, rows, layout) in [
+                ("keys", &head.keys, &head.strategy.key.layout),
+                ("values", &head.values, &head.strategy.value.layout),
+            ] {
+                if layout.dtype != ValueDtype::F16 {
+                    continue;
+                }
+                for i in 0..rows.count {
+                    let rec = rows.record(layout, i);
+                    if (0..layout.r)
+                        .any(|j| !crate::layout::record_value(layout, rec, j).is_finite())
+                    {
+                        return Err(MosaicError::CorruptPacked(format!(
+                            "segment {s}, head {h}, {side} record {i}: a stored f16 value is not finite"
+                        )));
+                    }
+                }
+            }
+        }
+    }
     Ok((cache, host_keys, host_values))
 }
 
