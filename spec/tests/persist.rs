@@ -583,3 +583,41 @@ fn json_arrays_are_not_configurations() {
         CompressConfig::default()
     );
 }
+
+/// A stored f16 value that is not finite (encode never writes one, SPEC.md section 14) makes
+/// a file `CorruptPacked` on load, even with every checksum recomputed.
+#[test]
+fn a_non_finite_f16_record_value_is_refused_on_load() {
+    let (mut cache, hk, hv) = sample();
+    let (s, h, side) = cache
+        .segments
+        .iter()
+        .enumerate()
+        .flat_map(|(s, seg)| seg.heads.iter().enumerate().map(move |(h, hd)| (s, h, hd)))
+        .find_map(|(s, h, hd)| {
+            if hd.strategy.key.layout.dtype == ValueDtype::F16 && hd.keys.count > 0 {
+                Some((s, h, 0))
+            } else if hd.strategy.value.layout.dtype == ValueDtype::F16 && hd.values.count > 0 {
+                Some((s, h, 1))
+            } else {
+                None
+            }
+        })
+        .expect("the sample has an f16 side");
+    let head = &mut cache.segments[s].heads[h];
+    let (rows, layout) = if side == 0 {
+        (&mut head.keys, &head.strategy.key.layout)
+    } else {
+        (&mut head.values, &head.strategy.value.layout)
+    };
+    let o = layout.bitmap_bytes(); // the first stored value of record 0
+    rows.bytes[o..o + 2].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
+    let mut bytes = Vec::new();
+    // writing validates structure only (records' values are not decoded)
+    write_cache(&mut bytes, &cache, &hk, &hv).unwrap();
+    let e = read_cache(&bytes).unwrap_err();
+    assert!(
+        matches!(&e, MosaicError::CorruptPacked(m) if m.contains("not finite")),
+        "{e}"
+    );
+}
