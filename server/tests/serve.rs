@@ -328,15 +328,8 @@ async fn http_edges_get_json_errors_and_tiny_temperatures_are_greedy() {
     // an idle connection, held through the whole test
     let _idle = tokio::net::TcpStream::connect(s.addr()).await.unwrap();
     let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(3 << 20));
-    let r = client()
-        .post(url(&s, "/v1/completions"))
-        .header("content-type", "application/json")
-        .body(big.clone())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 413);
-    let v: Value = r.json().await.unwrap();
+    let (st, v) = post(&s, "/v1/completions", &big).await;
+    assert_eq!(st, 413, "{v}");
     assert_eq!(v["error"]["code"], "request_too_large", "{v}");
     // the same body chunked (no Content-Length): stopped at the limit
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big

@@ -72,13 +72,25 @@ pub const QUERY_NORM_MAX: f64 = 18_446_744_073_709_551_616.0; // 2^64
 /// The `what` of the `NonFinite` error for a query row beyond [`QUERY_NORM_MAX`].
 pub const ROW_QUERY: &str = "queries (row norm beyond 2^64)";
 
-/// SPEC.md section 14: a query row (finite, checked first) has `||q||^2 <= 2^128`, the sum
-/// of squares in f64 over ascending i.
-pub fn query_in_range(row: impl IntoIterator<Item = f32>) -> bool {
-    let sq = row
-        .into_iter()
-        .fold(0f64, |a, x| a + f64::from(x) * f64::from(x));
-    sq <= QUERY_NORM_MAX * QUERY_NORM_MAX
+/// SPEC.md section 14: every query row (finite, checked first) has `||q||^2 <= 2^128`, the
+/// sum of squares in f64 over ascending i. Else `NonFinite` ([`ROW_QUERY`]) with the flat
+/// index `row * d` of the first such row, the same on every backend.
+pub fn queries_in_range<'a, R: IntoIterator<Item = &'a f32>>(
+    rows: impl IntoIterator<Item = R>,
+    d: usize,
+) -> Result<()> {
+    for (h, row) in rows.into_iter().enumerate() {
+        let sq = row
+            .into_iter()
+            .fold(0f64, |a, &x| a + f64::from(x) * f64::from(x));
+        if !(sq <= QUERY_NORM_MAX * QUERY_NORM_MAX) {
+            return Err(MosaicError::NonFinite {
+                what: ROW_QUERY,
+                index: h * d,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The `what` of [`rows_storable`]'s error at `prefill` (keys, values) and `append`

@@ -75,15 +75,7 @@ pub fn queries(shape: &KvShape, queries: &ArrayView2<f32>, out_shape: &[usize]) 
         ));
     }
     finite("queries", queries.iter())?;
-    for (h, row) in queries.rows().into_iter().enumerate() {
-        if !crate::rules::query_in_range(row.iter().copied()) {
-            return Err(MosaicError::NonFinite {
-                what: crate::rules::ROW_QUERY,
-                index: h * shape.head_dim,
-            });
-        }
-    }
-    Ok(())
+    crate::rules::queries_in_range(queries.rows(), shape.head_dim)
 }
 
 /// Inputs of top-k selection (SPEC.md section 8.3): one length per score, every

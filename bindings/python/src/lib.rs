@@ -91,9 +91,7 @@ impl<T> OrRaise<T> for mosaickv_spec::Result<T> {
 /// finite, then read as infinity). The copy's memory is reserved fallibly: an input too large
 /// to copy is a `MemoryError`, not an abort. Anything else than float32/float16 is a
 /// `DtypeError`.
-enum Input<'py> {
-    Widened(ArrayD<f32>, std::marker::PhantomData<&'py ()>),
-}
+struct Input(ArrayD<f32>);
 
 /// `a`'s elements mapped by `f` into a new array, its memory reserved first (`MemoryError`).
 fn copied<T: Copy>(
@@ -113,13 +111,13 @@ fn copied<T: Copy>(
     ArrayD::from_shape_vec(a.raw_dim(), v).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
-impl<'py> Input<'py> {
-    fn from(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+impl Input {
+    fn from<'py>(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
         if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'py, f32>>() {
-            return Ok(Input::Widened(copied(a.as_array(), what, |x| x)?, Default::default()));
+            return Ok(Input(copied(a.as_array(), what, |x| x)?));
         }
         if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'py, half::f16>>() {
-            return Ok(Input::Widened(copied(a.as_array(), what, f32::from)?, Default::default()));
+            return Ok(Input(copied(a.as_array(), what, f32::from)?));
         }
         let got = match obj.getattr("dtype") {
             Ok(d) => format!("dtype {}", d.str()?),
@@ -133,9 +131,7 @@ impl<'py> Input<'py> {
     }
 
     fn view(&self) -> ArrayViewD<'_, f32> {
-        match self {
-            Input::Widened(a, _) => a.view(),
-        }
+        self.0.view()
     }
 }
 

@@ -693,17 +693,7 @@ impl CudaCache {
             });
         }
         mosaickv_spec::validate::finite("queries", queries.iter())?;
-        let d = t.head_dim.max(1);
-        match queries
-            .chunks(d)
-            .position(|row| !mosaickv_spec::rules::query_in_range(row.iter().copied()))
-        {
-            Some(r) => Err(MosaicError::NonFinite {
-                what: mosaickv_spec::rules::ROW_QUERY,
-                index: r * d,
-            }),
-            None => Ok(()),
-        }
+        mosaickv_spec::rules::queries_in_range(queries.chunks(t.head_dim.max(1)), t.head_dim)
     }
 
     /// One decode step for the whole batch: queries `[batch][q_heads][D]` in, outputs
