@@ -13,8 +13,9 @@
 #define MKV_ATT_TILE 64
 #define MKV_HCHUNK 8
 
-// Dynamic shared memory of mkv_packed_attention: sq [G][D] + so [G][D] + p [G][TILE] + 3*G scalars.
-// Host: (2 * G * D + G * MKV_ATT_TILE + 3 * G) * 4 bytes.
+// Dynamic shared memory of mkv_packed_attention: sq [G][D] + so [G][D] + p [G][TILE] + 3*G
+// scalars + sv [TILE][D] (a tile's decoded value rows, expanded).
+// Host: (2 * G * D + G * MKV_ATT_TILE + 3 * G + MKV_ATT_TILE * D) * 4 bytes.
 //
 // grid: (1 + max_items, kv_heads, batch), block MKV_ATT_THREADS.
 // Part 0 = dense rows (sink then buffer) of sequence b: dense rows
@@ -37,6 +38,7 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
     float* sm = sp + G * MKV_ATT_TILE;           // [G] running max (log2 domain)
     float* sl = sm + G;                          // [G] running sum
     float* ss = sl + G;                          // [G] rescale factor of this tile
+    float* sv = ss + G;                          // [TILE][D] decoded value rows of a tile
     const int part = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
     const int bj = b * kv_heads + j;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -176,7 +178,13 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
             }
         }
         softmax_tile(T);
-        // Phase C: so[h][dim] += p[h][t] * v^[dim], positions rebuilt from the V bitmap.
+        // Phase C: so[h][d] += sum_t p[h][t] * v^[t][d] (SPEC.md 9 step 4). First the tile's
+        // decoded value rows are expanded into sv (positions rebuilt from the V bitmap, zeros
+        // where a dim is not kept or a slot is a hole), then each output element is summed by
+        // one thread in token order: the same bits on every run (shared-memory atomics, the
+        // first version, summed in whatever order the hardware ran them).
+        for (int i = tid; i < T * D; i += MKV_ATT_THREADS) sv[i] = 0.0f;
+        __syncthreads();
         for (int t_base = 0; t_base < T; t_base += MKV_ATT_THREADS / vl) {
             const int t = t_base + tid / vl, sub = tid % vl;
             if (t >= T) continue;
@@ -194,12 +202,17 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
                 int dims[4];
                 mkv_chunk_dims(bm, vw, s.val_r, s.val_g, c, dims);
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (dims[i] < 0) continue;
-                    const float v = vv4[i];
-                    for (int h = 0; h < G; ++h) atomicAdd(&so[h * D + dims[i]], sp[h * MKV_ATT_TILE + t] * v);
-                }
+                for (int i = 0; i < 4; ++i)
+                    if (dims[i] >= 0) sv[t * D + dims[i]] = vv4[i];
             }
+        }
+        __syncthreads();
+        for (int i = tid; i < G * D; i += MKV_ATT_THREADS) {
+            const int h = i / D, d = i % D;
+            if (d >= s.val_dt) continue;  // past the kept dims so stays 0
+            float acc = so[i];
+            for (int t = 0; t < T; ++t) acc += sp[h * MKV_ATT_TILE + t] * sv[t * D + d];
+            so[i] = acc;
         }
         __syncthreads();
     }
