@@ -6,8 +6,9 @@ use crate::error::{io, CliError};
 use crate::npy;
 use mosaickv_optimized::OptimizedMosaicCache;
 use mosaickv_reference::MosaicCache;
+use mosaickv_spec::atomic::Pending;
 use mosaickv_spec::cache::DenseRows;
-use mosaickv_spec::persist::{save_cache, save_dense};
+use mosaickv_spec::persist::{write_cache, write_dense};
 use mosaickv_spec::{
     f16, validate, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
 };
@@ -78,6 +79,10 @@ pub fn run(a: Args) -> Result<(), CliError> {
 }
 
 /// Writes `cache.mkv`, `dense.mkv` and `manifest.json` into `out` and prints the summary line.
+/// The three files change together or not at all: each is written and synced under a
+/// temporary name first, and only when all three are on disk are they renamed over the old
+/// ones (`mosaickv_spec::atomic`), so a failed write (a full disk, a file-size limit, a kill)
+/// leaves a previous cache directory byte for byte as it was.
 fn write_dir(
     out: &Path,
     compressed: &CompressedCache,
@@ -88,24 +93,35 @@ fn write_dir(
     let shape = compressed.shape;
     let tokens = keys.dim().0;
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
-    save_cache(
-        &cachedir::cache_path(out),
-        compressed,
-        host_keys,
-        host_values,
-    )?;
+    let mut cache_bytes = Vec::new();
+    write_cache(&mut cache_bytes, compressed, host_keys, host_values)?;
     let dense = DenseRows {
         tokens,
         keys: keys.iter().map(|&x| f16::from_f32(x)).collect(),
         values: values.iter().map(|&x| f16::from_f32(x)).collect(),
     };
-    save_dense(&cachedir::dense_path(out), &shape, &dense)?;
+    let mut dense_bytes = Vec::new();
+    write_dense(&mut dense_bytes, &shape, &dense)?;
+    drop(dense);
     let m = cachedir::memory(compressed, host_keys, host_values);
     let manifest = cachedir::manifest(compressed, &m);
     let text = serde_json::to_string_pretty(&manifest)
-        .map_err(|e| CliError::Input(format!("manifest: {e}")))?;
-    let mpath = cachedir::manifest_path(out);
-    std::fs::write(&mpath, text + "\n").map_err(|e| io(&mpath, e))?;
+        .map_err(|e| CliError::Input(format!("manifest: {e}")))?
+        + "\n";
+    let files = [
+        (cachedir::cache_path(out), cache_bytes),
+        (cachedir::dense_path(out), dense_bytes),
+        (cachedir::manifest_path(out), text.into_bytes()),
+    ];
+    let mut pending = Vec::with_capacity(files.len());
+    for (path, bytes) in &files {
+        let p = Pending::prepare(path, |f| std::io::Write::write_all(f, bytes))
+            .map_err(|e| io(path, e))?;
+        pending.push((path, p));
+    }
+    for (path, p) in pending {
+        p.commit().map_err(|e| io(path, e))?;
+    }
     let dense_bpt = MemoryReport::dense_f16_bytes_per_token(&shape);
     println!(
         "compressed {tokens} tokens into {} segments: {:.2} bytes/token vs {dense_bpt:.0} dense f16 (ratio {:.4}); wrote {}",

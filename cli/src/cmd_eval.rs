@@ -563,7 +563,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
             "forced": forced,
         }))
         .map_err(|e| CliError::Input(e.to_string()))?;
-        std::fs::write(p, text + "\n").map_err(|e| io(p, e))?;
+        mosaickv_spec::atomic::write_atomic(p, (text + "\n").as_bytes()).map_err(|e| io(p, e))?;
     }
     if let Some(p) = &a.plot {
         let series: Vec<plot::Series> = suite

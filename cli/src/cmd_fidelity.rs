@@ -369,7 +369,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
             text: source,
         };
         let s = serde_json::to_string_pretty(&rep).map_err(|e| CliError::Input(e.to_string()))?;
-        std::fs::write(p, s + "\n").map_err(|e| io(p, e))?;
+        mosaickv_spec::atomic::write_atomic(p, (s + "\n").as_bytes()).map_err(|e| io(p, e))?;
     }
     Ok(())
 }

@@ -57,7 +57,7 @@ pub struct Args {
     /// Write the points as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// The model: a known name (`smollm2-135m`, `qwen2.5-1.5b`, fetched on first use) or a
+    /// The model: a known name (`smollm2-135m`, `qwen2.5-1.5b`, `qwen2.5-0.5b`, fetched on first use) or a
     /// local GGUF file [default: SmolLM2-135M-Instruct].
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -240,7 +240,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
     if let Some(p) = &a.json {
         let s =
             serde_json::to_string_pretty(&points).map_err(|e| CliError::Input(e.to_string()))?;
-        std::fs::write(p, s + "\n").map_err(|e| io(p, e))?;
+        mosaickv_spec::atomic::write_atomic(p, (s + "\n").as_bytes()).map_err(|e| io(p, e))?;
     }
     Ok(())
 }

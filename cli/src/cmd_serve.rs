@@ -58,7 +58,13 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         .parse()
         .map_err(|_| format!("{s:?} is not a byte count"))?;
     n.checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))
+        .filter(|&b| b <= mosaickv_server::MAX_KV_BUDGET)
+        .ok_or_else(|| {
+            format!(
+                "{s:?} is too large (at most {} bytes, 2^63 - 1)",
+                mosaickv_server::MAX_KV_BUDGET
+            )
+        })
 }
 
 pub fn run(a: Args) -> Result<(), CliError> {
@@ -109,5 +115,9 @@ mod tests {
         assert!(parse_bytes("-1").is_err());
         assert!(parse_bytes("G").is_err());
         assert!(parse_bytes("99999999999999999999G").is_err());
+        // issue 40: a budget the signed 64-bit gauges cannot hold is refused
+        assert!(parse_bytes("9223372036854775808").is_err());
+        assert!(parse_bytes("8589934592G").is_err());
+        assert_eq!(parse_bytes("9223372036854775807"), Ok(i64::MAX as usize));
     }
 }

@@ -17,13 +17,30 @@ pub enum CliError {
 }
 
 impl CliError {
-    /// The message on one line (newlines folded to spaces).
+    /// The message on one line (newlines folded to spaces), control characters escaped.
     pub fn one_line(&self) -> String {
-        self.to_string()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
+        printable(
+            &self
+                .to_string()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" "),
+        )
     }
+}
+
+/// `s` with every control character (a NUL byte from a file name or an input, an escape
+/// sequence) written as `\u{..}`, so an error line is one line of plain text.
+pub fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_unicode().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 impl fmt::Display for CliError {

@@ -79,7 +79,23 @@ fn main() {
         }
         default_hook(info)
     }));
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version print as clap prints them, on stdout, exit 0
+        Err(e) if !e.use_stderr() => e.exit(),
+        // A usage error (unknown flag, bad value, missing argument): the documented one line
+        // `mosaickv: error: ...`, exit 2 as clap and most tools use for usage errors.
+        Err(e) => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("").trim();
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!(
+                "mosaickv: error: {} (mosaickv --help lists the commands and options)",
+                error::printable(first)
+            );
+            std::process::exit(2);
+        }
+    };
     if let Err(e) = run(cli) {
         eprintln!("mosaickv: error: {}", e.one_line());
         std::process::exit(1);

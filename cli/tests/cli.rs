@@ -816,3 +816,104 @@ fn quantized_caches_are_identical_and_inspect_shows_dtype_and_scales() {
         );
     }
 }
+
+/// Issue 40, class 1: a compress that fails halfway (here a file-size limit, as a full disk
+/// would) leaves the previous cache directory byte for byte as it was, with no temporary
+/// file beside it, and the old cache still loads.
+#[cfg(unix)]
+#[test]
+fn a_failed_compress_keeps_the_previous_cache_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = setup(dir.path(), 600);
+    let snapshot = |d: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = snapshot(&c);
+    assert_eq!(before.len(), 3, "cache.mkv, dense.mkv, manifest.json");
+    let largest = before.iter().map(|f| f.1.len()).max().unwrap();
+    // ulimit -f counts 1024-byte blocks in bash: a limit under the largest file
+    let limit = (largest / 1024 / 2).max(1);
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f {limit}; trap '' XFSZ; exec \"$0\" compress --keys \"$1\" --values \"$2\" \
+             --config \"$3\" --out \"$4\""
+        ))
+        .arg(env!("CARGO_BIN_EXE_mosaickv"))
+        .arg(dir.path().join("k.npy"))
+        .arg(dir.path().join("v.npy"))
+        .arg({
+            let p = dir.path().join("cfg.json");
+            std::fs::write(&p, r#"{"token_rate": 0.5}"#).unwrap();
+            p
+        })
+        .arg(&c)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_ne!(o.status.code(), Some(0), "the limited compress succeeded");
+    assert!(
+        err.starts_with("mosaickv: error: ") && err.contains("File too large"),
+        "{err}"
+    );
+    assert!(
+        snapshot(&c) == before,
+        "the previous cache directory changed (or a temporary file was left)"
+    );
+    ok(&[&"inspect", &"--cache", &c]);
+}
+
+/// Issue 40, the error contract: a usage error is one `mosaickv: error:` line (exit 2), a
+/// control character in a message is escaped, and numpy's native-order descr `'=f4'` reads.
+#[test]
+fn usage_errors_control_characters_and_native_order_npy() {
+    let o = mosaickv(&[&"attend", &"--no-such-flag"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let line = o.stderr.trim_end();
+    assert!(!line.contains('\n'), "{line:?}");
+    assert!(line.starts_with("mosaickv: error: ") && line.contains("--no-such-flag"), "{line:?}");
+    let o = mosaickv(&[&"compress", &"--keys"]);
+    assert_eq!(o.code, 2);
+    assert!(o.stderr.starts_with("mosaickv: error: ") && !o.stderr.trim_end().contains('\n'));
+    // --help and --version still print on stdout, exit 0
+    let o = mosaickv(&[&"--version"]);
+    assert_eq!(o.code, 0);
+    assert!(o.stdout.starts_with("mosaickv "), "{}", o.stdout);
+
+    let dir = tempfile::tempdir().unwrap();
+    // a file name with an escape character: echoed escaped, never raw
+    let odd = dir.path().join("k\u{1b}[2J.npy");
+    let o = mosaickv(&[&"compress", &"--keys", &odd, &"--values", &odd, &"--out", &dir.path()]);
+    assert_ne!(o.code, 0);
+    assert!(!o.stderr.contains('\u{1b}'), "{:?}", o.stderr);
+    assert!(o.stderr.contains("\\u{1b}"), "{:?}", o.stderr);
+
+    // '=f4' (native order, little-endian here): the same array as '<f4'
+    let tokens = 40;
+    let data = kv_data(tokens, 5);
+    let lt = dir.path().join("lt.npy");
+    write_f32(&lt, &[tokens as u64, KV as u64, D as u64], &data);
+    let mut bytes = std::fs::read(&lt).unwrap();
+    let at = bytes.windows(5).position(|w| w == b"'<f4'").unwrap();
+    bytes[at + 1] = b'=';
+    let native = dir.path().join("native.npy");
+    std::fs::write(&native, &bytes).unwrap();
+    for (name, k) in [("a", &lt), ("b", &native)] {
+        ok(&[&"compress", &"--keys", k, &"--values", &lt, &"--out", &dir.path().join(name)]);
+    }
+    assert_eq!(
+        std::fs::read(dir.path().join("a/cache.mkv")).unwrap(),
+        std::fs::read(dir.path().join("b/cache.mkv")).unwrap()
+    );
+}

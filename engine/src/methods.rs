@@ -298,7 +298,7 @@ impl Method {
                     MosaicBackend::Reference
                 };
                 let mut c = CompressConfig::default();
-                let (mut ret, mut g) = (None, 1usize);
+                let (mut ret, mut g) = (None, None);
                 for (k, v) in &kv {
                     match k.as_str() {
                         "rate" => c.token_rate = num(k, v)?,
@@ -320,7 +320,7 @@ impl Method {
                                 .collect::<Result<_>>()?
                         }
                         "ret" => ret = Some(num(k, v)?),
-                        "g" => g = count(k, v)?,
+                        "g" => g = Some(count(k, v)?),
                         "trunc" => c.truncate_fraction = num(k, v)?,
                         "sink" => c.sink_tokens = count(k, v)?,
                         "lin" => c.input_segment_len = count(k, v)?,
@@ -365,11 +365,26 @@ impl Method {
                         _ => return Err(unknown(k)),
                     }
                 }
-                if let Some(retention) = ret {
-                    c.channels = ChannelPolicy::Fixed {
-                        retention,
-                        group_size: g,
-                    };
+                match (ret, g) {
+                    (_, Some(0)) => {
+                        return Err(EngineError::Invalid(format!(
+                            "method {spec:?}: g=0: the group size must be at least 1"
+                        )))
+                    }
+                    (Some(retention), g) => {
+                        c.channels = ChannelPolicy::Fixed {
+                            retention,
+                            group_size: g.unwrap_or(1),
+                        }
+                    }
+                    // g sets the fixed policy's group size; without ret there is no fixed
+                    // policy (the loss-threshold policy takes its sizes from gs=...)
+                    (None, Some(_)) => {
+                        return Err(EngineError::Invalid(format!(
+                            "method {spec:?}: g= is the group size of a fixed retention and needs ret= (the loss-threshold policy takes gs=A/B)"
+                        )))
+                    }
+                    (None, None) => {}
                 }
                 Method::Mosaic { backend, config: c }
             }
@@ -409,6 +424,11 @@ impl Method {
                 rate("retention", *retention)
             }
             Method::Mosaic { config, .. } => {
+                if group_sizes(config).contains(&0) {
+                    return Err(EngineError::Invalid(
+                        "a group size of 0: group sizes must be at least 1".into(),
+                    ));
+                }
                 // at a head_dim that every group size divides, only the other rules can fail
                 let head_dim = common_multiple(&group_sizes(config)).ok_or_else(|| {
                     EngineError::Invalid(format!(
@@ -859,6 +879,23 @@ mod tests {
         assert_eq!(bytes("full"), vec![dense; 4]);
         assert_eq!(bytes("kvq8"), vec![100 * 2 * 2 * 2 * 34; 4]);
         assert_eq!(bytes("kvq4"), vec![100 * 2 * 2 * 2 * 18; 4]);
+    }
+
+    #[test]
+    fn a_zero_group_size_and_a_group_size_without_retention_are_refused() {
+        for spec in [
+            "mosaic:g=0",
+            "mosaic:ret=0.5:g=0",
+            "mosaic:gs=0",
+            "mosaic:gs=2/0",
+        ] {
+            let e = Method::parse(spec).unwrap_err().to_string();
+            assert!(e.contains("at least 1"), "{spec}: {e}");
+            assert!(!e.contains("head_dim 1"), "{spec}: {e}");
+        }
+        let e = Method::parse("mosaic:g=2").unwrap_err().to_string();
+        assert!(e.contains("needs ret="), "{e}");
+        assert!(Method::parse("mosaic:ret=0.5:g=2").is_ok());
     }
 
     #[test]

@@ -177,6 +177,25 @@ impl MosaicCache {
         {
             return bad("buffer rows differ from the host rows".into());
         }
+        // The open segment's records are its host rows encoded with its strategies (SPEC 10.2,
+        // 15.4): a file whose two copies disagree would switch answers when the segment
+        // closes and is re-encoded from the host rows. Cost: one encode of the open segment.
+        if let Some(seg) = compressed.segments.last().filter(|_| open_len > 0) {
+            for (h, head) in seg.heads.iter().enumerate() {
+                let st = &head.strategy;
+                for (side, host, stored, name) in [
+                    (&st.key, &host_keys, &head.keys, "keys"),
+                    (&st.value, &host_values, &head.values, "values"),
+                ] {
+                    let rows = Self::host_head_rows(host, &shape, 0, open_len, h);
+                    if encode_rows(rows.view(), side)?.bytes != stored.bytes {
+                        return bad(format!(
+                            "the open segment's packed {name} of head {h} are not its host rows encoded with its strategy"
+                        ));
+                    }
+                }
+            }
+        }
         let mut cache = Self {
             compressed,
             host_keys,

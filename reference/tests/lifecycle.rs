@@ -592,3 +592,40 @@ fn from_parts_round_trips_and_rejects_inconsistency() {
         Err(MosaicError::ShapeMismatch { .. })
     ));
 }
+
+/// Issue 40, class 5: host rows of the open segment that are not what its records encode
+/// (a crafted file with valid checksums) are `BadFormat` on load, not a cache that switches
+/// answers when the segment closes.
+#[test]
+fn from_parts_rejects_host_rows_that_differ_from_the_open_segment() {
+    let shape = KvShape::new(2, 4, 16).unwrap();
+    let (k, v) = structured_kv(130, 2, 16, 8);
+    let mut cache = MosaicCache::new(shape, small_config()).unwrap();
+    cache
+        .prefill(k.slice(s![..70, .., ..]), v.slice(s![..70, .., ..]))
+        .unwrap();
+    for t in 70..130 {
+        cache
+            .append(k.index_axis(Axis(0), t), v.index_axis(Axis(0), t))
+            .unwrap();
+    }
+    let seg = cache.compressed().segments.last().unwrap();
+    assert_eq!(
+        seg.state,
+        SegmentState::Open,
+        "the test needs an open segment"
+    );
+    let (hk, hv) = cache.host_rows();
+    // the untouched parts load
+    MosaicCache::from_parts(cache.compressed().clone(), hk.to_vec(), hv.to_vec()).unwrap();
+    for side in 0..2 {
+        let (mut k2, mut v2) = (hk.to_vec(), hv.to_vec());
+        let x = if side == 0 { &mut k2 } else { &mut v2 };
+        x[3] = -x[3] + 0.5; // token 0 of the open segment, head 0
+        let e = MosaicCache::from_parts(cache.compressed().clone(), k2, v2).unwrap_err();
+        assert!(
+            matches!(&e, MosaicError::BadFormat(m) if m.contains("open segment")),
+            "{e:?}"
+        );
+    }
+}

@@ -100,6 +100,17 @@ struct Request {
     echo: Option<Value>,
     best_of: Option<Value>,
     suffix: Option<Value>,
+    /// Structured output and tool calls: refused with 400 when they ask for something
+    /// (`response_format` other than `{"type": "text"}`, a non-empty `tools` or
+    /// `functions` list); this server generates plain text only.
+    response_format: Option<Value>,
+    tools: Option<Value>,
+    functions: Option<Value>,
+    /// OpenAI's sampling adjustments ([`Sampling`]): a map from token id (a string) to a bias
+    /// in [-100, 100], and two penalties in [-2, 2].
+    logit_bias: Option<Value>,
+    frequency_penalty: Option<Value>,
+    presence_penalty: Option<Value>,
 }
 
 impl Request {
@@ -122,6 +133,16 @@ impl Request {
             Some("best_of")
         } else if on(&self.suffix) {
             Some("suffix")
+        } else if matches!(&self.response_format, Some(v) if !v.is_null()
+            && v.get("type").and_then(Value::as_str) != Some("text"))
+        {
+            Some("response_format (other than {\"type\": \"text\"})")
+        } else if matches!(&self.tools, Some(v) if !v.is_null() && v.as_array().map_or(true, |a| !a.is_empty()))
+        {
+            Some("tools")
+        } else if matches!(&self.functions, Some(v) if !v.is_null() && v.as_array().map_or(true, |a| !a.is_empty()))
+        {
+            Some("functions")
         } else {
             None
         }
@@ -188,6 +209,53 @@ struct Prepared {
     job: Job,
     stream: bool,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+}
+
+/// A penalty (`frequency_penalty` / `presence_penalty`): a number in [-2, 2], 0 when absent.
+fn parse_penalty(field: &str, v: &Option<Value>) -> Result<f32, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(0.0),
+        Some(x) => match x.as_f64() {
+            Some(p) if (-2.0..=2.0).contains(&p) => Ok(p as f32),
+            _ => Err(ApiError::bad(
+                "invalid_penalty",
+                format!("{field} must be a number in [-2, 2], got {x}"),
+            )),
+        },
+    }
+}
+
+/// `logit_bias`: an object from token ids (decimal strings) to numbers in [-100, 100], each
+/// id below the vocabulary size.
+fn parse_logit_bias(v: &Option<Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad("invalid_logit_bias", m);
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(x) => return Err(bad(format!("logit_bias must be an object, got {x}"))),
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (k, b) in map {
+        let t: u32 = k
+            .parse()
+            .ok()
+            .filter(|&t: &u32| (t as usize) < vocab)
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias key {k:?} is not a token id below the vocabulary size {vocab}"
+                ))
+            })?;
+        let b = b
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias value for token {t} must be a number in [-100, 100], got {b}"
+                ))
+            })?;
+        out.push((t, b as f32));
+    }
+    Ok(out)
 }
 
 /// `max_tokens` or `max_completion_tokens` (`field` names which one, for the error).
@@ -295,6 +363,9 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
             format!("top_p must be in (0, 1], got {top_p}"),
         ));
     }
+    let logit_bias = parse_logit_bias(&req.logit_bias, state.model.config().vocab)?;
+    let frequency_penalty = parse_penalty("frequency_penalty", &req.frequency_penalty)?;
+    let presence_penalty = parse_penalty("presence_penalty", &req.presence_penalty)?;
     let stop = match req.stop {
         None => Vec::new(),
         Some(StopField::One(s)) => vec![s],
@@ -330,6 +401,9 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiErr
                 temperature,
                 top_p,
                 seed,
+                logit_bias,
+                frequency_penalty,
+                presence_penalty,
             },
             stop,
             ignore_eos: req.ignore_eos.unwrap_or(false),

@@ -20,7 +20,8 @@ use crate::metrics::Metrics;
 use mosaickv_engine::{BatchSeq, ChunkedPrefill, LayerKv, Method, Model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::collections::VecDeque;
+use std::borrow::Cow;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -43,6 +44,59 @@ pub struct Sampling {
     /// Nucleus: keep the smallest set of tokens whose probability reaches `top_p` (1: all).
     pub top_p: f64,
     pub seed: u64,
+    /// OpenAI's `logit_bias`: `(token, bias)` pairs added to those tokens' logits before
+    /// anything else (greedy decoding included); bias in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
+    /// OpenAI's `frequency_penalty` in [-2, 2]: subtracted from a token's logit once per time
+    /// it was generated so far.
+    pub frequency_penalty: f32,
+    /// OpenAI's `presence_penalty` in [-2, 2]: subtracted from a token's logit once if it was
+    /// generated so far.
+    pub presence_penalty: f32,
+}
+
+impl Sampling {
+    /// Plain sampling at `temperature` and `top_p`: no bias, no penalties.
+    pub fn plain(temperature: f64, top_p: f64, seed: u64) -> Sampling {
+        Sampling {
+            temperature,
+            top_p,
+            seed,
+            logit_bias: Vec::new(),
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+
+    /// The logits the draw sees: `logits` with the bias added and the penalties taken off,
+    /// as OpenAI defines them (`mu[j] - c[j] * frequency_penalty - (c[j] > 0) *
+    /// presence_penalty + logit_bias[j]`, `c[j]` the times token j was generated so far).
+    /// Borrowed unchanged when the request asks for none of them.
+    pub fn adjusted<'a>(&self, logits: &'a [f32], generated: &[u32]) -> Cow<'a, [f32]> {
+        let penalize = !generated.is_empty()
+            && (self.frequency_penalty != 0.0 || self.presence_penalty != 0.0);
+        if self.logit_bias.is_empty() && !penalize {
+            return Cow::Borrowed(logits);
+        }
+        let mut out = logits.to_vec();
+        for &(t, b) in &self.logit_bias {
+            if let Some(l) = out.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if penalize {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &t in generated {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                if let Some(l) = out.get_mut(t as usize) {
+                    *l -= c as f32 * self.frequency_penalty + self.presence_penalty;
+                }
+            }
+        }
+        Cow::Owned(out)
+    }
 }
 
 /// What the engine streams back for one request.
@@ -180,8 +234,11 @@ impl Seq {
     }
 }
 
-/// Samples a token from logits.
-pub fn sample(logits: &[f32], s: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
+/// Samples a token from logits, after the request's bias and penalties
+/// ([`Sampling::adjusted`]; `generated`: the tokens generated so far).
+pub fn sample(logits: &[f32], s: &Sampling, generated: &[u32], rng: &mut ChaCha8Rng) -> u32 {
+    let logits = s.adjusted(logits, generated);
+    let logits: &[f32] = &logits;
     if s.temperature <= 0.0 {
         return mosaickv_engine::argmax(logits);
     }
@@ -322,7 +379,7 @@ pub fn run(model: Arc<Model>, method: Method, foot: Footprint, shared: Arc<Share
             match r {
                 Ok(logits) => {
                     s.pos += 1;
-                    let tok = sample(&logits, &s.sampling, &mut s.rng);
+                    let tok = sample(&logits, &s.sampling, &s.generated, &mut s.rng);
                     if let Some(seq) = emit(&model, &foot, &shared, s, tok) {
                         keep.push(seq);
                     }
@@ -438,7 +495,7 @@ fn start(
     logits: &[f32],
 ) -> Option<Seq> {
     let mut rng = ChaCha8Rng::seed_from_u64(job.sampling.seed);
-    let tok = sample(logits, &job.sampling, &mut rng);
+    let tok = sample(logits, &job.sampling, &[], &mut rng);
     shared
         .metrics
         .ttft
@@ -588,22 +645,14 @@ mod tests {
     #[test]
     fn greedy_is_argmax_and_sampling_is_seeded() {
         let logits = vec![0.1f32, 2.0, 1.9, -1.0];
-        let greedy = Sampling {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-        };
+        let greedy = Sampling::plain(0.0, 1.0, 0);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(sample(&logits, &greedy, &mut rng), 1);
-        let hot = Sampling {
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 5,
-        };
+        assert_eq!(sample(&logits, &greedy, &[], &mut rng), 1);
+        let hot = Sampling::plain(1.0, 1.0, 5);
         let draw = |seed| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             (0..50)
-                .map(|_| sample(&logits, &hot, &mut rng))
+                .map(|_| sample(&logits, &hot, &[], &mut rng))
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
@@ -612,12 +661,34 @@ mod tests {
         let d = draw(5);
         assert!(d.iter().any(|&t| t != d[0]));
         // top_p small keeps only the most likely token
-        let nucleus = Sampling {
-            temperature: 1.0,
-            top_p: 0.01,
-            seed: 1,
-        };
+        let nucleus = Sampling::plain(1.0, 0.01, 1);
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        assert!((0..50).all(|_| sample(&logits, &nucleus, &mut rng) == 1));
+        assert!((0..50).all(|_| sample(&logits, &nucleus, &[], &mut rng) == 1));
+    }
+
+    #[test]
+    fn logit_bias_and_penalties_follow_openai() {
+        let logits = vec![0.1f32, 2.0, 1.9, -1.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        // a bias moves the greedy choice, a ban (-100) removes it
+        let mut s = Sampling::plain(0.0, 1.0, 0);
+        s.logit_bias = vec![(3, 100.0)];
+        assert_eq!(sample(&logits, &s, &[], &mut rng), 3);
+        s.logit_bias = vec![(1, -100.0)];
+        assert_eq!(sample(&logits, &s, &[], &mut rng), 2);
+        // frequency: 2.0 - 2 * 0.1 = 1.8 < 1.9; presence: 2.0 - 0.5 = 1.5 < 1.9
+        let mut f = Sampling::plain(0.0, 1.0, 0);
+        f.frequency_penalty = 0.1;
+        assert_eq!(sample(&logits, &f, &[1], &mut rng), 1);
+        assert_eq!(sample(&logits, &f, &[1, 1], &mut rng), 2);
+        let mut p = Sampling::plain(0.0, 1.0, 0);
+        p.presence_penalty = 0.5;
+        assert_eq!(sample(&logits, &p, &[1, 1, 1], &mut rng), 2);
+        assert_eq!(p.adjusted(&logits, &[1, 1, 1])[1], 1.5);
+        // none asked: the logits are borrowed, not copied
+        assert!(matches!(
+            Sampling::plain(1.0, 1.0, 0).adjusted(&logits, &[1]),
+            Cow::Borrowed(_)
+        ));
     }
 }

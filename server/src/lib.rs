@@ -13,6 +13,7 @@
 
 mod api;
 pub mod budget;
+mod conn;
 pub mod engine;
 mod metrics;
 
@@ -106,6 +107,14 @@ impl Server {
             return Err(ServeError::Invalid(
                 "--max-batch, --queue and --kv-budget must be at least 1".into(),
             ));
+        }
+        // The budget, and the bytes used and reserved under it, are Prometheus gauges
+        // (signed 64-bit): a budget they cannot hold would be reported negative.
+        if cfg.kv_budget > MAX_KV_BUDGET {
+            return Err(ServeError::Invalid(format!(
+                "--kv-budget {} bytes is more than the largest budget the server can count ({MAX_KV_BUDGET} bytes, 2^63 - 1)",
+                cfg.kv_budget
+            )));
         }
         let shared = Arc::new(Shared::new(
             cfg.kv_budget,
@@ -205,6 +214,9 @@ impl Server {
     }
 }
 
+/// The largest `--kv-budget`: what the signed 64-bit metrics gauges can hold.
+pub const MAX_KV_BUDGET: usize = i64::MAX as usize;
+
 /// A client has this long to send its request head (each request of a keep-alive
 /// connection): a slow or silent client cannot hold a connection for longer.
 pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -237,10 +249,18 @@ async fn serve_http(listener: tokio::net::TcpListener, app: axum::Router) {
             let mut http1 = hyper::server::conn::http1::Builder::new();
             http1
                 .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT);
+                .header_read_timeout(HEADER_TIMEOUT)
+                // A client that sends its whole request and then shuts down its writing half
+                // (`nc -N`, some HTTP/1.0 clients) still gets its answer: a request is
+                // cancelled when its connection really closes or a write to it fails, not at
+                // the end of its body.
+                .half_close(true);
             // a connection ends with an error when its client goes away: nothing to report
             let _ = http1
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .serve_connection(
+                    hyper_util::rt::TokioIo::new(conn::JsonErrors::new(stream)),
+                    service,
+                )
                 .await;
             drop(slot);
         });

@@ -685,3 +685,164 @@ async fn soak_30_requests_with_cancellations() {
 async fn soak_200_requests_with_cancellations() {
     soak(200, 16, 120).await;
 }
+
+/// Issue 40: nothing asked for is silently ignored, and a half-closed client gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn half_closed_clients_are_answered_and_sampling_parameters_are_honoured() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start("full", 1 << 34, 2, 4).await;
+    // POST, then shut down the writing half (what `nc -N` does): the answer still comes.
+    let raw = |req: String| {
+        let addr = s.addr();
+        async move {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(req.as_bytes()).await.unwrap();
+            c.shutdown().await.unwrap();
+            let mut out = Vec::new();
+            tokio::time::timeout(TIMEOUT, c.read_to_end(&mut out))
+                .await
+                .expect("answered in time")
+                .unwrap();
+            String::from_utf8_lossy(&out).into_owned()
+        }
+    };
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        .to_string();
+    let answer = raw(format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    ))
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(answer.contains("\"text_completion\""), "{answer:?}");
+    // hyper's own protocol errors carry the JSON error body too
+    for (req, status, code) in [
+        (
+            // more header fields than hyper parses (100)
+            format!(
+                "GET /health HTTP/1.1\r\nhost: x\r\n{}\r\n",
+                (0..120)
+                    .map(|i| format!("x-h{i}: v\r\n"))
+                    .collect::<String>()
+            ),
+            "431",
+            "request_header_fields_too_large",
+        ),
+        (
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: ten\r\n\r\n{}".to_string(),
+            "400",
+            "bad_request",
+        ),
+    ] {
+        let a = raw(req).await;
+        assert!(a.starts_with(&format!("HTTP/1.1 {status}")), "{a:?}");
+        let body = a.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+        let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+        assert_eq!(v["error"]["code"], code, "{a:?}");
+    }
+    let health = raw("GET /health HTTP/1.1\r\nhost: x\r\n\r\n".into()).await;
+    assert!(
+        health.starts_with("HTTP/1.1 200") && health.contains("\"ok\""),
+        "{health:?}"
+    );
+
+    // Refused, not ignored: structured output and tools.
+    for (extra, what) in [
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
+        (json!({"logit_bias": {"999999999": 5}}), "logit_bias"),
+        (json!({"logit_bias": {"12": 101}}), "logit_bias"),
+        (json!({"logit_bias": [1, 2]}), "logit_bias"),
+        (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+        (json!({"presence_penalty": "a"}), "presence_penalty"),
+    ] {
+        let mut b = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (st, v) = post(&s, "/v1/chat/completions", &b.to_string()).await;
+        assert_eq!(st, 400, "{b}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(what),
+            "{b}: {v}"
+        );
+    }
+    // Their "off" forms are accepted and change nothing.
+    let ask = |extra: Value| {
+        let mut b =
+            json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let (st, greedy) = post(&s, "/v1/completions", &ask(json!({}))).await;
+    assert_eq!(st, 200, "{greedy}");
+    let (st, off) = post(
+        &s,
+        "/v1/completions",
+        &ask(
+            json!({"response_format": {"type": "text"}, "tools": [], "logit_bias": {},
+                    "frequency_penalty": 0, "presence_penalty": null}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{off}");
+    assert_eq!(off["choices"][0]["text"], greedy["choices"][0]["text"]);
+    // Banning the greedy answer's first token changes the answer (it was ignored before).
+    let first = model()
+        .encode_raw(greedy["choices"][0]["text"].as_str().unwrap())
+        .unwrap()[0];
+    let (st, banned) = post(
+        &s,
+        "/v1/completions",
+        &ask(json!({"logit_bias": {first.to_string(): -100}})),
+    )
+    .await;
+    assert_eq!(st, 200, "{banned}");
+    let t = banned["choices"][0]["text"].as_str().unwrap();
+    assert_ne!(t, greedy["choices"][0]["text"].as_str().unwrap());
+    // A strong frequency penalty stops a repetition the greedy text makes.
+    let (_, rep) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "a a a a a a a a a a a a", "max_tokens": 8, "temperature": 0})
+            .to_string(),
+    )
+    .await;
+    let (_, pen) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": "a a a a a a a a a a a a", "max_tokens": 8, "temperature": 0,
+                "frequency_penalty": 2, "presence_penalty": 2})
+        .to_string(),
+    )
+    .await;
+    assert_ne!(
+        rep["choices"][0]["text"], pen["choices"][0]["text"],
+        "{rep} / {pen}"
+    );
+    s.shutdown();
+
+    // A budget the gauges cannot hold is refused at start.
+    let cfg = ServeConfig {
+        model_name: NAME.into(),
+        method: Method::parse("full").unwrap(),
+        kv_budget: 1 << 63,
+        max_batch: 1,
+        queue_capacity: 1,
+    };
+    let e = Server::start(model(), cfg, "127.0.0.1", 0)
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("kv-budget"), "{e}");
+}

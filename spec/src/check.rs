@@ -219,3 +219,104 @@ impl CompressedCache {
         Ok(())
     }
 }
+
+/// SPEC.md section 6, decode of one record into `out` (`kept_dims` long): the stored value
+/// (f16, or `m + code * s` in f32) at each kept dim, 0 elsewhere. The record must be valid
+/// (`PackedRows::validate`).
+fn decode_into(layout: &crate::layout::RecordLayout, rec: &[u8], out: &mut [f32]) {
+    use crate::layout::{bitmap_bit, dequantize, read_code, record_quant, record_value};
+    let g = layout.group_size;
+    let quant = layout
+        .dtype
+        .is_quantized()
+        .then(|| record_quant(layout, rec));
+    let codes = &rec[layout.values_offset()..];
+    out.fill(0.0);
+    let mut next = 0;
+    for k in 0..layout.groups() {
+        if bitmap_bit(rec, k) {
+            for x in &mut out[k * g..(k + 1) * g] {
+                *x = match quant {
+                    Some(p) => dequantize(p, read_code(layout.dtype, codes, next)),
+                    None => record_value(layout, rec, next).to_f32(),
+                };
+                next += 1;
+            }
+        }
+    }
+}
+
+impl CompressedCache {
+    /// SPEC.md sections 7, 8.2 and 15.4: every block's stored bounds are true bounds of its
+    /// decoded keys, `qmin_j * s <= k^_j <= qmax_j * s` for every token and kept dim (zeros
+    /// included), so a block score is an upper bound of what attention computes. Run on every
+    /// loaded file after [`CompressedCache::validate`]: a crafted file whose metadata does not
+    /// bound its records (all bounds zero, say) would otherwise load and make selection skip
+    /// the blocks that matter. Cost: one decode of every key record (about what one dense
+    /// pass over the keys costs), no allocation beyond one row.
+    pub fn check_block_bounds(&self) -> Result<()> {
+        for (si, seg) in self.segments.iter().enumerate() {
+            for (h, head) in seg.heads.iter().enumerate() {
+                let layout = &head.strategy.key.layout;
+                let meta = &head.meta;
+                let dt = layout.kept_dims;
+                let mut row = vec![0.0f32; dt];
+                for t in 0..seg.len {
+                    let b = t / meta.block_size;
+                    decode_into(layout, head.keys.record(layout, t), &mut row);
+                    let s = f64::from(meta.scale[b]);
+                    for (j, &x) in row.iter().enumerate() {
+                        if !x.is_finite() {
+                            return Err(MosaicError::CorruptPacked(format!(
+                                "segment {si}, head {h}, keys record {t}: a stored value is not finite"
+                            )));
+                        }
+                        let (lo, hi) = (meta.min[b * dt + j], meta.max[b * dt + j]);
+                        let x = f64::from(x);
+                        if f64::from(lo) * s > x || f64::from(hi) * s < x {
+                            return Err(MosaicError::BadFormat(format!(
+                                "segment {si}, head {h}, block {b}: the block metadata does not \
+                                 bound its keys (token {t}, dim {j}: {x} outside [{}, {}]; \
+                                 SPEC.md section 7)",
+                                f64::from(lo) * s,
+                                f64::from(hi) * s
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CompressedCache {
+    /// SPEC.md sections 14 and 15.4: every stored f16 value of every record is finite. Encode
+    /// never stores a non-finite f16, so one in a file is damage: `CorruptPacked`, refused on
+    /// load and before writing (rather than met by attention, where the backends would differ).
+    pub fn check_records_finite(&self) -> Result<()> {
+        for (s, seg) in self.segments.iter().enumerate() {
+            for (h, head) in seg.heads.iter().enumerate() {
+                for (side, rows, layout) in [
+                    ("keys", &head.keys, &head.strategy.key.layout),
+                    ("values", &head.values, &head.strategy.value.layout),
+                ] {
+                    if layout.dtype != crate::layout::ValueDtype::F16 {
+                        continue;
+                    }
+                    for i in 0..rows.count {
+                        let rec = rows.record(layout, i);
+                        if (0..layout.r)
+                            .any(|j| !crate::layout::record_value(layout, rec, j).is_finite())
+                        {
+                            return Err(MosaicError::CorruptPacked(format!(
+                                "segment {s}, head {h}, {side} record {i}: a stored f16 value is not finite"
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -4,6 +4,7 @@
 //! the error enum and the traits every backend implements. The normative text
 //! is `spec/SPEC.md`; section numbers in doc comments refer to it.
 
+pub mod atomic;
 pub mod cache;
 pub mod check;
 pub mod config;

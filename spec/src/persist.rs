@@ -275,6 +275,8 @@ pub fn write_cache(
     host_values: &[f32],
 ) -> Result<()> {
     validate_structure(cache, host_keys, host_values)?;
+    cache.check_records_finite()?;
+    cache.check_block_bounds()?;
     let manifest = Manifest {
         shape: cache.shape,
         config: cache.config.clone(),
@@ -746,30 +748,8 @@ pub fn read_cache(bytes: &[u8]) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)>
         buffer,
     };
     validate_structure(&cache, &host_keys, &host_values).map_err(as_format_error)?;
-    // Encode never stores a non-finite f16 (SPEC.md section 14), so one in a file is damage:
-    // refused here rather than met by attention (where the backends would differ).
-    for (s, seg) in cache.segments.iter().enumerate() {
-        for (h, head) in seg.heads.iter().enumerate() {
-            for (side, rows, layout) in [
-                ("keys", &head.keys, &head.strategy.key.layout),
-                ("values", &head.values, &head.strategy.value.layout),
-            ] {
-                if layout.dtype != ValueDtype::F16 {
-                    continue;
-                }
-                for i in 0..rows.count {
-                    let rec = rows.record(layout, i);
-                    if (0..layout.r)
-                        .any(|j| !crate::layout::record_value(layout, rec, j).is_finite())
-                    {
-                        return Err(MosaicError::CorruptPacked(format!(
-                            "segment {s}, head {h}, {side} record {i}: a stored f16 value is not finite"
-                        )));
-                    }
-                }
-            }
-        }
-    }
+    cache.check_records_finite()?;
+    cache.check_block_bounds()?;
     Ok((cache, host_keys, host_values))
 }
 
@@ -832,7 +812,7 @@ pub fn save_cache(
 ) -> Result<()> {
     let mut buf = Vec::new();
     write_cache(&mut buf, cache, host_keys, host_values)?;
-    std::fs::write(path, buf).map_err(|e| io_err(&path.display().to_string(), e))
+    crate::atomic::write_atomic(path, &buf).map_err(|e| io_err(&path.display().to_string(), e))
 }
 
 /// Reads a cache file at `path` (see [`read_cache`]); errors name the path.
@@ -845,7 +825,7 @@ pub fn load_cache(path: &Path) -> Result<(CompressedCache, Vec<f32>, Vec<f32>)> 
 pub fn save_dense(path: &Path, shape: &KvShape, rows: &DenseRows) -> Result<()> {
     let mut buf = Vec::new();
     write_dense(&mut buf, shape, rows)?;
-    std::fs::write(path, buf).map_err(|e| io_err(&path.display().to_string(), e))
+    crate::atomic::write_atomic(path, &buf).map_err(|e| io_err(&path.display().to_string(), e))
 }
 
 /// Reads a dense baseline file at `path` (see [`read_dense`]).

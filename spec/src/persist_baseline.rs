@@ -640,7 +640,7 @@ pub fn read_baseline(bytes: &[u8]) -> Result<BaselineFile> {
 pub fn save_baseline(path: &Path, file: &BaselineFile) -> Result<()> {
     let mut buf = Vec::new();
     write_baseline(&mut buf, file)?;
-    std::fs::write(path, buf).map_err(|e| io_err(&path.display().to_string(), e))
+    crate::atomic::write_atomic(path, &buf).map_err(|e| io_err(&path.display().to_string(), e))
 }
 
 /// Reads a baseline cache file at `path` (see [`read_baseline`]) and checks that it holds

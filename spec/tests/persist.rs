@@ -100,9 +100,11 @@ fn head(rng: &mut Rng, tokens: usize, block_size: usize) -> HeadSegment {
     let keys = packed(rng, &key.layout, tokens);
     let values = packed(rng, &value.layout, tokens);
     let mut meta = BlockMeta::empty(block_size, 6);
+    // True bounds of the random records (section 7; checked on load): decoded values are
+    // f16 in [-1, 1], or `m + code * s` with |m| <= 1, s <= 1.01, code <= 255.
     for b in 0..tokens.div_ceil(block_size) {
-        let lo: Vec<f32> = (0..6).map(|_| -rng.f32().abs()).collect();
-        let hi: Vec<f32> = (0..6).map(|_| rng.f32().abs()).collect();
+        let lo: Vec<f32> = (0..6).map(|_| -300.0 - rng.f32().abs()).collect();
+        let hi: Vec<f32> = (0..6).map(|_| 300.0 + rng.f32().abs()).collect();
         meta.push_block(&lo, &hi, (tokens - b * block_size).min(block_size));
     }
     HeadSegment {
@@ -604,6 +606,7 @@ fn a_non_finite_f16_record_value_is_refused_on_load() {
             }
         })
         .expect("the sample has an f16 side");
+    let good = cache.clone();
     let head = &mut cache.segments[s].heads[h];
     let (rows, layout) = if side == 0 {
         (&mut head.keys, &head.strategy.key.layout)
@@ -611,13 +614,56 @@ fn a_non_finite_f16_record_value_is_refused_on_load() {
         (&mut head.values, &head.strategy.value.layout)
     };
     let o = layout.bitmap_bytes(); // the first stored value of record 0
+    let record = rows.bytes[..layout.record_bytes()].to_vec();
     rows.bytes[o..o + 2].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
     let mut bytes = Vec::new();
-    // writing validates structure only (records' values are not decoded)
-    write_cache(&mut bytes, &cache, &hk, &hv).unwrap();
+    // refused on write (a written file always loads) ...
+    let e = write_cache(&mut bytes, &cache, &hk, &hv).unwrap_err();
+    assert!(
+        matches!(&e, MosaicError::CorruptPacked(m) if m.contains("not finite")),
+        "{e}"
+    );
+    // ... and in a file: the record's value patched in the saved bytes, checksums recomputed
+    let mut bytes = save(&good, &hk, &hv);
+    let at: Vec<usize> = (0..bytes.len() - record.len())
+        .filter(|&i| bytes[i..i + record.len()] == record[..])
+        .collect();
+    assert!(!at.is_empty(), "the record's bytes are in the file");
+    bytes[at[0] + o..at[0] + o + 2].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
+    resign(&mut bytes);
     let e = read_cache(&bytes).unwrap_err();
     assert!(
         matches!(&e, MosaicError::CorruptPacked(m) if m.contains("not finite")),
+        "{e}"
+    );
+}
+
+/// Issue 40, class 5: block metadata that does not bound its records (here a block scale of
+/// 0, so every bound is 0) is refused on write and, in a file with valid checksums, on load
+/// (SPEC.md sections 7 and 15.4).
+#[test]
+fn metadata_that_does_not_bound_its_keys_is_refused() {
+    let (cache, hk, hv) = sample();
+    let mut bad = cache.clone();
+    let m = &mut bad.segments[0].heads[0].meta;
+    m.scale[0] = 0.0;
+    let mut out = Vec::new();
+    let e = write_cache(&mut out, &bad, &hk, &hv).unwrap_err();
+    assert!(
+        matches!(&e, MosaicError::BadFormat(s) if s.contains("does not bound")),
+        "{e}"
+    );
+    // The same damage in a file: the scale's bytes (the first head segment's first scale)
+    // set to 0 and every checksum recomputed.
+    let mut b = save(&cache, &hk, &hv);
+    let pat = cache.segments[0].heads[0].meta.scale[0].to_le_bytes();
+    let at: Vec<usize> = (0..b.len() - 3).filter(|&i| b[i..i + 4] == pat).collect();
+    assert_eq!(at.len(), 1, "the scale's bytes occur once");
+    b[at[0]..at[0] + 4].copy_from_slice(&0f32.to_le_bytes());
+    resign(&mut b);
+    let e = read_cache(&b).unwrap_err();
+    assert!(
+        matches!(&e, MosaicError::BadFormat(s) if s.contains("does not bound")),
         "{e}"
     );
 }

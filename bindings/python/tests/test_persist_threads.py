@@ -117,3 +117,53 @@ def test_help_names_the_spec_sections():
     for section in ["SPEC sections 1-11", "SPEC section 13", "SPEC section 15", "SPEC sections 8-9", "SPEC section 10.1"]:
         assert section in text, section
     assert "SPEC.md section 2" in pydoc.render_doc(mosaickv.Config, renderer=pydoc.plaintext)
+
+
+SAVE_UNDER_LIMIT = r"""
+import resource, signal, sys
+import numpy as np
+import mosaickv
+sys.path.insert(0, sys.argv[3])
+from conftest import low_rank_kv
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+kind, path = sys.argv[1], sys.argv[2]
+k, v = low_rank_kv(21, 900, 2, 32)
+cache = mosaickv.Cache(kv_heads=2, head_dim=32) if kind == "mosaic" else mosaickv.FullCache(2, 32)
+cache.prefill(k, v)
+limit = 4096
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    cache.save(path)
+except OSError as e:
+    print("refused:", e)
+    sys.exit(3)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["mosaic", "full"])
+def test_a_failed_save_keeps_the_previous_file(tmp_path, kind):
+    """Issue 40, class 1: a save that fails halfway (a file-size limit, as a full disk) leaves
+    the previous file byte for byte, and no temporary file beside it (SPEC.md 15.7)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "cache.mkv"
+    k, v = low_rank_kv(20, 300, 2, 32)
+    first = mosaickv.Cache(kv_heads=2, head_dim=32) if kind == "mosaic" else mosaickv.FullCache(2, 32)
+    first.prefill(k, v)
+    first.save(str(path))
+    before = path.read_bytes()
+    assert len(before) > 4096
+    r = subprocess.run(
+        [sys.executable, "-c", SAVE_UNDER_LIMIT, kind, str(path), os.path.dirname(__file__)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert "File too large" in r.stdout, r.stdout
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["cache.mkv"]
+    loaded = (mosaickv.Cache if kind == "mosaic" else mosaickv.FullCache).load(str(path))
+    assert len(loaded) == 300

@@ -113,6 +113,25 @@ impl LiveCache {
         {
             return bad("buffer rows differ from the host rows".into());
         }
+        // The open segment's records are its host rows encoded with its strategies (SPEC 10.2,
+        // 15.4): a file whose two copies disagree would switch answers when the segment
+        // closes and is re-encoded from the host rows. Cost: one encode of the open segment.
+        if let Some(seg) = cache.segments.last().filter(|_| open_len > 0) {
+            for (h, head) in seg.heads.iter().enumerate() {
+                let st = &head.strategy;
+                for (side, host, stored, name) in [
+                    (&st.key, &host_keys, &head.keys, "keys"),
+                    (&st.value, &host_values, &head.values, "values"),
+                ] {
+                    let rows = super::gather(&host[..split], shape.kv_heads, shape.head_dim, h);
+                    if crate::encode::encode_rows(&rows, side)?.bytes != stored.bytes {
+                        return bad(format!(
+                            "the open segment's packed {name} of head {h} are not its host rows encoded with its strategy"
+                        ));
+                    }
+                }
+            }
+        }
         let worker = match open_tag {
             Some(tag) => {
                 let seg = cache.segments.last().expect("open");
