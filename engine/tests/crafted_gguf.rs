@@ -200,6 +200,75 @@ fn the_tiny_model_loads_and_runs() {
     assert!(logits.iter().all(|x| x.is_finite()));
 }
 
+/// Issue 36: numbers the forward pass cannot run with are refused at load, not turned into
+/// garbage text (a fuzzer's NaN epsilon, a zero RoPE base, an empty context).
+#[test]
+fn non_finite_or_non_positive_norm_rope_and_context_are_errors() {
+    for (t, needle) in [
+        (
+            Tiny {
+                rms_eps: f32::NAN,
+                ..Tiny::default()
+            },
+            "layer_norm_rms_epsilon",
+        ),
+        (
+            Tiny {
+                rms_eps: 0.0,
+                ..Tiny::default()
+            },
+            "layer_norm_rms_epsilon",
+        ),
+        (
+            Tiny {
+                rms_eps: -1e-5,
+                ..Tiny::default()
+            },
+            "layer_norm_rms_epsilon",
+        ),
+        (
+            Tiny {
+                rope_base: f32::INFINITY,
+                ..Tiny::default()
+            },
+            "rope.freq_base",
+        ),
+        (
+            Tiny {
+                rope_base: 0.0,
+                ..Tiny::default()
+            },
+            "rope.freq_base",
+        ),
+        (
+            Tiny {
+                rope_base: -10000.0,
+                ..Tiny::default()
+            },
+            "rope.freq_base",
+        ),
+        (
+            Tiny {
+                context: 0,
+                ..Tiny::default()
+            },
+            "context_length",
+        ),
+    ] {
+        assert_format(load_err(&t.gguf().bytes()), needle);
+    }
+    // a prompt longer than the context is a typed error, not a silent wrap of RoPE positions
+    let dir = tempfile::tempdir().unwrap();
+    let short = Tiny {
+        context: 8,
+        ..Tiny::default()
+    };
+    let model = Model::load(&short.write(dir.path(), "short.gguf")).unwrap();
+    let e = model.prefill(&[3, 4, 5, 6, 7, 3, 4, 5, 6]).unwrap_err();
+    assert!(e.to_string().contains("context"), "{e}");
+    model.prefill(&[3, 4, 5, 6, 7, 3, 4, 5]).unwrap();
+}
+
 #[test]
 fn zero_query_heads_is_an_error() {
     let t = Tiny {

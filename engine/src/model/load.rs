@@ -148,6 +148,24 @@ impl Config {
         if arch.requires_qkv_bias() && !qkv_bias {
             return bad(format!("{a} GGUF lacks blk.0.attn_q.bias (QKV biases)"));
         }
+        // Numbers the forward pass divides by or raises to a power: a NaN, infinite, zero or
+        // negative one (a damaged or crafted file) would give garbage text, so it is refused.
+        let rope_theta = md_f32(content, &key("rope.freq_base")).unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return bad(format!(
+                "{a}.rope.freq_base is {rope_theta}: it must be finite and positive"
+            ));
+        }
+        let rms_eps = md_f32(content, &key("attention.layer_norm_rms_epsilon"))?;
+        if !(rms_eps.is_finite() && rms_eps > 0.0) {
+            return bad(format!(
+                "{a}.attention.layer_norm_rms_epsilon is {rms_eps}: it must be finite and positive"
+            ));
+        }
+        let context_length = md_u32(content, &key("context_length")).unwrap_or(2048);
+        if context_length == 0 {
+            return bad(format!("{a}.context_length is 0"));
+        }
         let cfg = Config {
             arch,
             n_layers,
@@ -157,10 +175,10 @@ impl Config {
             kv_heads,
             head_dim,
             vocab,
-            rope_theta: md_f32(content, &key("rope.freq_base")).unwrap_or(10000.0),
+            rope_theta,
             rope: arch.rope(),
-            rms_eps: md_f32(content, &key("attention.layer_norm_rms_epsilon"))?,
-            context_length: md_u32(content, &key("context_length")).unwrap_or(2048),
+            rms_eps,
+            context_length,
             tied_embeddings: !content.tensor_infos.contains_key("output.weight"),
             qkv_bias,
         };

@@ -134,6 +134,12 @@ pub struct Tiny {
     pub arch: &'static str,
     /// Write `attn_q/k/v.bias` (F32) in every layer.
     pub biases: bool,
+    /// `rope.freq_base` (default 10000).
+    pub rope_base: f32,
+    /// `attention.layer_norm_rms_epsilon` (default 1e-5).
+    pub rms_eps: f32,
+    /// `context_length` (default 256).
+    pub context: u32,
 }
 
 impl Default for Tiny {
@@ -151,6 +157,9 @@ impl Default for Tiny {
             alignment: None,
             arch: "llama",
             biases: false,
+            rope_base: 10000.0,
+            rms_eps: 1e-5,
+            context: 256,
         }
     }
 }
@@ -228,10 +237,10 @@ impl Tiny {
                 self.meta_blocks.unwrap_or(self.layers as u32),
             )
             .kv_u32(&k("feed_forward_length"), self.ffn as u32)
-            .kv_u32(&k("context_length"), 256)
+            .kv_u32(&k("context_length"), self.context)
             .kv_u32(&k("rope.dimension_count"), hd as u32)
-            .kv_f32(&k("rope.freq_base"), 10000.0)
-            .kv_f32(&k("attention.layer_norm_rms_epsilon"), 1e-5)
+            .kv_f32(&k("rope.freq_base"), self.rope_base)
+            .kv_f32(&k("attention.layer_norm_rms_epsilon"), self.rms_eps)
             .kv_str("tokenizer.ggml.model", "gpt2")
             .kv_str("tokenizer.ggml.pre", pre)
             .kv_strs("tokenizer.ggml.tokens", &VOCAB)
