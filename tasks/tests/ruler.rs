@@ -48,15 +48,30 @@ fn gen(task: Task, target: usize, seed: u64) -> Sample {
 #[test]
 fn templates_are_rulers_text() {
     assert_eq!(ruler::NIAH_TEMPLATE, "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?");
-    assert_eq!(ruler::NIAH_ANSWER_PREFIX, " The special magic {type_needle_v} for {query} mentioned in the provided text are");
-    assert_eq!(ruler::NIAH_NEEDLE, "One of the special magic {type_needle_v} for {key} is: {value}.");
-    assert_eq!(NOISE_LINE, "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.");
+    assert_eq!(
+        ruler::NIAH_ANSWER_PREFIX,
+        " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+    );
+    assert_eq!(
+        ruler::NIAH_NEEDLE,
+        "One of the special magic {type_needle_v} for {key} is: {value}."
+    );
+    assert_eq!(
+        NOISE_LINE,
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    );
     assert_eq!(ruler::VT_TEMPLATE, "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.");
     assert_eq!(ruler::VT_ANSWER_PREFIX, " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ");
     assert_eq!(ruler::CWE_TEMPLATE, "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?");
-    assert_eq!(ruler::CWE_ANSWER_PREFIX, " Answer: The top 10 words that appear most often in the list are:");
+    assert_eq!(
+        ruler::CWE_ANSWER_PREFIX,
+        " Answer: The top 10 words that appear most often in the list are:"
+    );
     assert_eq!(ruler::FWE_TEMPLATE, "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?");
-    assert_eq!(ruler::FWE_ANSWER_PREFIX, " Answer: According to the coded text above, the three most frequently appeared words are:");
+    assert_eq!(
+        ruler::FWE_ANSWER_PREFIX,
+        " Answer: According to the coded text above, the three most frequently appeared words are:"
+    );
     // niah.py's singular form (one value asked), on the unfilled template
     assert_eq!(
         ruler::singular(ruler::NIAH_TEMPLATE).replace("{type_needle_v}", "number"),
@@ -68,10 +83,17 @@ fn templates_are_rulers_text() {
     );
     // tokens_to_generate and depths
     assert_eq!(
-        (ruler::NIAH_TOKENS, ruler::VT_TOKENS, ruler::CWE_TOKENS, ruler::FWE_TOKENS),
+        (
+            ruler::NIAH_TOKENS,
+            ruler::VT_TOKENS,
+            ruler::CWE_TOKENS,
+            ruler::FWE_TOKENS
+        ),
         (128, 30, 120, 50)
     );
-    let numpy: Vec<u32> = (0..40).map(|i| (100.0 * i as f64 / 39.0).round() as u32).collect();
+    let numpy: Vec<u32> = (0..40)
+        .map(|i| (100.0 * i as f64 / 39.0).round() as u32)
+        .collect();
     assert_eq!(DEPTHS.to_vec(), numpy);
     assert_eq!(ruler::vt_example_noise_lines(), 17);
 }
@@ -92,14 +114,18 @@ fn rendered_prompts_use_the_templates() {
         match task {
             Task::NiahSingle1 | Task::NiahSingle2 | Task::NiahMultikey1 | Task::NiahMultikey2 => {
                 assert!(p.starts_with("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about the number afterwards.\n"), "{task}");
-                assert!(s.answer_prefix.ends_with(" mentioned in the provided text is"));
+                assert!(s
+                    .answer_prefix
+                    .ends_with(" mentioned in the provided text is"));
             }
             Task::NiahSingle3 | Task::NiahMultikey3 => {
                 assert!(p.starts_with("A special magic uuid is hidden within the following text. Make sure to memorize it. I will quiz you about the uuid afterwards.\n"), "{task}");
             }
             Task::NiahMultivalue | Task::NiahMultiquery => {
                 assert!(p.starts_with("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you about the numbers afterwards.\n"), "{task}");
-                assert!(s.answer_prefix.ends_with(" mentioned in the provided text are"));
+                assert!(s
+                    .answer_prefix
+                    .ends_with(" mentioned in the provided text are"));
             }
             Task::Vt => {
                 assert!(p.starts_with("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"));
@@ -144,7 +170,14 @@ fn niah_structure() {
         let Some(p) = NiahParams::of(task) else {
             continue;
         };
-        for (target, seed) in [(1024, 0), (2048, 1), (4096, 2), (8192, 3), (1500, 4), (3000, 5)] {
+        for (target, seed) in [
+            (1024, 0),
+            (2048, 1),
+            (4096, 2),
+            (8192, 3),
+            (1500, 4),
+            (3000, 5),
+        ] {
             let s = gen(task, target, seed);
             let hay = haystack_text(&s);
             let prefix = format!("One of the special magic {} for ", p.value.plural());
@@ -161,7 +194,9 @@ fn niah_structure() {
                         .map(|(i, _)| i)
                         .collect();
                     let real: Vec<usize> = if p.haystack == ruler::Haystack::Noise {
-                        let n: Vec<usize> = (0..lines.len()).filter(|&i| lines[i] != NOISE_LINE).collect();
+                        let n: Vec<usize> = (0..lines.len())
+                            .filter(|&i| lines[i] != NOISE_LINE)
+                            .collect();
                         assert!(n.iter().all(|&i| lines[i].starts_with(&prefix)), "{task}");
                         assert_eq!(s.haystack, "noise");
                         n
@@ -178,11 +213,16 @@ fn niah_structure() {
                     for w in real.windows(2) {
                         assert!(w[1] > w[0] + 1, "{task} {target} {seed}: adjacent needles");
                     }
-                    assert!(*real.last().unwrap() + 1 < lines.len(), "{task}: needle last");
+                    assert!(
+                        *real.last().unwrap() + 1 < lines.len(),
+                        "{task}: needle last"
+                    );
                 }
                 ruler::Haystack::Essay => {
                     assert_eq!(s.haystack, ESSAY_LABEL);
-                    assert!(s.haystack.contains("substitute for RULER's Paul Graham essays"));
+                    assert!(s
+                        .haystack
+                        .contains("substitute for RULER's Paul Graham essays"));
                     let starts: Vec<usize> = hay.match_indices(&prefix).map(|(i, _)| i).collect();
                     assert_eq!(starts.len(), p.needles(), "{task}: needle count");
                     // between two needles there is essay text, and after the last one too
@@ -202,15 +242,23 @@ fn niah_structure() {
             }
             // each answer exactly once in the context, and never in the question or prefix
             for a in &s.answers {
-                assert_eq!(s.context.matches(a.as_str()).count(), 1, "{task}: answer {a}");
+                assert_eq!(
+                    s.context.matches(a.as_str()).count(),
+                    1,
+                    "{task}: answer {a}"
+                );
                 assert!(!s.answer_prefix.contains(a.as_str()));
             }
             assert_eq!(s.answers.len(), p.values * p.queries, "{task}");
             match p.value {
-                ruler::Kind::Numbers => assert!(s.answers.iter().all(|a| a.len() == 7
-                    && a.bytes().all(|b| b.is_ascii_digit()))),
-                ruler::Kind::Uuids => assert!(s.answers.iter().all(|a| a.len() == 36
-                    && a.as_bytes()[14] == b'4')),
+                ruler::Kind::Numbers => assert!(s
+                    .answers
+                    .iter()
+                    .all(|a| a.len() == 7 && a.bytes().all(|b| b.is_ascii_digit()))),
+                ruler::Kind::Uuids => assert!(s
+                    .answers
+                    .iter()
+                    .all(|a| a.len() == 36 && a.as_bytes()[14] == b'4')),
                 ruler::Kind::Words => unreachable!(),
             }
         }
@@ -224,9 +272,14 @@ fn niah_keys_are_wonderwords_pairs() {
     assert_eq!(d.key_count(), data::KEY_COUNT);
     assert_eq!(d.cwe_words.len(), data::CWE_POOL_WORDS);
     let s = gen(Task::NiahMultiquery, 2048, 9);
-    let q = s.answer_prefix.trim_start_matches(" The special magic numbers for ");
+    let q = s
+        .answer_prefix
+        .trim_start_matches(" The special magic numbers for ");
     let q = q.trim_end_matches(" mentioned in the provided text are");
-    let keys: Vec<&str> = q.split(", ").map(|k| k.trim_start_matches("and ")).collect();
+    let keys: Vec<&str> = q
+        .split(", ")
+        .map(|k| k.trim_start_matches("and "))
+        .collect();
     assert_eq!(keys.len(), 4);
     for k in keys {
         let ok = d.adjectives.iter().any(|a| {
@@ -245,17 +298,27 @@ fn vt_structure() {
         assert_eq!(s.haystack, "noise");
         let task_part = &s.context[s.context.rfind("Memorize and track").unwrap()..];
         let lines: Vec<&str> = task_part.lines().collect();
-        let chain: Vec<usize> = (0..lines.len()).filter(|&i| lines[i].starts_with("VAR ")).collect();
+        let chain: Vec<usize> = (0..lines.len())
+            .filter(|&i| lines[i].starts_with("VAR "))
+            .collect();
         assert_eq!(chain.len(), 5);
         for w in chain.windows(2) {
             assert!(w[1] > w[0] + 1, "adjacent chain lines");
         }
         assert_eq!(lines[chain[4] + 1], NOISE_LINE, "chain line last");
         // RULER's line shapes, trailing space included
-        let value = s.answer_prefix.split("assigned the value ").nth(1).unwrap().trim_end_matches(", they are: ");
+        let value = s
+            .answer_prefix
+            .split("assigned the value ")
+            .nth(1)
+            .unwrap()
+            .trim_end_matches(", they are: ");
         assert_eq!(lines[chain[0]], format!("VAR {} = {value}", s.answers[0]));
         for j in 1..5 {
-            assert_eq!(lines[chain[j]], format!("VAR {} = VAR {} ", s.answers[j], s.answers[j - 1]));
+            assert_eq!(
+                lines[chain[j]],
+                format!("VAR {} = VAR {} ", s.answers[j], s.answers[j - 1])
+            );
         }
         for a in &s.answers {
             assert_eq!(a.len(), 5);
@@ -275,7 +338,9 @@ fn vt_structure() {
 
 /// The numbered items of the last list in a `cwe` context.
 fn last_list(context: &str) -> Vec<String> {
-    let block = &context[context.rfind("Memorize the ones that appear most often.\n").unwrap()..];
+    let block = &context[context
+        .rfind("Memorize the ones that appear most often.\n")
+        .unwrap()..];
     let list = block.lines().nth(1).unwrap();
     let mut out = Vec::new();
     let mut rest = list;
@@ -307,7 +372,10 @@ fn cwe_structure() {
         for a in &s.answers {
             assert_eq!(counts[a.as_str()], common, "{a}");
         }
-        assert!(counts.iter().filter(|(w, _)| !s.answers.iter().any(|a| a == *w)).all(|(_, &c)| c == uncommon));
+        assert!(counts
+            .iter()
+            .filter(|(w, _)| !s.answers.iter().any(|a| a == *w))
+            .all(|(_, &c)| c == uncommon));
         assert!(counts.len() > 10);
     }
 }
@@ -317,15 +385,20 @@ fn fwe_structure() {
     for (target, seed) in [(1024, 0), (4096, 1), (8192, 2)] {
         let s = gen(Task::Fwe, target, seed);
         assert_eq!(s.haystack, "coded words");
-        let body = &s.context[s.context.find("coded words. ").unwrap() + 13..s.context.find("\nQuestion:").unwrap()];
+        let body = &s.context
+            [s.context.find("coded words. ").unwrap() + 13..s.context.find("\nQuestion:").unwrap()];
         let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
         for w in body.split(' ') {
             *counts.entry(w).or_default() += 1;
         }
-        let mut ranked: Vec<(&str, usize)> = counts.into_iter().filter(|(w, _)| *w != "...").collect();
+        let mut ranked: Vec<(&str, usize)> =
+            counts.into_iter().filter(|(w, _)| *w != "...").collect();
         ranked.sort_by(|a, b| b.1.cmp(&a.1));
         let top: Vec<&str> = ranked[..3].iter().map(|r| r.0).collect();
-        assert_eq!(top, s.answers.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(
+            top,
+            s.answers.iter().map(String::as_str).collect::<Vec<_>>()
+        );
         assert!(ranked[2].1 > ranked[3].1, "ties at rank 4");
         assert!(s.answers.iter().all(|a| a.len() == 6));
     }
@@ -339,7 +412,10 @@ fn fwe_structure() {
 fn prompts_fit_and_one_more_unit_would_not() {
     need_data();
     type Counter = fn(&str) -> usize;
-    for (cname, count) in [("whitespace", ws_tokens as Counter), ("chars/4", char_tokens as Counter)] {
+    for (cname, count) in [
+        ("whitespace", ws_tokens as Counter),
+        ("chars/4", char_tokens as Counter),
+    ] {
         for &task in Task::ruler() {
             for target in [1024usize, 3000, 6000] {
                 let b = budget(task);
@@ -350,8 +426,15 @@ fn prompts_fit_and_one_more_unit_would_not() {
                 assert!(used <= target, "{task}/{cname}/{target}: {used}");
                 assert!(n < max_haystack_size(task, target));
                 let bigger = count(&render(task, n + 1, 11, target).unwrap().prompt()) + b;
-                assert!(bigger > target, "{task}/{cname}/{target}: size {} fits too", n + 1);
-                assert!(used * 10 >= target * 8, "{task}/{cname}: only {used} of {target}");
+                assert!(
+                    bigger > target,
+                    "{task}/{cname}/{target}: size {} fits too",
+                    n + 1
+                );
+                assert!(
+                    used * 10 >= target * 8,
+                    "{task}/{cname}: only {used} of {target}"
+                );
             }
         }
     }
@@ -401,15 +484,26 @@ fn names_suites_and_budgets() {
     assert_eq!(
         names,
         [
-            "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
-            "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt",
-            "cwe", "fwe"
+            "niah_single_1",
+            "niah_single_2",
+            "niah_single_3",
+            "niah_multikey_1",
+            "niah_multikey_2",
+            "niah_multikey_3",
+            "niah_multivalue",
+            "niah_multiquery",
+            "vt",
+            "cwe",
+            "fwe"
         ]
     );
     assert_eq!(Task::all().len(), 17);
     for &t in Task::all() {
         assert_eq!(Task::from_name(t.name()), Ok(t));
-        assert_eq!(serde_json::to_string(&t).unwrap(), format!("\"{}\"", t.name()));
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            format!("\"{}\"", t.name())
+        );
         assert_eq!(t.ruler_tokens_to_generate().is_some(), t.is_ruler());
     }
     let list = Task::parse_list(&["ruler", "niah_single_noise"]).unwrap();
@@ -417,7 +511,10 @@ fn names_suites_and_budgets() {
     assert_eq!(Task::parse_list(&[" noise "]).unwrap().len(), 6);
     assert!(Task::parse_list(&["niah_multikey"]).is_err());
     let budgets: Vec<usize> = Task::ruler().iter().map(|t| budget(*t)).collect();
-    assert_eq!(budgets, [128, 128, 128, 128, 128, 128, 128, 128, 30, 120, 50]);
+    assert_eq!(
+        budgets,
+        [128, 128, 128, 128, 128, 128, 128, 128, 30, 120, 50]
+    );
 }
 
 #[test]
@@ -428,6 +525,9 @@ fn metrics_and_ruler_average() {
     assert_eq!(string_match_all("xx ABC", &answers), 0.5);
     assert_eq!(Task::Vt.metric().score("ABC def", &answers), 1.0);
     assert_eq!(ruler_average(&[]), None);
-    assert_eq!(ruler_average(&[(Task::Vt, 0.5), (Task::Cwe, 1.0)]), Some(0.75));
+    assert_eq!(
+        ruler_average(&[(Task::Vt, 0.5), (Task::Cwe, 1.0)]),
+        Some(0.75)
+    );
     assert_eq!(ruler_average(&[(Task::Vt, 0.5), (Task::Vt, 1.0)]), None);
 }
