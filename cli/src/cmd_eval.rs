@@ -30,8 +30,11 @@ pub const HEADLINE_FULL_MIN: f64 = 0.8;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Tasks (comma-separated): niah_single_1, niah_multikey, niah_multivalue, niah_multiquery,
-    /// vt, cwe [default: the model's default suite, `engine/src/suite.rs`].
+    /// Tasks and suites (comma-separated): RULER's niah_single_1, niah_single_2, niah_single_3,
+    /// niah_multikey_1, niah_multikey_2, niah_multikey_3, niah_multivalue, niah_multiquery, vt,
+    /// cwe, fwe (suite `ruler`: all eleven); the earlier niah_single_noise, niah_multikey_noise,
+    /// niah_multivalue_noise, niah_multiquery_noise, vt_noex, cwe_small (suite `noise`)
+    /// [default: the model's default suite, `engine/src/suite.rs`].
     #[arg(long, value_delimiter = ',')]
     pub tasks: Option<Vec<String>>,
     /// Prompt lengths in tokens (prompt + answer budget fit each) [default: the model's suite].
@@ -456,11 +459,9 @@ impl Progress {
     }
 }
 
+/// Task names and suite names (`ruler`, `noise`), each suite expanded in place.
 pub fn parse_tasks(names: &[String]) -> Result<Vec<Task>, CliError> {
-    names
-        .iter()
-        .map(|n| Task::from_name(n.trim()).map_err(|e| CliError::Input(e.to_string())))
-        .collect()
+    Task::parse_list(names).map_err(|e| CliError::Input(e.to_string()))
 }
 
 /// What `eval` runs: the explicit arguments over the model's default suite.

@@ -1,9 +1,9 @@
 //! `mosaickv fidelity --length N [--methods ...]`: measures that do not depend on whether a
 //! 135M model can solve a task (issue 4).
 //!
-//! 1. On one real prompt (a `niah_single_1` prompt of N tokens), per layer, each method's
-//!    attention-output relative L2 error and recall@k against full attention (SPEC.md section
-//!    16), at the first few decode steps. The decode runs on the dense cache; every method's
+//! 1. On one real prompt (a `niah_single_noise` prompt of N tokens, formerly named
+//!    `niah_single_1`), per layer, each method's attention-output relative L2 error and
+//!    recall@k against full attention (SPEC.md section 16), at the first few decode steps. The decode runs on the dense cache; every method's
 //!    cache sees the same K/V and queries (`mosaickv_engine::probe`).
 //! 2. Teacher-forced over the last 64 positions of a long natural text: each method's mean
 //!    next-token KL divergence `KL(full || method)` and top-1 agreement against the full cache.
@@ -258,7 +258,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let mut layers = Vec::new();
     let mut prompt_tokens = 0;
     if !a.no_layers {
-        let (_, ids) = llm::task_sample(&model, Task::NiahSingle1, a.length, a.seed)?;
+        let (_, ids) = llm::task_sample(&model, Task::NiahSingleNoise, a.length, a.seed)?;
         prompt_tokens = ids.len();
         let context = model.config().context_length;
         if a.steps > context.saturating_sub(ids.len()) {
@@ -269,7 +269,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
             )));
         }
         eprintln!(
-            "fidelity: niah_single_1 prompt of {} tokens, {} decode steps",
+            "fidelity: niah_single_noise prompt of {} tokens, {} decode steps",
             ids.len(),
             a.steps
         );

@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "niah_single_1,niah_multikey,niah_multivalue,niah_multiquery"
+        default_value = "niah_single_noise,niah_multikey_noise,niah_multivalue_noise,niah_multiquery_noise"
     )]
     pub tasks: Vec<String>,
     /// Lengths of the accuracy part.

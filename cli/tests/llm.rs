@@ -30,7 +30,7 @@ fn eval_writes_json_records() {
     let o = mosaickv(&[
         "eval",
         "--tasks",
-        "niah_single_1",
+        "niah_single_noise",
         "--lengths",
         "512",
         "--samples",
@@ -49,12 +49,12 @@ fn eval_writes_json_records() {
     assert!(
         o.stderr
             .lines()
-            .any(|l| l.starts_with("eval: prompt 1/1 done (niah_single_1 512 #0), ")),
+            .any(|l| l.starts_with("eval: prompt 1/1 done (niah_single_noise 512 #0), ")),
         "{}",
         o.stderr
     );
     assert!(
-        o.stdout.contains("| niah_single_1 | 512 | mosaic |"),
+        o.stdout.contains("| niah_single_noise | 512 | mosaic |"),
         "{}",
         o.stdout
     );
@@ -68,12 +68,12 @@ fn eval_writes_json_records() {
     assert_eq!(forced[0]["kl"].as_f64().unwrap(), 0.0);
     assert!(
         o.stdout
-            .contains("Headline: the 1 cells where full scores >= 0.8 (niah_single_1 512)"),
+            .contains("Headline: the 1 cells where full scores >= 0.8 (niah_single_noise 512)"),
         "{}",
         o.stdout
     );
     for (r, method) in recs.iter().zip(["full", "mosaic"]) {
-        assert_eq!(r["task"], "niah_single_1");
+        assert_eq!(r["task"], "niah_single_noise");
         assert_eq!(r["length"], 512);
         assert_eq!(r["method"], method);
         assert_eq!(r["samples"], 1);

@@ -25,7 +25,7 @@ struct Args {
     #[arg(long, default_value_t = 2048)]
     length: usize,
     /// Tasks, comma separated (names of `mosaickv-tasks`).
-    #[arg(long, default_value = "niah_single_1,niah_multikey")]
+    #[arg(long, default_value = "niah_single_noise,niah_multikey_noise")]
     tasks: String,
     /// Prompts per task (seeds 0..n).
     #[arg(long, default_value_t = 2)]

@@ -31,7 +31,7 @@ struct Args {
     #[arg(long, default_value_t = 2048)]
     length: usize,
     /// Tasks, comma separated (names of `mosaickv-tasks`).
-    #[arg(long, default_value = "niah_single_1,vt")]
+    #[arg(long, default_value = "niah_single_noise,vt_noex")]
     tasks: String,
     /// Layers to measure, comma separated.
     #[arg(long, default_value = "0,3,6,9,12,15,18,21,24,27")]

@@ -34,7 +34,7 @@ fn decode(
     (model.decode(&ids).unwrap(), bytes as f64 / tokens as f64)
 }
 
-/// A 1K-token niah_single_1 prompt (one needle in the noise haystack), decoded by every method.
+/// A 1K-token niah_single_noise prompt (formerly niah_single_1) (one needle in the noise haystack), decoded by every method.
 /// Full attention and MosaicKV (both backends) must find the needle; Quest and naive 2-D must
 /// decode without error (whether they find it is printed: at a 10 % token budget on a 1K
 /// prompt they lose it, docs/ACCURACY.md). Memory: every compressed method must hold fewer
@@ -42,7 +42,7 @@ fn decode(
 #[test]
 fn every_method_decodes_a_needle_prompt() {
     let model = load_model();
-    let task = Task::NiahSingle1;
+    let task = Task::NiahSingleNoise;
     let (sample, ids) = task_sample(&model, task, 1024, 0).unwrap();
     let pre = model.prefill(&ids).unwrap();
     let dense = 4.0 * (model.config().kv_heads * model.config().head_dim) as f64;
@@ -101,6 +101,6 @@ fn task_prompts_are_deterministic_and_fit_the_length() {
         }
     }
     // too short for even an empty haystack: a clear error, not a panic
-    let e = task_sample(&model, Task::Cwe, 100, 0).unwrap_err();
+    let e = task_sample(&model, Task::CweSmall, 100, 0).unwrap_err();
     assert!(e.to_string().contains("too small"), "{e}");
 }

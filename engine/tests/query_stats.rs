@@ -12,7 +12,7 @@ use mosaickv_tasks::Task;
 fn prefill_collects_statistics_and_fill_uses_them() {
     let model = Model::load(&model_path(None).expect("model")).expect("load model");
     let c = model.config().clone();
-    let (_, ids) = task_sample(&model, Task::NiahSingle1, 512, 0).unwrap();
+    let (_, ids) = task_sample(&model, Task::NiahSingleNoise, 512, 0).unwrap();
     let pre = model.prefill_with_stats(&ids).unwrap();
     let plain = model.prefill_with_queries(&ids).unwrap();
     assert_eq!(pre.query_stats.len(), c.n_layers);

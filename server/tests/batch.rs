@@ -30,7 +30,7 @@ fn prompts(model: &Model) -> Vec<Vec<u32>> {
     .collect();
     // a needle haystack long enough that mosaic compresses a prompt segment
     let (_, ids) =
-        mosaickv_engine::suite::task_sample(model, mosaickv_tasks::Task::NiahSingle1, 1024, 3)
+        mosaickv_engine::suite::task_sample(model, mosaickv_tasks::Task::NiahSingleNoise, 1024, 3)
             .unwrap();
     p.push(ids);
     p
@@ -165,7 +165,7 @@ fn a_bad_sequence_fails_alone() {
 fn chunked_prefill_matches_whole_prefill() {
     let model = load_model();
     let (_, ids) =
-        mosaickv_engine::suite::task_sample(&model, mosaickv_tasks::Task::NiahSingle1, 1024, 5)
+        mosaickv_engine::suite::task_sample(&model, mosaickv_tasks::Task::NiahSingleNoise, 1024, 5)
             .unwrap();
     let whole = model.prefill(&ids).unwrap();
     let mut st = mosaickv_engine::ChunkedPrefill::default();

@@ -1,7 +1,7 @@
 //! Side-by-side decode attention: full (dense f16), Quest and MosaicKV, per configuration.
 //!
 //! `cargo run --release -p mosaickv-benches --bin compare -- [--config default,paper]
-//! [--contexts 8192,32768,131072] [--model smollm2 --task niah_single_1] [--json]`
+//! [--contexts 8192,32768,131072] [--model smollm2 --task niah_single_noise] [--json]`
 //!
 //! What runs, per context:
 //! - **full**: `DenseF16Cache` (f16 K/V, every token), once per context;
@@ -76,7 +76,7 @@ struct Args {
     #[arg(long)]
     model: Option<std::path::PathBuf>,
     /// The task whose prompt --model prefills (a name of mosaickv-tasks).
-    #[arg(long, default_value = "niah_single_1")]
+    #[arg(long, default_value = "niah_single_noise")]
     task: String,
     /// Print one JSON object per (method, config, context) on stdout; the table then goes to
     /// stderr.

@@ -189,7 +189,7 @@ fn main() {
         .map(|seed| {
             let (s, ids) = mosaickv_engine::suite::task_sample(
                 &model,
-                mosaickv_tasks::Task::NiahSingle1,
+                mosaickv_tasks::Task::NiahSingleNoise,
                 a.prompt_tokens,
                 seed as u64,
             )

@@ -1,4 +1,7 @@
-//! Tests of the RULER-style task generator (MOSAICKV.md section 5).
+//! Tests of the project's earlier task generators (MOSAICKV.md section 5), kept under the
+//! names `niah_single_noise`, `niah_multikey_noise`, `niah_multivalue_noise`,
+//! `niah_multiquery_noise`, `vt_noex`, `cwe_small` (issue 36): unchanged behaviour, plus a
+//! digest of their samples taken before the rename.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -25,6 +28,11 @@ fn counters() -> [(&'static str, Counter); 2] {
     [("whitespace", ws_tokens), ("chars/4", char_tokens)]
 }
 
+/// The earlier tasks (the suite `noise`).
+fn legacy() -> &'static [Task] {
+    Task::suite("noise").expect("the noise suite")
+}
+
 fn gen(task: Task, target: usize, seed: u64) -> Sample {
     generate(task, target, BUDGET, seed, &ws_tokens).expect("target large enough")
 }
@@ -44,19 +52,19 @@ fn needles(context: &str) -> Vec<(String, String)> {
 
 #[test]
 fn names_round_trip_and_unknown_name_is_an_error() {
-    let names: Vec<&str> = Task::all().iter().map(|t| t.name()).collect();
+    let names: Vec<&str> = legacy().iter().map(|t| t.name()).collect();
     assert_eq!(
         names,
         [
-            "niah_single_1",
-            "niah_multikey",
-            "niah_multivalue",
-            "niah_multiquery",
-            "vt",
-            "cwe"
+            "niah_single_noise",
+            "niah_multikey_noise",
+            "niah_multivalue_noise",
+            "niah_multiquery_noise",
+            "vt_noex",
+            "cwe_small"
         ]
     );
-    for &t in Task::all() {
+    for &t in legacy() {
         assert_eq!(Task::from_name(t.name()), Ok(t));
         assert_eq!(t.name().parse::<Task>(), Ok(t));
         assert_eq!(t.to_string(), t.name());
@@ -66,15 +74,17 @@ fn names_round_trip_and_unknown_name_is_an_error() {
         );
     }
     assert_eq!(
-        Task::from_name("niah_single_2"),
-        Err(TaskError::UnknownTask("niah_single_2".into()))
+        Task::from_name("niah_multikey"),
+        Err(TaskError::UnknownTask("niah_multikey".into()))
     );
+    let msg = Task::from_name("niah_multikey").unwrap_err().to_string();
+    assert!(msg.contains("niah_multikey_noise"), "{msg}");
     assert!(Task::from_name("NIAH_SINGLE_1").is_err());
 }
 
 #[test]
 fn same_seed_gives_identical_sample_and_other_seeds_differ() {
-    for &task in Task::all() {
+    for &task in legacy() {
         let a = gen(task, 1024, 7);
         let b = gen(task, 1024, 7);
         assert_eq!(a, b, "{task}: not deterministic");
@@ -94,19 +104,19 @@ fn same_seed_gives_identical_sample_and_other_seeds_differ() {
 
 #[test]
 fn different_tasks_with_one_seed_draw_different_keys() {
-    let a = gen(Task::NiahSingle1, 1024, 3);
-    let b = gen(Task::NiahMultikey, 1024, 3);
+    let a = gen(Task::NiahSingleNoise, 1024, 3);
+    let b = gen(Task::NiahMultikeyNoise, 1024, 3);
     assert_ne!(a.answers[0], b.answers[0]);
 }
 
 #[test]
 fn prompt_fits_and_one_more_haystack_line_would_not() {
     for (counter_name, count) in counters() {
-        for &task in Task::all() {
+        for &task in legacy() {
             for target in [700, 1024, 2048, 4096, 6000] {
                 let n = haystack_size_for(task, target, BUDGET, 11, &count).unwrap();
                 let sample = generate(task, target, BUDGET, 11, &count).unwrap();
-                assert_eq!(sample, render(task, n, 11, target));
+                assert_eq!(sample, render(task, n, 11, target).unwrap());
                 let used = count(&sample.prompt()) + BUDGET;
                 assert!(
                     used <= target,
@@ -116,7 +126,7 @@ fn prompt_fits_and_one_more_haystack_line_would_not() {
                     n < max_haystack_size(task, target),
                     "{task}: pool exhausted at {target}"
                 );
-                let bigger = render(task, n + 1, 11, target);
+                let bigger = render(task, n + 1, 11, target).unwrap();
                 let used_bigger = count(&bigger.prompt()) + BUDGET;
                 assert!(
                     used_bigger > target,
@@ -138,9 +148,9 @@ fn prompt_fits_and_one_more_haystack_line_would_not() {
 #[test]
 fn needle_count_follows_the_haystack_size() {
     // render's haystack_size is the number of noise lines for niah and vt.
-    for &task in &[Task::NiahSingle1, Task::NiahMultikey, Task::Vt] {
+    for &task in &[Task::NiahSingleNoise, Task::NiahMultikeyNoise, Task::VtNoex] {
         for n in [0, 1, 5, 37] {
-            let s = render(task, n, 5, 1024);
+            let s = render(task, n, 5, 1024).unwrap();
             assert_eq!(
                 s.context.lines().filter(|l| *l == NOISE_LINE).count(),
                 n,
@@ -152,8 +162,8 @@ fn needle_count_follows_the_haystack_size() {
 
 #[test]
 fn target_too_small_for_an_empty_haystack_is_an_error() {
-    for &task in Task::all() {
-        let minimum = ws_tokens(&render(task, 0, 1, 1000).prompt()) + BUDGET;
+    for &task in legacy() {
+        let minimum = ws_tokens(&render(task, 0, 1, 1000).unwrap().prompt()) + BUDGET;
         match generate(task, minimum - 1, BUDGET, 1, &ws_tokens) {
             Err(TaskError::TargetTooSmall {
                 task: t,
@@ -169,7 +179,7 @@ fn target_too_small_for_an_empty_haystack_is_an_error() {
         }
         assert!(generate(task, 10, BUDGET, 1, &ws_tokens).is_err());
         let exact = generate(task, minimum, BUDGET, 1, &ws_tokens).unwrap();
-        assert_eq!(exact, render(task, 0, 1, minimum));
+        assert_eq!(exact, render(task, 0, 1, minimum).unwrap());
         let msg = generate(task, 10, BUDGET, 1, &ws_tokens)
             .unwrap_err()
             .to_string();
@@ -183,10 +193,10 @@ fn niah_needles_keys_and_answers() {
     let nouns: BTreeSet<&str> = words::NOUNS.iter().copied().collect();
     for seed in 0..20 {
         for &(task, n_keys, n_values, n_asked) in &[
-            (Task::NiahSingle1, 1, 1, 1),
-            (Task::NiahMultikey, MULTI_NEEDLES, 1, 1),
-            (Task::NiahMultivalue, 1, MULTI_NEEDLES, 1),
-            (Task::NiahMultiquery, MULTI_NEEDLES, 1, MULTI_NEEDLES),
+            (Task::NiahSingleNoise, 1, 1, 1),
+            (Task::NiahMultikeyNoise, MULTI_NEEDLES, 1, 1),
+            (Task::NiahMultivalueNoise, 1, MULTI_NEEDLES, 1),
+            (Task::NiahMultiqueryNoise, MULTI_NEEDLES, 1, MULTI_NEEDLES),
         ] {
             let s = gen(task, 2048, seed);
             let found = needles(&s.context);
@@ -247,7 +257,7 @@ fn niah_needles_keys_and_answers() {
 
 #[test]
 fn niah_single_prompt_is_rulers_wording() {
-    let s = render(Task::NiahSingle1, 2, 9, 1024);
+    let s = render(Task::NiahSingleNoise, 2, 9, 1024).unwrap();
     let (key, value) = needles(&s.context).pop().unwrap();
     assert_eq!(s.answers, vec![value.clone()]);
     let mut lines = vec![NOISE_LINE.to_string(), NOISE_LINE.to_string()];
@@ -276,7 +286,7 @@ fn niah_single_prompt_is_rulers_wording() {
 
 #[test]
 fn multiquery_question_lists_four_keys_rulers_way() {
-    let s = gen(Task::NiahMultiquery, 1024, 4);
+    let s = gen(Task::NiahMultiqueryNoise, 1024, 4);
     let question = s.context.lines().last().unwrap();
     let keys: Vec<String> = s
         .answers
@@ -302,7 +312,7 @@ fn multiquery_question_lists_four_keys_rulers_way() {
 fn needle_positions_are_random_by_line() {
     let mut positions = BTreeSet::new();
     for seed in 0..30 {
-        let s = gen(Task::NiahSingle1, 1024, seed);
+        let s = gen(Task::NiahSingleNoise, 1024, seed);
         let pos = s
             .context
             .lines()
@@ -343,7 +353,7 @@ fn resolve_vt(context: &str, value: &str) -> BTreeSet<String> {
 #[test]
 fn vt_chain_resolves_to_the_answers() {
     for seed in 0..30 {
-        let s = gen(Task::Vt, 1024 + 64 * seed as usize, seed);
+        let s = gen(Task::VtNoex, 1024 + 64 * seed as usize, seed);
         let question = s.context.lines().last().unwrap();
         let value = question
             .strip_prefix("Question: Find all variables that are assigned the value ")
@@ -402,7 +412,7 @@ fn cwe_answers_are_the_ten_most_frequent_words() {
         (4, 4096),
         (5, 6000),
     ] {
-        let s = gen(Task::Cwe, target, seed);
+        let s = gen(Task::CweSmall, target, seed);
         let list = last_cwe_list(&s.context);
         let mut freq: BTreeMap<&str, usize> = BTreeMap::new();
         for w in &list {
@@ -457,9 +467,9 @@ fn cwe_pool_is_large_and_distinct() {
 #[test]
 fn cwe_beyond_the_word_pool_still_fits() {
     let target = 100_000;
-    let n = haystack_size_for(Task::Cwe, target, BUDGET, 1, &ws_tokens).unwrap();
-    assert_eq!(n, max_haystack_size(Task::Cwe, target));
-    let s = generate(Task::Cwe, target, BUDGET, 1, &ws_tokens).unwrap();
+    let n = haystack_size_for(Task::CweSmall, target, BUDGET, 1, &ws_tokens).unwrap();
+    assert_eq!(n, max_haystack_size(Task::CweSmall, target));
+    let s = generate(Task::CweSmall, target, BUDGET, 1, &ws_tokens).unwrap();
     assert!(ws_tokens(&s.prompt()) + BUDGET <= target);
 }
 
@@ -483,7 +493,7 @@ fn string_match_all_examples() {
 
 #[test]
 fn generated_answers_score_one_on_themselves() {
-    for &task in Task::all() {
+    for &task in legacy() {
         let s = gen(task, 1024, 21);
         assert_eq!(
             string_match_all(&s.answers.join(", "), &s.answers),
@@ -499,9 +509,43 @@ fn generated_answers_score_one_on_themselves() {
 
 #[test]
 fn sample_round_trips_through_json() {
-    let s = gen(Task::Vt, 512, 2);
+    let s = gen(Task::VtNoex, 512, 2);
     let json = serde_json::to_string(&s).unwrap();
-    assert!(json.contains("\"task\":\"vt\""));
+    assert!(json.contains("\"task\":\"vt_noex\""));
     let back: Sample = serde_json::from_str(&json).unwrap();
     assert_eq!(back, s);
+}
+
+fn fnv(h: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *h ^= b as u64;
+        *h = h.wrapping_mul(0x100000001b3);
+    }
+}
+
+/// The earlier tasks give, under their new names, the very samples they gave under their old
+/// ones: an FNV-1a digest of 180 prompts and answer lists (6 tasks x 2 budgets and counters x
+/// 5 lengths x 3 seeds), 99a73caa2cfc97cf as computed by the generator before the rename
+/// (commit 1ec2b22, names niah_single_1, niah_multikey, niah_multivalue, niah_multiquery, vt,
+/// cwe).
+#[test]
+fn earlier_tasks_are_byte_identical_to_before_the_rename() {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &task in legacy() {
+        for (budget, counter) in [
+            (24usize, ws_tokens as Counter),
+            (64, char_tokens as Counter),
+        ] {
+            for target in [700usize, 1024, 2048, 4096, 6000] {
+                for seed in 0..3u64 {
+                    let s = generate(task, target, budget, seed, &counter).unwrap();
+                    fnv(&mut h, s.prompt().as_bytes());
+                    fnv(&mut h, &[0]);
+                    fnv(&mut h, s.answers.join("\u{1}").as_bytes());
+                    fnv(&mut h, &[0]);
+                }
+            }
+        }
+    }
+    assert_eq!(format!("{h:016x}"), "99a73caa2cfc97cf");
 }
