@@ -11,6 +11,7 @@ use crate::cmd_fidelity::{self, ForcedRecord};
 use crate::error::{io, CliError};
 use crate::{llm, plot};
 use indicatif::{ProgressBar, ProgressStyle};
+use mosaickv_engine::store::PrefillStore;
 use mosaickv_engine::suite::{default_suite, DefaultSuite};
 use mosaickv_engine::{Method, Model};
 use mosaickv_tasks::stats::{paired, Accuracy, Paired};
@@ -18,7 +19,7 @@ use mosaickv_tasks::{string_match_all, Task};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The default methods: every baseline of SPEC.md section 12 and MosaicKV's default.
@@ -66,6 +67,128 @@ pub struct Args {
     /// A local GGUF file instead of the cached (or fetched) SmolLM2-135M-Instruct.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Store each prompt's dense prefill under $MOSAICKV_HOME/prefills and reuse it (every
+    /// method, rerun and later run): `auto` for prompts of 4,096 tokens or more, `always`,
+    /// `never`.
+    #[arg(long, value_enum, default_value_t = StorePrefills::Auto)]
+    pub store_prefills: StorePrefills,
+    /// Ignore (and replace) the results of an earlier run with the same arguments instead of
+    /// resuming from them.
+    #[arg(long)]
+    pub fresh: bool,
+}
+
+/// When `eval` stores prefills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StorePrefills {
+    /// Prompts of [`STORE_FROM_TOKENS`] tokens or more.
+    Auto,
+    Always,
+    Never,
+}
+
+/// `--store-prefills auto` stores prompts from this length on: a prefill there costs tens of
+/// seconds to minutes, far more than reading its file.
+pub const STORE_FROM_TOKENS: usize = 4096;
+
+/// One method's result on one prompt, as the run log keeps it (one JSON line each).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Done {
+    pub task: String,
+    pub length: usize,
+    pub seed: u64,
+    pub method: String,
+    pub score: f64,
+    pub bytes_per_token: f64,
+    /// Sum of the decode steps' wall times (s) and their count.
+    pub step_s: f64,
+    pub steps: usize,
+    pub prompt_tokens: usize,
+    /// The generated text (trimmed).
+    pub text: String,
+}
+
+/// The results of a run so far, appended one line per method and prompt as they finish, so
+/// that a run stopped anywhere (a session's end, a kill) loses nothing already measured and a
+/// rerun with the same arguments goes on where it stopped.
+pub struct RunLog {
+    path: PathBuf,
+    file: std::fs::File,
+    done: BTreeMap<(String, usize, u64, String), Done>,
+}
+
+impl RunLog {
+    /// Opens (or, with `fresh`, replaces) the log at `path`, reading what it holds.
+    pub fn open(path: &Path, fresh: bool) -> Result<Self, CliError> {
+        if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d).map_err(|e| io(d, e))?;
+        }
+        let mut done = BTreeMap::new();
+        if !fresh {
+            if let Ok(text) = std::fs::read_to_string(path) {
+                // a line cut short by a kill is skipped (that method runs again)
+                for d in text
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<Done>(l).ok())
+                {
+                    done.insert((d.task.clone(), d.length, d.seed, d.method.clone()), d);
+                }
+            }
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(!fresh)
+            .write(true)
+            .truncate(fresh)
+            .open(path)
+            .map_err(|e| io(path, e))?;
+        // a line cut short by a kill gets its end, so the next result starts a line of its own
+        let len = file.metadata().map_err(|e| io(path, e))?.len();
+        if !fresh && len > 0 {
+            let mut last = [0u8; 1];
+            let mut r = std::fs::File::open(path).map_err(|e| io(path, e))?;
+            std::io::Seek::seek(&mut r, std::io::SeekFrom::Start(len - 1))
+                .and_then(|_| std::io::Read::read_exact(&mut r, &mut last))
+                .map_err(|e| io(path, e))?;
+            if last[0] != b'\n' {
+                file.write_all(b"\n").map_err(|e| io(path, e))?;
+            }
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            done,
+        })
+    }
+
+    fn get(&self, task: &str, length: usize, seed: u64, method: &str) -> Option<&Done> {
+        self.done
+            .get(&(task.to_string(), length, seed, method.to_string()))
+    }
+
+    fn push(&mut self, d: Done) -> Result<(), CliError> {
+        let line = serde_json::to_string(&d).map_err(|e| CliError::Input(e.to_string()))? + "\n";
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|_| self.file.sync_data())
+            .map_err(|e| io(&self.path, e))?;
+        self.done
+            .insert((d.task.clone(), d.length, d.seed, d.method.clone()), d);
+        Ok(())
+    }
+
+    /// Results already there.
+    pub fn len(&self) -> usize {
+        self.done.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.done.is_empty()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// One cell of the table.
@@ -105,6 +228,16 @@ pub struct Suite {
     pub verbose: bool,
 }
 
+/// Where [`run_suite`] keeps and finds what outlives it.
+#[derive(Default)]
+pub struct Keep<'a> {
+    /// Stored prefills, for prompts of at least `store_from` tokens.
+    pub store: Option<&'a PrefillStore>,
+    pub store_from: usize,
+    /// The run log: results are appended to it and read back from it.
+    pub log: Option<&'a mut RunLog>,
+}
+
 #[derive(Default)]
 struct Acc {
     scores: Vec<f64>,
@@ -115,43 +248,101 @@ struct Acc {
     prompt: f64,
 }
 
-/// Runs the suite; records in task, length, method order.
-pub fn run_suite(model: &Model, s: &Suite, pb: &mut Progress) -> Result<Vec<Record>, CliError> {
+impl Acc {
+    fn add(&mut self, d: &Done) {
+        self.scores.push(d.score);
+        self.bytes += d.bytes_per_token;
+        self.step_s += d.step_s;
+        self.steps += d.steps;
+        self.n += 1;
+        self.prompt += d.prompt_tokens as f64;
+    }
+}
+
+/// Runs the suite; records in task, length, method order. With a run log, a (prompt, method)
+/// already in it is not run again, and each new result is appended as soon as it is measured;
+/// a prompt whose every method is in the log is not even generated or prefilled.
+pub fn run_suite(
+    model: &Model,
+    s: &Suite,
+    pb: &mut Progress,
+    mut keep: Keep,
+) -> Result<Vec<Record>, CliError> {
     let mut acc: BTreeMap<(usize, usize, usize), Acc> = BTreeMap::new();
+    let names: Vec<String> = s.methods.iter().map(|m| m.to_string()).collect();
     for (ti, &task) in s.tasks.iter().enumerate() {
         for (li, &length) in s.lengths.iter().enumerate() {
             for i in 0..s.samples {
                 let seed = s.seed + i as u64;
-                pb.set_message(format!("{task} {length} #{i}: prefill"));
-                let (sample, ids) = llm::task_sample(model, task, length, seed)?;
-                // Query statistics only when a method uses them (SPEC.md section 11.1).
-                let pre = if s.methods.iter().any(|m| m.wants_query_stats()) {
-                    model.prefill_with_stats(&ids)?
-                } else {
-                    model.prefill(&ids)?
+                let what = format!("{task} {length} #{i}");
+                let known = |log: &Option<&mut RunLog>, m: &str| {
+                    log.as_ref()
+                        .and_then(|l| l.get(task.name(), length, seed, m))
+                        .cloned()
                 };
-                for (mi, m) in s.methods.iter().enumerate() {
-                    pb.set_message(format!("{task} {length} #{i}: {m}"));
-                    let d = llm::decode_greedy(model, &pre, m, llm::answer_budget(task), |_| {})?;
-                    let text = model.decode(&d.ids)?;
-                    let score = string_match_all(&text, &sample.answers);
-                    if s.verbose {
-                        pb.say(format!(
-                            "{task} {length} seed {seed} {m}: {score:.2} {:?} (answers {:?})",
-                            text.trim(),
-                            sample.answers
-                        ));
+                let todo: Vec<usize> = (0..s.methods.len())
+                    .filter(|&mi| known(&keep.log, &names[mi]).is_none())
+                    .collect();
+                let mut ran = false;
+                if !todo.is_empty() {
+                    ran = true;
+                    pb.set_message(format!("{what}: prompt"));
+                    let (sample, ids) = llm::task_sample(model, task, length, seed)?;
+                    // Query statistics only when a method uses them (SPEC.md section 11.1).
+                    let stats = s.methods.iter().any(|m| m.wants_query_stats());
+                    pb.set_message(format!("{what}: prefill ({} tokens)", ids.len()));
+                    let pre = match keep.store.filter(|_| ids.len() >= keep.store_from) {
+                        Some(store) => store.prefill(model, &ids, stats)?.0,
+                        None if stats => model.prefill_with_stats(&ids)?,
+                        None => model.prefill(&ids)?,
+                    };
+                    for &mi in &todo {
+                        let m = &s.methods[mi];
+                        pb.set_message(format!("{what}: {m}"));
+                        let d =
+                            llm::decode_greedy(model, &pre, m, llm::answer_budget(task), |_| {})?;
+                        let text = model.decode(&d.ids)?;
+                        let score = string_match_all(&text, &sample.answers);
+                        if s.verbose {
+                            pb.say(format!(
+                                "{task} {length} seed {seed} {m}: {score:.2} {:?} (answers {:?})",
+                                text.trim(),
+                                sample.answers
+                            ));
+                        }
+                        let done = Done {
+                            task: task.name().to_string(),
+                            length,
+                            seed,
+                            method: names[mi].clone(),
+                            score,
+                            bytes_per_token: d.bytes_per_token,
+                            step_s: d.step_s.iter().sum::<f64>(),
+                            steps: d.step_s.len(),
+                            prompt_tokens: ids.len(),
+                            text: text.trim().to_string(),
+                        };
+                        if let Some(log) = keep.log.as_deref_mut() {
+                            log.push(done)?;
+                        } else {
+                            let a = acc.entry((ti, li, mi)).or_default();
+                            a.add(&done);
+                        }
+                        pb.inc();
                     }
-                    let a = acc.entry((ti, li, mi)).or_default();
-                    a.scores.push(score);
-                    a.bytes += d.bytes_per_token;
-                    a.step_s += d.step_s.iter().sum::<f64>();
-                    a.steps += d.step_s.len();
-                    a.n += 1;
-                    a.prompt += ids.len() as f64;
-                    pb.inc();
                 }
-                pb.prompt_done(&format!("{task} {length} #{i}"));
+                if let Some(log) = keep.log.as_deref() {
+                    for (mi, name) in names.iter().enumerate() {
+                        let d = log
+                            .get(task.name(), length, seed, name)
+                            .expect("every method of the prompt is in the log now");
+                        acc.entry((ti, li, mi)).or_default().add(d);
+                        if !todo.contains(&mi) {
+                            pb.inc();
+                        }
+                    }
+                }
+                pb.prompt_done(&what, ran);
             }
         }
     }
@@ -375,7 +566,11 @@ pub struct Progress {
     label: &'static str,
     prompts: usize,
     done: usize,
+    /// Prompts run in this process (not read back from a run log) and their time.
+    ran: usize,
+    ran_s: f64,
     start: Instant,
+    last: Instant,
 }
 
 impl Progress {
@@ -414,7 +609,10 @@ impl Progress {
             label,
             prompts,
             done: 0,
+            ran: 0,
+            ran_s: 0.0,
             start: Instant::now(),
+            last: Instant::now(),
         }
     }
 
@@ -428,14 +626,36 @@ impl Progress {
         self.bar.inc(1);
     }
 
-    /// Every method finished on prompt `what`: the plain line, when there is no bar.
-    pub fn prompt_done(&mut self, what: &str) {
+    /// Every method finished on prompt `what` (`ran`: run now, not read back from a run
+    /// log): the plain line, when there is no bar, with the time elapsed and an estimate of
+    /// the time left (the mean time of the prompts run now, times the prompts left).
+    pub fn prompt_done(&mut self, what: &str, ran: bool) {
         self.done += 1;
+        let now = Instant::now();
+        if ran {
+            self.ran += 1;
+            self.ran_s += (now - self.last).as_secs_f64();
+        }
+        self.last = now;
+        let left = self.prompts.saturating_sub(self.done);
+        let eta = if self.ran > 0 && left > 0 {
+            format!(
+                ", about {} left",
+                llm::secs(self.ran_s / self.ran as f64 * left as f64)
+            )
+        } else {
+            String::new()
+        };
         let line = format!(
-            "{}: prompt {}/{} done ({what}), {} elapsed",
+            "{}: prompt {}/{} {} ({what}), {} elapsed{eta}",
             self.label,
             self.done,
             self.prompts,
+            if ran {
+                "done"
+            } else {
+                "resumed from the run log"
+            },
             llm::secs(self.start.elapsed().as_secs_f64())
         );
         if let Some(w) = &mut self.plain {
@@ -457,6 +677,92 @@ impl Progress {
     pub fn finish(&self) {
         self.bar.finish_and_clear();
     }
+}
+
+/// RULER's average (`mosaickv_tasks::ruler_average`: the mean over tasks of each task's mean
+/// score) per method and length, over the RULER tasks of the run, when it ran any.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RulerAverage {
+    pub method: String,
+    pub length: usize,
+    /// RULER tasks averaged (the suite `ruler` has 11; RULER's published average has 13).
+    pub tasks: usize,
+    pub average: f64,
+    /// The same average of `full`, and this method's as a fraction of it.
+    pub full: Option<f64>,
+    pub of_full: Option<f64>,
+}
+
+pub fn ruler_averages(records: &[Record]) -> Vec<RulerAverage> {
+    let mut keys: Vec<(String, usize)> = Vec::new();
+    for r in records {
+        if !keys.contains(&(r.method.clone(), r.length)) {
+            keys.push((r.method.clone(), r.length));
+        }
+    }
+    let avg = |method: &str, length: usize| -> Option<(usize, f64)> {
+        let per: Vec<(Task, f64)> = records
+            .iter()
+            .filter(|r| r.method == method && r.length == length)
+            .filter_map(|r| {
+                Task::from_name(&r.task)
+                    .ok()
+                    .filter(|t| Task::ruler().contains(t))
+                    .map(|t| (t, r.accuracy))
+            })
+            .collect();
+        mosaickv_tasks::ruler_average(&per).map(|a| (per.len(), a))
+    };
+    keys.iter()
+        .filter_map(|(m, l)| {
+            let (tasks, average) = avg(m, *l)?;
+            let full = avg("full", *l).map(|f| f.1);
+            Some(RulerAverage {
+                method: m.clone(),
+                length: *l,
+                tasks,
+                average,
+                full,
+                of_full: full.filter(|&f| f > 0.0).map(|f| average / f),
+            })
+        })
+        .collect()
+}
+
+fn ruler_table(rows: &[RulerAverage]) -> String {
+    let mut out = String::from(
+        "RULER average (mean over RULER's tasks of each task's accuracy; 11 synthetic tasks at most, RULER publishes 13 with qa_1/qa_2):\n\n| method | length | tasks | RULER average | of full |\n|---|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.3} | {} |\n",
+            r.method,
+            r.length,
+            r.tasks,
+            r.average,
+            r.of_full
+                .map_or("-".into(), |x| format!("{:.1} %", 100.0 * x))
+        ));
+    }
+    out
+}
+
+/// The run log of `suite` on the model of `store`: `$MOSAICKV_HOME/runs/eval-KEY.jsonl`, KEY a
+/// hash of the model's identity, the code the results depend on
+/// (`mosaickv_engine::store::RESULTS_CODE`) and the seed. Results inside are keyed by task,
+/// length, seed and method, so a rerun with the same arguments resumes, and one that adds a
+/// method, a length or samples reuses what the earlier run measured.
+pub fn run_log_path(home: &Path, store: &PrefillStore, suite: &Suite) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"mosaickv eval run log v1\0");
+    h.update(store.model_id().as_bytes());
+    h.update([0]);
+    h.update(mosaickv_engine::store::RESULTS_CODE.as_bytes());
+    h.update(suite.seed.to_le_bytes());
+    let d = h.finalize();
+    let key: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
+    home.join("runs").join(format!("eval-{key}.jsonl"))
 }
 
 /// Task names and suite names (`ruler`, `noise`), each suite expanded in place.
@@ -512,7 +818,8 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let t0 = Instant::now();
     // bad method names fail before the model loads
     llm::parse_methods(&a.methods)?;
-    let model = llm::load_model(a.model.as_deref())?;
+    let model_path = mosaickv_engine::resolve_model(a.model.as_deref())?;
+    let model = Model::load(&model_path)?;
     let c = model.config();
     let defaults = default_suite(
         a.model.as_deref().and_then(|p| p.to_str()),
@@ -537,7 +844,30 @@ pub fn run(a: Args) -> Result<(), CliError> {
         suite.tasks.len() * suite.lengths.len() * suite.samples,
         suite.methods.len(),
     );
-    let records = run_suite(&model, &suite, &mut pb)?;
+    let home = mosaickv_engine::default_home();
+    let store = PrefillStore::new(&home, &model_path)?;
+    let mut log = RunLog::open(&run_log_path(&home, &store, &suite), a.fresh)?;
+    if !log.is_empty() {
+        eprintln!(
+            "eval: resuming: {} results of an earlier run with the same arguments and code in {} (--fresh ignores them)",
+            log.len(),
+            log.path().display()
+        );
+    } else {
+        eprintln!(
+            "eval: results are kept as they come in {}",
+            log.path().display()
+        );
+    }
+    let keep = Keep {
+        store: (a.store_prefills != StorePrefills::Never).then_some(&store),
+        store_from: match a.store_prefills {
+            StorePrefills::Auto => STORE_FROM_TOKENS,
+            _ => 0,
+        },
+        log: Some(&mut log),
+    };
+    let records = run_suite(&model, &suite, &mut pb, keep)?;
     pb.finish();
     let forced = if kl_length > 0 {
         let (text, source) = cmd_fidelity::natural_text(None)?;
@@ -552,6 +882,11 @@ pub fn run(a: Args) -> Result<(), CliError> {
     print!("{}", table(&records));
     println!();
     print!("{}", summary_table(&records, &summarize(&records, &forced)));
+    let ruler = ruler_averages(&records);
+    if !ruler.is_empty() {
+        println!();
+        print!("{}", ruler_table(&ruler));
+    }
     eprintln!(
         "eval: {} in {}",
         records.len(),
@@ -561,6 +896,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
         let text = serde_json::to_string_pretty(&serde_json::json!({
             "records": records,
             "summary": summarize(&records, &forced),
+            "ruler_average": ruler,
             "forced": forced,
         }))
         .map_err(|e| CliError::Input(e.to_string()))?;
@@ -671,6 +1007,48 @@ mod tests {
     }
 
     #[test]
+    fn the_run_log_keeps_results_across_opens_and_skips_a_cut_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("runs").join("eval-x.jsonl");
+        let d = |method: &str, score: f64| Done {
+            task: "vt".into(),
+            length: 4096,
+            seed: 3,
+            method: method.into(),
+            score,
+            bytes_per_token: 300.0,
+            step_s: 1.5,
+            steps: 30,
+            prompt_tokens: 4000,
+            text: "VAR A".into(),
+        };
+        let mut log = RunLog::open(&path, false).unwrap();
+        assert!(log.is_empty());
+        log.push(d("full", 1.0)).unwrap();
+        log.push(d("mosaic", 0.5)).unwrap();
+        drop(log);
+        // a kill in the middle of a line leaves half a line: skipped on the next open
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(b"{\"task\": \"vt\", \"len").unwrap();
+        drop(f);
+        let mut log = RunLog::open(&path, false).unwrap();
+        assert_eq!(log.len(), 2);
+        assert_eq!(log.get("vt", 4096, 3, "mosaic"), Some(&d("mosaic", 0.5)));
+        assert_eq!(log.get("vt", 4096, 4, "mosaic"), None);
+        log.push(d("kvq4", 0.0)).unwrap();
+        drop(log);
+        assert_eq!(RunLog::open(&path, false).unwrap().len(), 3);
+        // --fresh: nothing is read, the file is replaced
+        let log = RunLog::open(&path, true).unwrap();
+        assert!(log.is_empty());
+        drop(log);
+        assert_eq!(std::fs::read(&path).unwrap().len(), 0);
+    }
+
+    #[test]
     fn plain_progress_prints_one_line_per_finished_prompt() {
         let buf = Shared::default();
         let mut p = Progress::plain("eval", 2, Box::new(buf.clone()));
@@ -685,7 +1063,7 @@ mod tests {
                 i,
                 "a line before the prompt finished"
             );
-            p.prompt_done(what);
+            p.prompt_done(what, true);
         }
         p.say("a verbose prediction".into());
         p.finish();
@@ -700,7 +1078,14 @@ mod tests {
             lines[1].starts_with("eval: prompt 2/2 done (vt 1024 #1), "),
             "{out}"
         );
-        assert!(lines[0].ends_with(" s elapsed"), "{out}");
+        assert!(
+            lines[0].contains(" s elapsed, about ") && lines[0].ends_with(" s left"),
+            "{out}"
+        );
+        assert!(
+            lines[1].ends_with(" s elapsed"),
+            "the last prompt has nothing left: {out}"
+        );
         assert_eq!(lines[2], "a verbose prediction");
     }
 }

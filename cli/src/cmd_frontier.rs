@@ -8,7 +8,7 @@
 use crate::cmd_eval::{self, Suite};
 use crate::cmd_fidelity;
 use crate::error::{io, CliError};
-use crate::{llm, plot};
+use crate::plot;
 use mosaickv_engine::Method;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -61,6 +61,13 @@ pub struct Args {
     /// local GGUF file [default: SmolLM2-135M-Instruct].
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Store each prompt's dense prefill and reuse it (as `eval --store-prefills`).
+    #[arg(long, value_enum, default_value_t = cmd_eval::StorePrefills::Auto)]
+    pub store_prefills: cmd_eval::StorePrefills,
+    /// Ignore (and replace) the results of an earlier run instead of resuming from them
+    /// (frontier shares `eval`'s run log: a method measured by either is not run again).
+    #[arg(long)]
+    pub fresh: bool,
 }
 
 /// One point of the frontier.
@@ -135,7 +142,8 @@ pub fn run(a: Args) -> Result<(), CliError> {
         ));
     }
     cmd_eval::no_repeats("--lengths", &a.lengths)?;
-    let model = llm::load_model(a.model.as_deref())?;
+    let model_path = mosaickv_engine::resolve_model(a.model.as_deref())?;
+    let model = mosaickv_engine::Model::load(&model_path)?;
     cmd_eval::lengths_fit(&model, &a.lengths)?;
     let suite = Suite {
         tasks: cmd_eval::parse_tasks(&a.tasks)?,
@@ -150,7 +158,23 @@ pub fn run(a: Args) -> Result<(), CliError> {
         suite.tasks.len() * suite.lengths.len() * suite.samples,
         suite.methods.len(),
     );
-    let records = cmd_eval::run_suite(&model, &suite, &mut pb)?;
+    let home = mosaickv_engine::default_home();
+    let store = mosaickv_engine::store::PrefillStore::new(&home, &model_path)?;
+    let mut log = cmd_eval::RunLog::open(&cmd_eval::run_log_path(&home, &store, &suite), a.fresh)?;
+    eprintln!(
+        "frontier: {} earlier results with the same code in {} (--fresh ignores them)",
+        log.len(),
+        log.path().display()
+    );
+    let keep = cmd_eval::Keep {
+        store: (a.store_prefills != cmd_eval::StorePrefills::Never).then_some(&store),
+        store_from: match a.store_prefills {
+            cmd_eval::StorePrefills::Auto => cmd_eval::STORE_FROM_TOKENS,
+            _ => 0,
+        },
+        log: Some(&mut log),
+    };
+    let records = cmd_eval::run_suite(&model, &suite, &mut pb, keep)?;
     pb.finish();
     let summary = cmd_eval::summarize(&records, &[]);
     let (text, source) = cmd_fidelity::natural_text(None)?;

@@ -882,7 +882,10 @@ fn usage_errors_control_characters_and_native_order_npy() {
     assert_eq!(o.code, 2, "{}", o.stderr);
     let line = o.stderr.trim_end();
     assert!(!line.contains('\n'), "{line:?}");
-    assert!(line.starts_with("mosaickv: error: ") && line.contains("--no-such-flag"), "{line:?}");
+    assert!(
+        line.starts_with("mosaickv: error: ") && line.contains("--no-such-flag"),
+        "{line:?}"
+    );
     let o = mosaickv(&[&"compress", &"--keys"]);
     assert_eq!(o.code, 2);
     assert!(o.stderr.starts_with("mosaickv: error: ") && !o.stderr.trim_end().contains('\n'));
@@ -894,7 +897,15 @@ fn usage_errors_control_characters_and_native_order_npy() {
     let dir = tempfile::tempdir().unwrap();
     // a file name with an escape character: echoed escaped, never raw
     let odd = dir.path().join("k\u{1b}[2J.npy");
-    let o = mosaickv(&[&"compress", &"--keys", &odd, &"--values", &odd, &"--out", &dir.path()]);
+    let o = mosaickv(&[
+        &"compress",
+        &"--keys",
+        &odd,
+        &"--values",
+        &odd,
+        &"--out",
+        &dir.path(),
+    ]);
     assert_ne!(o.code, 0);
     assert!(!o.stderr.contains('\u{1b}'), "{:?}", o.stderr);
     assert!(o.stderr.contains("\\u{1b}"), "{:?}", o.stderr);
@@ -910,7 +921,15 @@ fn usage_errors_control_characters_and_native_order_npy() {
     let native = dir.path().join("native.npy");
     std::fs::write(&native, &bytes).unwrap();
     for (name, k) in [("a", &lt), ("b", &native)] {
-        ok(&[&"compress", &"--keys", k, &"--values", &lt, &"--out", &dir.path().join(name)]);
+        ok(&[
+            &"compress",
+            &"--keys",
+            k,
+            &"--values",
+            &lt,
+            &"--out",
+            &dir.path().join(name),
+        ]);
     }
     assert_eq!(
         std::fs::read(dir.path().join("a/cache.mkv")).unwrap(),

@@ -29,6 +29,7 @@ pub mod methods;
 mod model;
 pub mod probe;
 mod quant;
+pub mod store;
 pub mod suite;
 mod tokenizer;
 

@@ -498,3 +498,57 @@ fn write_fuzz_seed() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tiny_llama"), Tiny::default().gguf().bytes()).unwrap();
 }
+
+/// Issue 36: a stored prefill is read back bit for bit (with and without query statistics),
+/// is keyed by the prompt, and a damaged file is computed again, not trusted.
+#[test]
+fn stored_prefills_round_trip_and_damaged_ones_are_recomputed() {
+    use mosaickv_engine::store::{Origin, PrefillStore};
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tiny {
+        arch: "qwen2",
+        biases: true,
+        hidden: 64,
+        q_heads: 2,
+        kv_heads: 1,
+        ..Tiny::default()
+    };
+    let path = t.write(dir.path(), "m.gguf");
+    let model = Model::load(&path).unwrap();
+    let store = PrefillStore::new(&dir.path().join("home"), &path).unwrap();
+    let toks = [3u32, 4, 5, 6, 7, 3, 4];
+    for stats in [false, true] {
+        let fresh = if stats {
+            model.prefill_with_stats(&toks).unwrap()
+        } else {
+            model.prefill(&toks).unwrap()
+        };
+        let (a, o) = store.prefill(&model, &toks, stats).unwrap();
+        assert_eq!(o, Origin::Computed);
+        let (b, o) = store.prefill(&model, &toks, stats).unwrap();
+        assert_eq!(o, Origin::Stored);
+        for p in [&a, &b] {
+            assert_eq!(p.keys, fresh.keys);
+            assert_eq!(p.values, fresh.values);
+            assert_eq!(p.logits, fresh.logits);
+            assert_eq!(p.query_stats, fresh.query_stats);
+        }
+    }
+    assert_ne!(store.key(&toks, false), store.key(&toks[..6], false));
+    assert_ne!(store.key(&toks, false), store.key(&toks, true));
+    // a flipped byte (checksum) and a truncation: computed again and replaced
+    let file = store
+        .dir()
+        .join(format!("{}.mkvp", store.key(&toks, false)));
+    let good = std::fs::read(&file).unwrap();
+    let mut bad = good.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 1;
+    for damaged in [bad, good[..good.len() - 9].to_vec()] {
+        std::fs::write(&file, &damaged).unwrap();
+        let (p, o) = store.prefill(&model, &toks, false).unwrap();
+        assert_eq!(o, Origin::Computed);
+        assert_eq!(p.logits, model.prefill(&toks).unwrap().logits);
+        assert_eq!(std::fs::read(&file).unwrap(), good);
+    }
+}
