@@ -75,7 +75,7 @@ fn every_method_decodes_a_needle_prompt() {
 fn task_prompts_are_deterministic_and_fit_the_length() {
     let model = load_model();
     for &task in Task::all() {
-        for length in [900, 1500] {
+        for length in [1200, 1600] {
             let (a, ids) = task_sample(&model, task, length, 7).unwrap();
             let (b, ids_b) = task_sample(&model, task, length, 7).unwrap();
             assert_eq!(a, b, "{task} {length}: not deterministic");
@@ -88,9 +88,13 @@ fn task_prompts_are_deterministic_and_fit_the_length() {
                 ids.len(),
                 answer_budget(task)
             );
-            // a noise line is about 22 tokens, a cwe word 2-4 (with its separator)
+            // a noise line is about 22 tokens, a cwe word 2-4 (with its separator); RULER's
+            // units are larger: a line of uuid distractor needles (niah_multikey_3) is about
+            // 70 tokens, an essay sentence can be longer (tasks/tests/ruler.rs checks that
+            // one more unit would not fit)
+            let slack = if Task::ruler().contains(&task) { 160 } else { 40 };
             assert!(
-                used + 40 > length,
+                used + slack > length,
                 "{task} {length}: only {used} tokens used"
             );
             let (c, _) = task_sample(&model, task, length, 8).unwrap();
