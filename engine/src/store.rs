@@ -6,7 +6,7 @@
 //! A stored prefill is keyed by the sha256 of: the model's identity (a known model's pinned
 //! sha256, else the file's canonical path, size and modification time), the prompt's token
 //! ids, whether query statistics were computed, and `MOSAICKV_PREFILL_CODE` (`build.rs`: a hash
-//! of this crate's sources and the workspace's Cargo.lock). It holds exactly what
+//! of the forward pass's code and of the Cargo.lock entries of candle, gemm and half). It holds exactly what
 //! [`Model::prefill`] / [`Model::prefill_with_stats`] return (f32 keys and values per layer,
 //! the last position's logits, the query statistics), so a method decodes from it bit for bit
 //! as from a fresh prefill.

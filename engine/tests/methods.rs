@@ -92,7 +92,11 @@ fn task_prompts_are_deterministic_and_fit_the_length() {
             // units are larger: a line of uuid distractor needles (niah_multikey_3) is about
             // 70 tokens, an essay sentence can be longer (tasks/tests/ruler.rs checks that
             // one more unit would not fit)
-            let slack = if Task::ruler().contains(&task) { 160 } else { 40 };
+            let slack = if Task::ruler().contains(&task) {
+                160
+            } else {
+                40
+            };
             assert!(
                 used + slack > length,
                 "{task} {length}: only {used} tokens used"
