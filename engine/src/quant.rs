@@ -45,6 +45,7 @@ pub(crate) const QK_K: usize = 256;
 /// Size of one ggml block in bytes.
 const Q4_1_BYTES: usize = 20;
 const Q8_0_BYTES: usize = 34;
+const Q5_0_BYTES: usize = 22;
 const Q4_K_BYTES: usize = 144;
 const Q6_K_BYTES: usize = 210;
 
@@ -284,6 +285,35 @@ impl QMatrix {
         for b in raw.chunks_exact(Q8_0_BYTES) {
             d.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
             qs.extend(b[2..].iter().map(|&v| v as i8));
+        }
+        Some(Self::Q8_0 { rows, cols, qs, d })
+    }
+
+    /// Parses raw ggml Q5_0 blocks (`d: f16, qh: [u8; 4], qs: [u8; 16]`, 22 bytes; value `j`
+    /// is `d * (q_j - 16)` with `q_j` the 5-bit code: low nibble of `qs[j]` (j < 16) or high
+    /// nibble of `qs[j - 16]`, fifth bit `j` of the little-endian `qh`) into Q8_0 blocks with the
+    /// same `d` and `q_j - 16` in [-16, 15] as the int8: the same weights exactly, read by the
+    /// Q8_0 kernels of every CPU path (Qwen2.5-Coder-0.5B stores most of its matrices as Q5_0).
+    pub(crate) fn from_q5_0_bytes(raw: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let nb = Self::blocks(rows, cols)?;
+        if raw.len() != nb * Q5_0_BYTES {
+            return None;
+        }
+        let mut qs = Vec::with_capacity(nb * QK);
+        let mut d = Vec::with_capacity(nb);
+        for b in raw.chunks_exact(Q5_0_BYTES) {
+            d.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let nib = &b[6..22];
+            for j in 0..QK {
+                let low = if j < 16 {
+                    nib[j] & 0x0f
+                } else {
+                    nib[j - 16] >> 4
+                };
+                let high = (((qh >> j) & 1) as u8) << 4;
+                qs.push((low | high) as i8 - 16);
+            }
         }
         Some(Self::Q8_0 { rows, cols, qs, d })
     }
@@ -1424,6 +1454,44 @@ mod tests {
                 want[r]
             );
         }
+    }
+
+    /// Q5_0 blocks become Q8_0 blocks holding exactly the same weights: every weight equals
+    /// candle's dequantization of the Q5_0 tensor (an implementation independent of ours), and
+    /// crafted blocks with every 5-bit code and fifth bit reach every int8 value in [-16, 15].
+    #[test]
+    fn q5_0_converts_to_q8_0_exactly() {
+        use candle_core::quantized::GgmlDType;
+        let mut seed = 11u64;
+        let (rows, cols) = (3, 128);
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng(&mut seed)).collect();
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
+        let theirs: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let m = QMatrix::from_q5_0_bytes(&q.data().unwrap(), rows, cols).unwrap();
+        assert!(matches!(m, QMatrix::Q8_0 { .. }));
+        assert_eq!(dequant(&m), theirs);
+        // every code: value j of the block is q_j - 16 with q_j = (j + 7 b) mod 32
+        let mut raw = Vec::new();
+        for b in 0..2usize {
+            raw.extend(f16::from_f32(1.0).to_le_bytes());
+            let code = |j: usize| ((j + 7 * b) % 32) as u8;
+            let qh: u32 = (0..QK).map(|j| u32::from(code(j) >> 4) << j).sum();
+            raw.extend(qh.to_le_bytes());
+            raw.extend((0..16).map(|j| (code(j) & 0x0f) | ((code(j + 16) & 0x0f) << 4)));
+        }
+        let m = QMatrix::from_q5_0_bytes(&raw, 1, 64).unwrap();
+        let want: Vec<f32> = (0..2usize)
+            .flat_map(|b| (0..QK).map(move |j| ((j + 7 * b) % 32) as f32 - 16.0))
+            .collect();
+        assert_eq!(dequant(&m), want);
+        assert!(QMatrix::from_q5_0_bytes(&raw[..43], 1, 64).is_none());
     }
 
     /// A k-quant matrix ([rows, cols], cols a multiple of 256) from random weights.

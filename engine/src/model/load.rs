@@ -222,7 +222,8 @@ impl Config {
     }
 }
 
-/// The decode-step copy of a 2-D weight: its own blocks when the GGUF stores Q4_1 or Q8_0, the
+/// The decode-step copy of a 2-D weight: its own blocks when the GGUF stores Q4_1 or Q8_0 (Q5_0
+/// blocks are converted exactly to Q8_0), the
 /// tensor's Q4_K/Q6_K blocks read in place (this crate's kernels for all of them), its blocks
 /// behind candle's `QMatMul` for the other block formats, and f32/f16 values quantized to Q8_0.
 fn to_qmatrix(q: &Arc<QTensor>) -> Result<QMatrix> {
@@ -230,6 +231,7 @@ fn to_qmatrix(q: &Arc<QTensor>) -> Result<QMatrix> {
     let m = match q.dtype() {
         GgmlDType::Q4_1 => QMatrix::from_q4_1_bytes(&q.data()?, rows, cols),
         GgmlDType::Q8_0 => QMatrix::from_q8_0_bytes(&q.data()?, rows, cols),
+        GgmlDType::Q5_0 => QMatrix::from_q5_0_bytes(&q.data()?, rows, cols),
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
             let f = q
                 .dequantize(&Device::Cpu)?
