@@ -1,45 +1,19 @@
 //! `mosaickv attend`: one decode step's attention over a saved cache
-//! (SPEC.md section 9 for `mosaic`, section 12 for the baselines).
+//! (SPEC.md section 9 for `mosaic`, section 12 for the baselines). The cache is built by the
+//! method registry (`mosaickv-methods`) from the method string, as every front end builds it.
 
 use crate::backend::Backend;
 use crate::cachedir;
 use crate::error::CliError;
 use crate::npy;
-use mosaickv_optimized::{CpuBackend, DenseF16Cache, LiveCache, Mode, QuestF16Cache};
-use mosaickv_reference::{FullCache, MosaicCache, Naive2dCache, QuestCache};
+use mosaickv_methods::{implementation_of, Implementation, Method, Mode, Options};
+use mosaickv_optimized::CpuBackend;
 use mosaickv_spec::persist::{load_cache, load_dense};
 use mosaickv_spec::{validate, Backend as _, KvCache, KvShape, MosaicError};
 use ndarray::{Array2, Array3};
 use rayon::prelude::*;
 use std::path::PathBuf;
 use std::time::Instant;
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Method {
-    /// MosaicKV on the compressed cache (cache.mkv).
-    Mosaic,
-    /// Quest top-k pages on the dense f16 K/V (dense.mkv).
-    Quest,
-    /// Per-head channel mask + Quest on dense.mkv (the paper's strawman; reference code on
-    /// either backend: there is no optimized naive2d).
-    Naive2d,
-    /// Exact attention over dense.mkv.
-    Full,
-}
-
-impl Method {
-    fn name(self) -> &'static str {
-        match self {
-            Method::Mosaic => "mosaic",
-            Method::Quest => "quest",
-            Method::Naive2d => "naive2d",
-            Method::Full => "full",
-        }
-    }
-}
-
-/// Retention of the naive 2-D baseline when `--retention` is not given (the paper's 25 %).
-pub const DEFAULT_RETENTION: f64 = 0.25;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -50,15 +24,23 @@ pub struct Args {
     /// the cache's kv_heads (the GQA group is q_heads / kv_heads).
     #[arg(long)]
     pub queries: PathBuf,
-    #[arg(long, value_enum)]
-    pub method: Method,
-    /// Which implementation attends (naive2d runs the reference's on both).
+    /// The method, as every front end names it (`mosaickv_spec::method`): `mosaic` (on
+    /// cache.mkv, whose configuration is the saved one: only `rate=` applies), `mosaic-ref`,
+    /// or a baseline on the dense f16 K/V of dense.mkv: `full`, `quest`, `quest-sink`,
+    /// `naive2d`, `kvq8`, `kvq4`, each with its `:key=value` overrides (e.g. `quest:minb=0`,
+    /// `naive2d:ret=0.25`).
+    #[arg(long)]
+    pub method: String,
+    /// Which implementation attends (`naive2d`, `quest-sink` and `mosaic-ref` run the
+    /// reference's on both).
     #[arg(long, value_enum, default_value_t = Backend::Optimized)]
     pub backend: Backend,
-    /// Fraction of tokens attended (mosaic, quest, naive2d); default: the cache's token_rate.
+    /// Fraction of tokens attended (every method but full and kvq); default: the method
+    /// string's `rate=`, else the cache's token_rate.
     #[arg(long)]
     pub token_rate: Option<f64>,
-    /// Channels kept by naive2d, as a fraction of head_dim (default 0.25).
+    /// Channels kept by naive2d, as a fraction of head_dim (default: the method string's
+    /// `ret=`, else 0.5, the one default of every front end).
     #[arg(long)]
     pub retention: Option<f64>,
     /// Print on stderr how long the attention call took, apart from loading the files and
@@ -70,28 +52,77 @@ pub struct Args {
     pub out: PathBuf,
 }
 
-fn check_fraction(name: &str, x: f64) -> Result<(), CliError> {
-    if x > 0.0 && x <= 1.0 {
-        Ok(())
-    } else {
-        Err(MosaicError::InvalidConfig(format!("{name} {x} not in (0, 1]")).into())
+/// Whether the method string sets `key` itself (`quest:rate=0.1`).
+fn overrides(spec: &str, key: &str) -> bool {
+    spec.split(':')
+        .skip(1)
+        .any(|kv| kv.split('=').next().map(str::trim) == Some(key))
+}
+
+/// The method string with the flags applied: `--token-rate` (else the string's `rate=`, else
+/// the saved cache's token_rate) and `--retention`.
+fn method_of(a: &Args, cache_rate: f64) -> Result<Method, CliError> {
+    if let Some(t) = a.token_rate {
+        mosaickv_spec::rules::fraction("--token-rate", t)?;
     }
+    if let Some(r) = a.retention {
+        mosaickv_spec::rules::fraction("--retention", r)?;
+    }
+    let mut method = Method::parse(&a.method)?;
+    let rate = a
+        .token_rate
+        .or((!overrides(&a.method, "rate")).then_some(cache_rate));
+    match &mut method {
+        Method::Quest { token_rate, .. }
+        | Method::QuestSink { token_rate, .. }
+        | Method::Naive2d { token_rate, .. } => *token_rate = rate.unwrap_or(*token_rate),
+        Method::Mosaic { config, .. } => {
+            let defaults_but_rate = mosaickv_spec::CompressConfig {
+                token_rate: config.token_rate,
+                ..Default::default()
+            };
+            if *config != defaults_but_rate {
+                return Err(CliError::Input(format!(
+                    "--method {}: a saved cache keeps the configuration it was compressed with; only rate= (or --token-rate) applies",
+                    a.method
+                )));
+            }
+            config.token_rate = rate.unwrap_or(config.token_rate);
+        }
+        Method::Full | Method::Kvq { .. } => {
+            if a.token_rate.is_some() {
+                return Err(CliError::Input(format!(
+                    "--token-rate does not apply to --method {} (every token is attended)",
+                    a.method
+                )));
+            }
+        }
+    }
+    match (&mut method, a.retention) {
+        (Method::Naive2d { retention, .. }, Some(r)) => *retention = r,
+        (_, Some(_)) => {
+            return Err(CliError::Input(
+                "--retention applies only to --method naive2d".into(),
+            ))
+        }
+        _ => {}
+    }
+    Ok(method)
 }
 
 pub fn run(a: Args) -> Result<(), CliError> {
-    if let Some(t) = a.token_rate {
-        check_fraction("--token-rate", t)?;
-    }
-    if let Some(r) = a.retention {
-        check_fraction("--retention", r)?;
-        if a.method != Method::Naive2d {
-            return Err(CliError::Input(
-                "--retention applies only to --method naive2d".into(),
-            ));
-        }
-    }
+    // the arguments first, before any file is read
+    method_of(&a, mosaickv_spec::CompressConfig::default().token_rate)?;
     let load_start = Instant::now();
     let (mut compressed, hk, hv) = load_cache(&cachedir::cache_path(&a.cache))?;
+    let method = method_of(&a, compressed.config.token_rate)?;
+    let options = Options {
+        implementation: match a.backend {
+            Backend::Optimized => Implementation::Optimized,
+            Backend::Reference => Implementation::Reference,
+        },
+        ..Options::default()
+    };
     let queries = npy::read2(&a.queries, "queries")?;
     // The GQA group belongs to the queries, not to the stored cache (whose q_heads is only
     // what `compress` was told).
@@ -99,37 +130,18 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let shape = KvShape::new(stored.kv_heads, queries.nrows(), stored.head_dim)?;
     validate::queries(&shape, &queries.view(), &[shape.q_heads, shape.head_dim])?;
     compressed.shape = shape;
-    let token_rate = a.token_rate.unwrap_or(compressed.config.token_rate);
     let tokens = compressed.len();
+    let implementation = implementation_of(&method, &options);
 
-    let mut cache: Box<dyn KvCache> = match a.method {
-        Method::Mosaic => {
-            compressed.config.token_rate = token_rate;
-            match a.backend {
-                // The production cache rebuilt from the file (its structure checked here, once);
-                // `Mode::Sync`: no worker thread (nothing is appended).
-                Backend::Optimized => {
-                    Box::new(LiveCache::from_parts(compressed, hk, hv, Mode::Sync)?)
-                }
-                Backend::Reference => Box::new(MosaicCache::from_parts(compressed, hk, hv)?),
-            }
+    let mut cache: Box<dyn KvCache> = match &method {
+        // The production cache rebuilt from the file (its structure checked here, once);
+        // `Mode::Sync`: no worker thread (nothing is appended).
+        Method::Mosaic { config, .. } => {
+            compressed.config.token_rate = config.token_rate;
+            mosaickv_methods::mosaic_from_parts(compressed, hk, hv, implementation, Mode::Sync)?
         }
         baseline => {
-            let mut c: Box<dyn KvCache> = match (baseline, a.backend) {
-                (Method::Full, Backend::Optimized) => Box::new(DenseF16Cache::new(shape)?),
-                (Method::Full, Backend::Reference) => Box::new(FullCache::new(shape)),
-                (Method::Quest, Backend::Optimized) => {
-                    Box::new(QuestF16Cache::new(shape, token_rate)?)
-                }
-                (Method::Quest, Backend::Reference) => {
-                    Box::new(QuestCache::new(shape, token_rate)?)
-                }
-                _ => Box::new(Naive2dCache::new(
-                    shape,
-                    token_rate,
-                    a.retention.unwrap_or(DEFAULT_RETENTION),
-                )?),
-            };
+            let mut c = mosaickv_methods::cache(baseline, shape, &options)?;
             let (k, v) = load_dense_f32(&a, &shape)?;
             c.prefill(k.view(), v.view())?;
             c
@@ -146,13 +158,19 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let attend_s = attend_start.elapsed().as_secs_f64();
     npy::write2(&a.out, &out)?;
     if a.timing {
-        let backend = match (a.method, a.backend) {
-            (Method::Naive2d, _) | (_, Backend::Reference) => Backend::Reference.name().into(),
-            (_, b) => format!("{}, {}", b.name(), CpuBackend::new().name()),
+        let backend = match implementation {
+            Implementation::Reference => Backend::Reference.name().into(),
+            Implementation::Optimized => {
+                format!(
+                    "{}, {}",
+                    Backend::Optimized.name(),
+                    CpuBackend::new().name()
+                )
+            }
         };
         eprintln!(
             "mosaickv attend: {} ({backend}) over {tokens} tokens, {} query heads: attention {:.3} ms (loading the files and building the cache {:.3} s)",
-            a.method.name(),
+            method.name(),
             shape.q_heads,
             1e3 * attend_s,
             load_s

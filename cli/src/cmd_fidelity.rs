@@ -11,7 +11,7 @@
 use crate::error::{io, CliError};
 use crate::llm;
 use mosaickv_engine::probe::{kl_and_top1, LayerProbe, ProbeLog};
-use mosaickv_engine::{argmax, LayerKv, Method, Model};
+use mosaickv_engine::{argmax, Caches, LayerKv, Method, Model};
 use mosaickv_tasks::Task;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! loading the model, greedy decoding on a method's caches, task prompts and budgets.
 
 use crate::error::CliError;
-use mosaickv_engine::{argmax, resolve_model, LayerKv, Method, Model, Prefill};
+use mosaickv_engine::{argmax, resolve_model, Caches, LayerKv, Method, Model, Prefill};
 use std::path::Path;
 use std::time::Instant;
 

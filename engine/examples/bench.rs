@@ -9,7 +9,7 @@
 //! method takes to take over (and compress) the prompt's K/V.
 
 use clap::Parser;
-use mosaickv_engine::{argmax, resolve_model, DecodeWeights, LayerKv, Method, Model};
+use mosaickv_engine::{argmax, resolve_model, Caches, DecodeWeights, LayerKv, Method, Model};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};

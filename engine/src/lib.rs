@@ -39,7 +39,7 @@ pub use fetch::{
     WHEEL_ENTRY, WHEEL_SPEC,
 };
 pub use kv::{FullKv, LayerKv};
-pub use methods::{KvAdapter, Method, MosaicBackend};
+pub use methods::{Caches, Implementation, KvAdapter, Method, MosaicBackend};
 pub use model::{
     argmax, Arch, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill, RopeStyle,
     QUANTIZED_PREFILL_TOKENS, STATS_SAMPLE,

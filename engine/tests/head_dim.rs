@@ -5,7 +5,7 @@
 mod common;
 
 use common::Tiny;
-use mosaickv_engine::{argmax, EngineError, Method, Model};
+use mosaickv_engine::{argmax, Caches, EngineError, Method, Model};
 
 /// Prefill of `n` tokens, then `steps` greedy decode steps, on `method`'s caches.
 fn run(model: &Model, method: &Method, n: usize, steps: usize) -> Result<(), EngineError> {

@@ -3,7 +3,7 @@
 //! generator's prompts, sized with the real tokenizer, are deterministic and fit their length.
 
 use mosaickv_engine::suite::{answer_budget, prompt_ids, task_sample};
-use mosaickv_engine::{argmax, model_path, Method, Model};
+use mosaickv_engine::{argmax, model_path, Caches, Method, Model};
 use mosaickv_tasks::{string_match_all, Task};
 
 fn load_model() -> Model {

@@ -4,7 +4,7 @@
 //! the caches, so an `aloss` method chooses its prompt strategies by the attention loss.
 
 use mosaickv_engine::suite::task_sample;
-use mosaickv_engine::{model_path, Method, Model};
+use mosaickv_engine::{model_path, Caches, Method, Model};
 use mosaickv_spec::{KvShape, QueryStats};
 use mosaickv_tasks::Task;
 

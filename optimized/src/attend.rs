@@ -1007,3 +1007,36 @@ pub fn packed_attention(
     }
     Ok(selection)
 }
+
+/// SPEC.md sections 8-9: the tokens a compressed cache attends per query head for queries
+/// `[q_heads, head_dim]`: the sink, the blocks [`crate::CpuBackend`] selects, the open tail
+/// and the update buffer (SPEC.md section 16's recall@k).
+pub fn attended_tokens(
+    cache: &CompressedCache,
+    queries: ndarray::ArrayView2<f32>,
+) -> Result<Vec<Vec<usize>>> {
+    use mosaickv_spec::Backend as _;
+    let shape = cache.shape;
+    let total = cache.len();
+    let sink = cache.sink.tokens;
+    let seg_end = cache.segments.last().map_or(sink, |s| s.start + s.len);
+    let mut per_kv: Vec<Vec<usize>> = vec![(0..sink).collect(); shape.kv_heads];
+    if !cache.segments.is_empty() {
+        let sel = crate::CpuBackend::new().select(cache, queries)?;
+        for (h, blocks) in sel.per_head.iter().enumerate() {
+            for &(s, b) in blocks {
+                let seg = &cache.segments[s as usize];
+                let bs = seg.heads[h].strategy.block_size;
+                let a = seg.start + b as usize * bs;
+                let e = (a + bs).min(seg.start + seg.len);
+                per_kv[h].extend(a..e);
+            }
+        }
+    }
+    for set in &mut per_kv {
+        set.extend(seg_end..total);
+    }
+    Ok((0..shape.q_heads)
+        .map(|qh| per_kv[qh / shape.group()].clone())
+        .collect())
+}

@@ -291,6 +291,15 @@ impl DenseF16Cache {
 }
 
 impl KvCache for DenseF16Cache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        DenseF16Cache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, _queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        Ok(None)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
     fn shape(&self) -> KvShape {
         self.store.shape
     }
@@ -356,11 +365,7 @@ impl QuestF16Cache {
         Self::with_path(shape, token_rate, Path::Portable)
     }
     fn with_path(shape: KvShape, token_rate: f64, path: Path) -> Result<Self> {
-        if !(token_rate > 0.0 && token_rate <= 1.0) {
-            return Err(MosaicError::InvalidConfig(format!(
-                "token_rate {token_rate} not in (0, 1]"
-            )));
-        }
+        mosaickv_spec::rules::fraction("token_rate", token_rate)?;
         Ok(Self {
             path,
             store: F16Store::new(shape)?,
@@ -402,69 +407,15 @@ impl QuestF16Cache {
         meta + p * QUEST_PAGE * 4 * s.head_dim * s.kv_heads
     }
 
-    /// Updates page metadata for tokens `t0..tokens`.
-    fn update_meta(&mut self, t0: usize) {
-        let d = self.store.shape.head_dim;
-        let n = self.store.tokens;
-        let path = self.path;
-        let _ = path;
-        self.min
-            .par_iter_mut()
-            .zip(self.max.par_iter_mut())
-            .zip(self.store.keys.par_iter())
-            .for_each(|((mn, mx), k)| {
-                mn.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
-                mx.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
-                let first_page = t0 / QUEST_PAGE;
-                for p in first_page..n.div_ceil(QUEST_PAGE) {
-                    let rows = &k[p * QUEST_PAGE * d..((p + 1) * QUEST_PAGE).min(n) * d];
-                    for j in 0..d {
-                        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-                        for r in rows.chunks_exact(d) {
-                            let x = r[j].to_f32();
-                            lo = lo.min(x);
-                            hi = hi.max(x);
-                        }
-                        mn[p * d + j] = f16::from_f32(lo);
-                        mx[p * d + j] = f16::from_f32(hi);
-                    }
-                }
-            });
-    }
-}
-
-impl KvCache for QuestF16Cache {
-    fn shape(&self) -> KvShape {
-        self.store.shape
-    }
-    fn len(&self) -> usize {
-        self.store.tokens
-    }
-    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
-        self.store.prefill(&keys, &values)?;
-        self.update_meta(0);
-        Ok(())
-    }
-    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
-        let t0 = self.store.tokens;
-        self.store.append(&key, &value)?;
-        self.update_meta(t0);
-        Ok(())
-    }
-    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+    /// SPEC 12 (Quest): the pages attended per KV head for the queries loaded in `sc.q`
+    /// (`sc.sel[h]`, ascending; the last page always), scored on the page min/max.
+    fn select_pages(&self, sc: &mut PageScratch) {
         let shape = self.store.shape;
-        validate::queries(&shape, &queries, out.shape())?;
         let n = self.store.tokens;
-        if n == 0 {
-            return Err(MosaicError::EmptyCache);
-        }
-        let q = contig(&queries);
-        load_queries(&shape, &q, &mut self.sc.q);
         let (kv, g, d) = (shape.kv_heads, shape.group(), shape.head_dim);
         let dp = pad8(d);
         let pages = n.div_ceil(QUEST_PAGE);
         let p_budget = self.budget_pages(n);
-        let sc = &mut self.sc;
         sc.sel.resize_with(kv, Vec::new);
         sc.keys.resize_with(kv, Vec::new);
         sc.scores.resize(kv * pages, 0.0);
@@ -502,6 +453,101 @@ impl KvCache for QuestF16Cache {
                 );
                 sel.push(others as u32);
             });
+    }
+
+    /// Token indices attended per query head for queries `[q_heads, head_dim]` (the pages
+    /// [`QuestF16Cache`]'s attention selects; SPEC.md section 16's recall@k).
+    pub fn attended_tokens(&self, queries: ArrayView2<f32>) -> Result<Vec<Vec<usize>>> {
+        let shape = self.store.shape;
+        validate::queries(&shape, &queries, &[shape.q_heads, shape.head_dim])?;
+        let n = self.store.tokens;
+        if n == 0 {
+            return Err(MosaicError::EmptyCache);
+        }
+        let mut sc = PageScratch::default();
+        load_queries(&shape, &contig(&queries), &mut sc.q);
+        self.select_pages(&mut sc);
+        Ok((0..shape.q_heads)
+            .map(|qh| {
+                sc.sel[qh / shape.group()]
+                    .iter()
+                    .flat_map(|&p| p as usize * QUEST_PAGE..((p as usize + 1) * QUEST_PAGE).min(n))
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// Updates page metadata for tokens `t0..tokens`.
+    fn update_meta(&mut self, t0: usize) {
+        let d = self.store.shape.head_dim;
+        let n = self.store.tokens;
+        let path = self.path;
+        let _ = path;
+        self.min
+            .par_iter_mut()
+            .zip(self.max.par_iter_mut())
+            .zip(self.store.keys.par_iter())
+            .for_each(|((mn, mx), k)| {
+                mn.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
+                mx.resize(n.div_ceil(QUEST_PAGE) * d, f16::ZERO);
+                let first_page = t0 / QUEST_PAGE;
+                for p in first_page..n.div_ceil(QUEST_PAGE) {
+                    let rows = &k[p * QUEST_PAGE * d..((p + 1) * QUEST_PAGE).min(n) * d];
+                    for j in 0..d {
+                        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+                        for r in rows.chunks_exact(d) {
+                            let x = r[j].to_f32();
+                            lo = lo.min(x);
+                            hi = hi.max(x);
+                        }
+                        mn[p * d + j] = f16::from_f32(lo);
+                        mx[p * d + j] = f16::from_f32(hi);
+                    }
+                }
+            });
+    }
+}
+
+impl KvCache for QuestF16Cache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        QuestF16Cache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        QuestF16Cache::attended_tokens(self, queries).map(Some)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
+    fn shape(&self) -> KvShape {
+        self.store.shape
+    }
+    fn len(&self) -> usize {
+        self.store.tokens
+    }
+    fn prefill(&mut self, keys: ArrayView3<f32>, values: ArrayView3<f32>) -> Result<()> {
+        self.store.prefill(&keys, &values)?;
+        self.update_meta(0);
+        Ok(())
+    }
+    fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
+        let t0 = self.store.tokens;
+        self.store.append(&key, &value)?;
+        self.update_meta(t0);
+        Ok(())
+    }
+    fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
+        let shape = self.store.shape;
+        validate::queries(&shape, &queries, out.shape())?;
+        let n = self.store.tokens;
+        if n == 0 {
+            return Err(MosaicError::EmptyCache);
+        }
+        let q = contig(&queries);
+        load_queries(&shape, &q, &mut self.sc.q);
+        let mut sc = std::mem::take(&mut self.sc);
+        self.select_pages(&mut sc);
+        self.sc = sc;
+        let path = self.path;
         let (store, sc) = (&self.store, &mut self.sc);
         write_out(&mut out, &shape, &mut self.tmp, |o| {
             attend_pages(
@@ -528,90 +574,40 @@ impl KvCache for QuestF16Cache {
     }
 }
 
-/// ggml's block length for `q8_0` / `q4_0`.
-pub const KVQ_BLOCK: usize = 32;
+use mosaickv_spec::kvq::check_block_scales as kvq_scales_ok;
+pub use mosaickv_spec::kvq::{KvqFormat, KVQ_BLOCK};
 
-/// llama.cpp's quantized KV formats (SPEC 12, kvq8 / kvq4); the bytes are ggml's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvqFormat {
-    /// `q8_0`: f16 scale, 32 int8; 34 bytes per block.
-    Q8_0,
-    /// `q4_0`: f16 scale, 16 bytes of nibbles (element j low, j + 16 high); 18 bytes per block.
-    Q4_0,
-}
-
-impl KvqFormat {
-    pub const fn block_bytes(self) -> usize {
-        match self {
-            KvqFormat::Q8_0 => 2 + KVQ_BLOCK,
-            KvqFormat::Q4_0 => 2 + KVQ_BLOCK / 2,
-        }
-    }
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            KvqFormat::Q8_0 => "kvq8",
-            KvqFormat::Q4_0 => "kvq4",
-        }
-    }
-
-    /// Largest |x| whose block scale rounds to a finite f16 (SPEC 12).
-    fn max_block_abs(self) -> f32 {
-        match self {
-            KvqFormat::Q8_0 => 65519.0 * 127.0,
-            KvqFormat::Q4_0 => 65519.0 * 8.0,
-        }
-    }
-
-    /// One block as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` writes it (f32
-    /// arithmetic; the same bytes as the reference, written into `out[..block_bytes]`).
-    fn quantize_block(self, x: &[f32], out: &mut [u8]) {
-        match self {
-            KvqFormat::Q8_0 => {
-                let amax = x.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                for (o, &v) in out[2..2 + KVQ_BLOCK].iter_mut().zip(x) {
-                    *o = ((v * id).round() as i8) as u8;
-                }
-            }
-            KvqFormat::Q4_0 => {
-                let (mut amax, mut max) = (0.0f32, 0.0f32);
-                for &v in x {
-                    if amax < v.abs() {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                let (lo, hi) = x.split_at(KVQ_BLOCK / 2);
-                for ((o, &a), &b) in out[2..2 + KVQ_BLOCK / 2].iter_mut().zip(lo).zip(hi) {
-                    let qa = ((a * id + 8.5) as i8).min(15) as u8;
-                    let qb = ((b * id + 8.5) as i8).min(15) as u8;
-                    *o = qa | (qb << 4);
-                }
+/// One block as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` writes it (f32
+/// arithmetic; the same bytes as the reference, written into `out[..block_bytes]`).
+fn quantize_block(format: KvqFormat, x: &[f32], out: &mut [u8]) {
+    match format {
+        KvqFormat::Q8_0 => {
+            let amax = x.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+            for (o, &v) in out[2..2 + KVQ_BLOCK].iter_mut().zip(x) {
+                *o = ((v * id).round() as i8) as u8;
             }
         }
-    }
-}
-
-/// SPEC 12 (kvq8 / kvq4): every block's scale must be a finite f16; `NonFinite` at the flat
-/// index of the first element of the first block that breaks it.
-fn kvq_scales_ok<'a>(
-    format: KvqFormat,
-    what: &'static str,
-    values: impl Iterator<Item = &'a f32>,
-) -> Result<()> {
-    let limit = format.max_block_abs();
-    match values.enumerate().find(|(_, v)| v.abs() > limit) {
-        Some((i, _)) => Err(MosaicError::NonFinite {
-            what,
-            index: i - i % KVQ_BLOCK,
-        }),
-        None => Ok(()),
+        KvqFormat::Q4_0 => {
+            let (mut amax, mut max) = (0.0f32, 0.0f32);
+            for &v in x {
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+            let (lo, hi) = x.split_at(KVQ_BLOCK / 2);
+            for ((o, &a), &b) in out[2..2 + KVQ_BLOCK / 2].iter_mut().zip(lo).zip(hi) {
+                let qa = ((a * id + 8.5) as i8).min(15) as u8;
+                let qb = ((b * id + 8.5) as i8).min(15) as u8;
+                *o = qa | (qb << 4);
+            }
+        }
     }
 }
 
@@ -693,7 +689,7 @@ impl KvqCache {
                 let row = &src[(t * kvh + h) * d..(t * kvh + h + 1) * d];
                 let out = &mut dst[start + t * rb..start + (t + 1) * rb];
                 for (x, o) in row.chunks_exact(KVQ_BLOCK).zip(out.chunks_exact_mut(bb)) {
-                    f.quantize_block(x, o);
+                    quantize_block(f, x, o);
                 }
             }
         };
@@ -791,6 +787,15 @@ impl KvqCache {
 }
 
 impl KvCache for KvqCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        KvqCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, _queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        Ok(None)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
     fn shape(&self) -> KvShape {
         self.shape
     }
@@ -843,7 +848,7 @@ impl KvCache for KvqCache {
         let mut qd = vec![0.0f32; s.q_heads * blocks];
         let mut buf = [0u8; 2 + KVQ_BLOCK];
         for (b, x) in q.chunks_exact(KVQ_BLOCK).enumerate() {
-            KvqFormat::Q8_0.quantize_block(x, &mut buf);
+            quantize_block(KvqFormat::Q8_0, x, &mut buf);
             qd[b] = f16::from_le_bytes([buf[0], buf[1]]).to_f32();
             for (o, &y) in qq[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK]
                 .iter_mut()

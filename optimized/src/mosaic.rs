@@ -350,6 +350,23 @@ pub(crate) fn first_error_in_order<T>(results: Vec<Result<T>>) -> Result<Vec<T>>
 }
 
 impl KvCache for OptimizedMosaicCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        let s = self.cache.shape;
+        self.cache.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;
+        Ok(())
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        crate::attend::attended_tokens(&self.cache, queries).map(Some)
+    }
+    fn compressed(&self) -> Option<&CompressedCache> {
+        Some(&self.cache)
+    }
+    /// The host rows of SPEC.md section 15.3: the open segment's, then the buffer's.
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        let keys = [self.open_k.as_slice(), self.buf_k.as_slice()].concat();
+        let values = [self.open_v.as_slice(), self.buf_v.as_slice()].concat();
+        mosaickv_spec::persist::save_cache(path, &self.cache, &keys, &values)
+    }
     /// Gives (or with `None` removes) the layer's query statistics, used by the prompt
     /// segments' strategies (`prefill`) when the configuration's loss is `attention` (SPEC.md
     /// section 11.1); checked against the shape, nothing changes on error.

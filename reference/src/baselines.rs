@@ -267,13 +267,7 @@ fn validate_attend(
 }
 
 fn check_rate(what: &str, x: f64) -> Result<()> {
-    if x > 0.0 && x <= 1.0 {
-        Ok(())
-    } else {
-        Err(MosaicError::InvalidConfig(format!(
-            "{what} {x} not in (0, 1]"
-        )))
-    }
+    mosaickv_spec::rules::fraction(what, x)
 }
 
 fn all_dims(shape: &KvShape) -> Vec<Vec<usize>> {
@@ -301,6 +295,15 @@ impl FullCache {
 }
 
 impl KvCache for FullCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        FullCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, _queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        Ok(None)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
     fn shape(&self) -> KvShape {
         self.store.shape
     }
@@ -379,6 +382,15 @@ impl QuestCache {
 }
 
 impl KvCache for QuestCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        QuestCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        QuestCache::attended_tokens(self, queries).map(Some)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
     fn shape(&self) -> KvShape {
         self.store.shape
     }
@@ -524,6 +536,15 @@ impl Naive2dCache {
 }
 
 impl KvCache for Naive2dCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        Naive2dCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        Naive2dCache::attended_tokens(self, queries).map(Some)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
     fn shape(&self) -> KvShape {
         self.shape
     }
@@ -752,6 +773,18 @@ impl QuestSinkCache {
 }
 
 impl KvCache for QuestSinkCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        QuestSinkCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        QuestSinkCache::attended_tokens(self, queries).map(Some)
+    }
+    /// Quest-sink has no file format (SPEC.md section 15.6 covers naive 2-D and kvq).
+    fn save(&mut self, _path: &std::path::Path) -> Result<()> {
+        Err(MosaicError::InvalidConfig(
+            "quest-sink has no file format".into(),
+        ))
+    }
     fn shape(&self) -> KvShape {
         self.shape
     }
@@ -824,148 +857,81 @@ impl KvCache for QuestSinkCache {
     }
 }
 
-/// llama.cpp's block length for `q8_0` and `q4_0` (ggml's `QK8_0` / `QK4_0`).
-pub const KVQ_BLOCK: usize = 32;
+use mosaickv_spec::kvq::check_block_scales as check_kvq_scales;
+pub use mosaickv_spec::kvq::{KvqFormat, KVQ_BLOCK};
 
-/// A llama.cpp quantized KV format (SPEC.md section 12, kvq8 / kvq4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvqFormat {
-    /// ggml `q8_0`: f16 scale `d`, then 32 int8 `q`; `x = q * d`. 34 bytes per block.
-    Q8_0,
-    /// ggml `q4_0`: f16 scale `d`, then 16 bytes of nibbles (element `j` in the low nibble of
-    /// byte `j`, element `j + 16` in its high nibble); `x = (q - 8) * d`. 18 bytes per block.
-    Q4_0,
-}
-
-impl KvqFormat {
-    /// Bytes of one block of [`KVQ_BLOCK`] values: the f16 scale plus the quants.
-    pub const fn block_bytes(self) -> usize {
-        match self {
-            KvqFormat::Q8_0 => 2 + KVQ_BLOCK,
-            KvqFormat::Q4_0 => 2 + KVQ_BLOCK / 2,
-        }
-    }
-
-    /// The method name (`kvq8`, `kvq4`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            KvqFormat::Q8_0 => "kvq8",
-            KvqFormat::Q4_0 => "kvq4",
-        }
-    }
-
-    /// SPEC.md section 12: one block of 32 f32 values as ggml's `quantize_row_q8_0_ref` /
-    /// `quantize_row_q4_0_ref` write it, all arithmetic f32 as there:
-    /// - q8_0: `amax = max |x|`, `d = amax / 127`, `id = 1 / d` (0 when d = 0),
-    ///   `q_j = round(x_j * id)` (half away from zero, C's `roundf`);
-    /// - q4_0: `max` = the element of largest |x| (the first one on ties), `d = max / -8`,
-    ///   `id = 1 / d` (0 when d = 0), `q_j = min(15, trunc(x_j * id + 8.5))`.
-    ///
-    /// `d` is stored as f16 (round to nearest even); the quants are computed with the f32 `d`.
-    pub fn quantize_block(self, x: &[f32], out: &mut Vec<u8>) {
-        assert_eq!(x.len(), KVQ_BLOCK, "one block is {KVQ_BLOCK} values");
-        match self {
-            KvqFormat::Q8_0 => {
-                let mut amax = 0.0f32;
-                for &v in x {
-                    amax = amax.max(v.abs());
-                }
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                for &v in x {
-                    out.push(((v * id).round() as i8) as u8);
-                }
+/// SPEC.md section 12: one block of 32 f32 values as ggml's `quantize_row_q8_0_ref` /
+/// `quantize_row_q4_0_ref` write it, all arithmetic f32 as there, appended to `out`:
+/// - q8_0: `amax = max |x|`, `d = amax / 127`, `id = 1 / d` (0 when d = 0),
+///   `q_j = round(x_j * id)` (half away from zero, C's `roundf`);
+/// - q4_0: `max` = the element of largest |x| (the first one on ties), `d = max / -8`,
+///   `id = 1 / d` (0 when d = 0), `q_j = min(15, trunc(x_j * id + 8.5))`.
+///
+/// `d` is stored as f16 (round to nearest even); the quants are computed with the f32 `d`.
+/// The bytes are the block structs of `mosaickv_spec::kvq`.
+pub fn quantize_block(format: KvqFormat, x: &[f32], out: &mut Vec<u8>) {
+    assert_eq!(x.len(), KVQ_BLOCK, "one block is {KVQ_BLOCK} values");
+    match format {
+        KvqFormat::Q8_0 => {
+            let mut amax = 0.0f32;
+            for &v in x {
+                amax = amax.max(v.abs());
             }
-            KvqFormat::Q4_0 => {
-                let (mut amax, mut max) = (0.0f32, 0.0f32);
-                for &v in x {
-                    if amax < v.abs() {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                let quant = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
-                for j in 0..KVQ_BLOCK / 2 {
-                    out.push(quant(x[j]) | (quant(x[j + KVQ_BLOCK / 2]) << 4));
-                }
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+            for &v in x {
+                out.push(((v * id).round() as i8) as u8);
             }
         }
-    }
-
-    /// The f16 scale of a block, as f32.
-    pub fn scale(block: &[u8]) -> f32 {
-        f16::from_le_bytes([block[0], block[1]]).to_f32()
-    }
-
-    /// The 32 signed integer quants of a block (`q` for q8_0, `q - 8` for q4_0).
-    pub fn quants(self, block: &[u8]) -> [i32; KVQ_BLOCK] {
-        let mut q = [0i32; KVQ_BLOCK];
-        match self {
-            KvqFormat::Q8_0 => {
-                for (j, qj) in q.iter_mut().enumerate() {
-                    *qj = i32::from(block[2 + j] as i8);
+        KvqFormat::Q4_0 => {
+            let (mut amax, mut max) = (0.0f32, 0.0f32);
+            for &v in x {
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
                 }
             }
-            KvqFormat::Q4_0 => {
-                for j in 0..KVQ_BLOCK / 2 {
-                    q[j] = i32::from(block[2 + j] & 0x0f) - 8;
-                    q[j + KVQ_BLOCK / 2] = i32::from(block[2 + j] >> 4) - 8;
-                }
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+            let quant = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+            for j in 0..KVQ_BLOCK / 2 {
+                out.push(quant(x[j]) | (quant(x[j + KVQ_BLOCK / 2]) << 4));
             }
-        }
-        q
-    }
-
-    /// ggml's `dequantize_row_*`: `x_j = q_j * d` in f32.
-    pub fn dequantize_block(self, block: &[u8], out: &mut [f32]) {
-        let d = Self::scale(block);
-        for (o, q) in out.iter_mut().zip(self.quants(block)) {
-            *o = q as f32 * d;
-        }
-    }
-
-    /// The largest finite f32 magnitude whose block scale still rounds to a finite f16:
-    /// `d = amax / 127` (q8_0) or `|max| / 8` (q4_0) must stay below 65520.
-    fn max_block_abs(self) -> f32 {
-        match self {
-            KvqFormat::Q8_0 => 65519.0 * 127.0,
-            KvqFormat::Q4_0 => 65519.0 * 8.0,
         }
     }
 }
 
-/// SPEC.md section 12 (kvq8 / kvq4): every block of a row set must have a scale that is a finite
-/// f16, else `NonFinite` at the flat index of the block's first element.
-fn check_kvq_scales<'a>(
-    format: KvqFormat,
-    what: &'static str,
-    values: impl Iterator<Item = &'a f32>,
-) -> Result<()> {
-    let limit = format.max_block_abs();
-    let mut block_start = 0;
-    let mut block_bad = false;
-    for (i, &v) in values.enumerate() {
-        if i % KVQ_BLOCK == 0 {
-            if block_bad {
-                break;
+/// The f16 scale of a block, as f32.
+pub fn block_scale(block: &[u8]) -> f32 {
+    f16::from_le_bytes([block[0], block[1]]).to_f32()
+}
+
+/// The 32 signed integer quants of a block (`q` for q8_0, `q - 8` for q4_0).
+pub fn block_quants(format: KvqFormat, block: &[u8]) -> [i32; KVQ_BLOCK] {
+    let mut q = [0i32; KVQ_BLOCK];
+    match format {
+        KvqFormat::Q8_0 => {
+            for (j, qj) in q.iter_mut().enumerate() {
+                *qj = i32::from(block[2 + j] as i8);
             }
-            block_start = i;
         }
-        if v.abs() > limit {
-            block_bad = true;
+        KvqFormat::Q4_0 => {
+            for j in 0..KVQ_BLOCK / 2 {
+                q[j] = i32::from(block[2 + j] & 0x0f) - 8;
+                q[j + KVQ_BLOCK / 2] = i32::from(block[2 + j] >> 4) - 8;
+            }
         }
     }
-    if block_bad {
-        Err(MosaicError::NonFinite {
-            what,
-            index: block_start,
-        })
-    } else {
-        Ok(())
+    q
+}
+
+/// ggml's `dequantize_row_*`: `x_j = q_j * d` in f32.
+pub fn dequantize_block(format: KvqFormat, block: &[u8], out: &mut [f32]) {
+    let d = block_scale(block);
+    for (o, q) in out.iter_mut().zip(block_quants(format, block)) {
+        *o = q as f32 * d;
     }
 }
 
@@ -1040,7 +1006,7 @@ impl KvqCache {
     ) {
         let quantize = |src: Vec<f32>, dst: &mut Vec<u8>| {
             for block in src.chunks(KVQ_BLOCK) {
-                self.format.quantize_block(block, dst);
+                quantize_block(self.format, block, dst);
             }
         };
         quantize(keys.copied().collect(), &mut self.keys);
@@ -1071,11 +1037,11 @@ impl KvqCache {
         // the query as q8_0 blocks (ggml converts Q to K's vec_dot_type, q8_0 for both formats)
         let mut qb = Vec::with_capacity(blocks * KvqFormat::Q8_0.block_bytes());
         for block in q.chunks(KVQ_BLOCK) {
-            KvqFormat::Q8_0.quantize_block(block, &mut qb);
+            quantize_block(KvqFormat::Q8_0, block, &mut qb);
         }
         let q_quants: Vec<([i32; KVQ_BLOCK], f32)> = qb
             .chunks(KvqFormat::Q8_0.block_bytes())
-            .map(|b| (KvqFormat::Q8_0.quants(b), KvqFormat::scale(b)))
+            .map(|b| (block_quants(KvqFormat::Q8_0, b), block_scale(b)))
             .collect();
         let scale = 1.0f32 / (d as f32).sqrt();
         let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
@@ -1086,9 +1052,9 @@ impl KvqCache {
             let mut dot = 0.0f32;
             for (b, (qq, dq)) in q_quants.iter().enumerate() {
                 let kb = &self.keys[row + b * bb..row + (b + 1) * bb];
-                let kq = self.format.quants(kb);
+                let kq = block_quants(self.format, kb);
                 let sumi: i32 = kq.iter().zip(qq).map(|(a, b)| a * b).sum();
-                dot += sumi as f32 * (KvqFormat::scale(kb) * dq);
+                dot += sumi as f32 * (block_scale(kb) * dq);
             }
             let z = dot * scale;
             let m_old = m;
@@ -1104,8 +1070,11 @@ impl KvqCache {
             }
             for b in 0..blocks {
                 let vb = &self.values[row + b * bb..row + (b + 1) * bb];
-                self.format
-                    .dequantize_block(vb, &mut v32[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK]);
+                dequantize_block(
+                    self.format,
+                    vb,
+                    &mut v32[b * KVQ_BLOCK..(b + 1) * KVQ_BLOCK],
+                );
             }
             for (x, &v) in o.iter_mut().zip(&v32) {
                 *x += v * vs;
@@ -1118,6 +1087,15 @@ impl KvqCache {
 }
 
 impl KvCache for KvqCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        KvqCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, _queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        Ok(None)
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        mosaickv_spec::persist_baseline::save_baseline(path, &self.to_file())
+    }
     fn shape(&self) -> KvShape {
         self.shape
     }
@@ -1381,10 +1359,10 @@ mod kvq_tests {
         x[4] = -0.51; // 7.99 -> 7
         x[16] = 8.0; // |8| ties |-8|: the first stays the max; 16.5 -> 16 -> min 15
         let mut out = Vec::new();
-        KvqFormat::Q4_0.quantize_block(&x, &mut out);
+        quantize_block(KvqFormat::Q4_0, &x, &mut out);
         assert_eq!(out.len(), 18);
-        assert_eq!(KvqFormat::scale(&out), 1.0);
-        let q = KvqFormat::Q4_0.quants(&out);
+        assert_eq!(block_scale(&out), 1.0);
+        let q = block_quants(KvqFormat::Q4_0, &out);
         assert_eq!(&q[..5], &[-8, 7, 0, 0, -1]);
         assert_eq!(q[16], 7);
         assert_eq!(
@@ -1397,9 +1375,9 @@ mod kvq_tests {
         x[5] = 8.0;
         x[6] = -7.9;
         let mut out = Vec::new();
-        KvqFormat::Q4_0.quantize_block(&x, &mut out);
+        quantize_block(KvqFormat::Q4_0, &x, &mut out);
         let mut y = [0.0f32; KVQ_BLOCK];
-        KvqFormat::Q4_0.dequantize_block(&out, &mut y);
+        dequantize_block(KvqFormat::Q4_0, &out, &mut y);
         assert_eq!((y[5], y[6], y[0]), (8.0, -7.0, 0.0));
     }
 
@@ -1412,13 +1390,16 @@ mod kvq_tests {
         x[2] = -2.5;
         x[3] = -126.4;
         let mut out = Vec::new();
-        KvqFormat::Q8_0.quantize_block(&x, &mut out);
+        quantize_block(KvqFormat::Q8_0, &x, &mut out);
         assert_eq!(out.len(), 34);
-        assert_eq!(KvqFormat::scale(&out), 1.0);
-        assert_eq!(&KvqFormat::Q8_0.quants(&out)[..4], &[127, 3, -3, -126]);
+        assert_eq!(block_scale(&out), 1.0);
+        assert_eq!(
+            &block_quants(KvqFormat::Q8_0, &out)[..4],
+            &[127, 3, -3, -126]
+        );
         // all zeros: d = 0, id = 0, every quant 0
         let mut out = Vec::new();
-        KvqFormat::Q8_0.quantize_block(&block(|_| 0.0), &mut out);
+        quantize_block(KvqFormat::Q8_0, &block(|_| 0.0), &mut out);
         assert!(out.iter().all(|&b| b == 0));
     }
 

@@ -370,6 +370,19 @@ impl MosaicCache {
 }
 
 impl KvCache for MosaicCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        MosaicCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        MosaicCache::attended_tokens(self, queries).map(Some)
+    }
+    fn compressed(&self) -> Option<&CompressedCache> {
+        Some(MosaicCache::compressed(self))
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        let (k, v) = self.host_rows();
+        mosaickv_spec::persist::save_cache(path, MosaicCache::compressed(self), k, v)
+    }
     /// Gives (or with `None` removes) the layer's query statistics, used by the prompt
     /// segments' strategies (`prefill`) when the configuration's loss is `attention` (SPEC.md
     /// section 11.1); generated segments keep the energy loss.

@@ -35,7 +35,7 @@
 //! and the tests check that count is zero).
 
 use mosaickv_engine::{Config, Method};
-use mosaickv_reference::baselines::KVQ_BLOCK;
+use mosaickv_spec::kvq::KVQ_BLOCK;
 
 /// The worst-case byte rates of one method on one model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,7 +17,7 @@
 
 use crate::budget::Footprint;
 use crate::metrics::Metrics;
-use mosaickv_engine::{BatchSeq, ChunkedPrefill, LayerKv, Method, Model};
+use mosaickv_engine::{BatchSeq, Caches, ChunkedPrefill, LayerKv, Method, Model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::borrow::Cow;

@@ -11,7 +11,7 @@
 //! attends depends on timing, alone or in a batch alike (SPEC.md section 10.4: the cache equals
 //! the synchronous run only after `drain`). The test stays below that (24 tokens).
 
-use mosaickv_engine::{argmax, model_path, BatchSeq, LayerKv, Method, Model};
+use mosaickv_engine::{argmax, model_path, BatchSeq, Caches, LayerKv, Method, Model};
 
 const STEPS: usize = 24;
 

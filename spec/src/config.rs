@@ -223,9 +223,7 @@ impl CompressConfig {
     /// Checks every parameter against its range and against `head_dim`.
     pub fn validate(&self, head_dim: usize) -> Result<()> {
         let bad = |m: String| Err(MosaicError::InvalidConfig(m));
-        if !(self.token_rate > 0.0 && self.token_rate <= 1.0) {
-            return bad(format!("token_rate {} not in (0, 1]", self.token_rate));
-        }
+        crate::rules::fraction("token_rate", self.token_rate)?;
         if !(0.0..1.0).contains(&self.truncate_fraction) {
             return bad(format!(
                 "truncate_fraction {} not in [0, 1)",
@@ -326,9 +324,7 @@ impl CompressConfig {
                 group_size,
             } => {
                 check_g(*group_size)?;
-                if !(*retention > 0.0 && *retention <= 1.0) {
-                    return bad(format!("retention {retention} not in (0, 1]"));
-                }
+                crate::rules::fraction("retention", *retention)?;
             }
             ChannelPolicy::LossThreshold {
                 key_loss,

@@ -9,7 +9,9 @@ pub mod cache;
 pub mod check;
 pub mod config;
 pub mod error;
+pub mod kvq;
 pub mod layout;
+pub mod method;
 pub mod persist;
 pub mod persist_baseline;
 pub mod query;
@@ -21,9 +23,11 @@ pub use cache::{CompressedCache, DenseRows, HeadSegment, MemoryReport, Segment, 
 pub use config::{ceil_to, ChannelPolicy, CompressConfig, KvShape, LossPolicy};
 pub use error::{MosaicError, Result};
 pub use half::f16;
+pub use kvq::KvqFormat;
 pub use layout::{
     meta_quant_max, meta_quant_min, meta_scale, BlockMeta, PackedRows, RecordLayout, SideStrategy,
     Strategy, ValueDtype,
 };
+pub use method::{Implementation, Method};
 pub use query::QueryStats;
 pub use traits::{Availability, Backend, KvCache, Selection, Side};

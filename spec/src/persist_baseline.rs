@@ -65,16 +65,8 @@ impl BaselineMethod {
 
     /// `token_rate` and `retention` in (0, 1], as the caches require.
     fn validate(&self) -> Result<()> {
-        let rate = |what: &str, x: f64| {
-            if x > 0.0 && x <= 1.0 {
-                Ok(())
-            } else {
-                Err(MosaicError::InvalidConfig(format!(
-                    "{} {what} {x} not in (0, 1]",
-                    self.name()
-                )))
-            }
-        };
+        let rate =
+            |what: &str, x: f64| crate::rules::fraction(&format!("{} {what}", self.name()), x);
         match *self {
             BaselineMethod::Quest { token_rate, .. } => rate("token_rate", token_rate),
             BaselineMethod::Naive2d {

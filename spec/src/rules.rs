@@ -21,6 +21,18 @@ pub const F16_OVERFLOW: f64 = 65520.0;
 /// overflow f16 (SPEC.md sections 5 and 14); every backend uses this text.
 pub const ROTATED_OVERFLOW: &str = "rotated value (f16 overflow)";
 
+/// The rate rule (SPEC.md section 2): a token rate or a channel retention is a fraction in
+/// (0, 1]. Every cache, configuration and front end checks it here; the message names `what`.
+pub fn fraction(what: &str, x: f64) -> Result<()> {
+    if x > 0.0 && x <= 1.0 {
+        Ok(())
+    } else {
+        Err(MosaicError::InvalidConfig(format!(
+            "{what} {x} not in (0, 1]"
+        )))
+    }
+}
+
 /// Whether a finite or non-finite f64 would be stored as a finite f16.
 #[inline]
 pub fn fits_f16(x: f64) -> bool {

@@ -148,4 +148,19 @@ pub trait KvCache: Send {
     fn set_query_stats(&mut self, _stats: Option<crate::query::QueryStats>) -> Result<()> {
         Ok(())
     }
+    /// Sets the query head count attention expects (SPEC.md section 1: the GQA group belongs to
+    /// the queries, not to the stored cache); `KvShape::new` checks it. Nothing else changes.
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()>;
+    /// The token indices attended per query head for queries `[q_heads, head_dim]` (SPEC.md
+    /// section 16's recall@k); `None` when every token is attended.
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>>;
+    /// The compressed cache of a MosaicKV cache (segments, strategies, configuration); `None`
+    /// for the baselines.
+    fn compressed(&self) -> Option<&CompressedCache> {
+        None
+    }
+    /// SPEC.md section 15: writes the cache's file atomically (15.7): `cache.mkv` (15.3) for
+    /// MosaicKV, a dense file (15.5) for full and Quest, a baseline cache file (15.6) for
+    /// naive 2-D, Quest-sink and kvq.
+    fn save(&mut self, path: &std::path::Path) -> Result<()>;
 }

@@ -11,15 +11,12 @@
 //! (`Python::detach`); the mutex is taken inside, so a second thread waiting
 //! for the same cache never holds the GIL while it waits.
 
-use mosaickv_optimized::baselines::{KvqCache as OptKvqCache, KvqFormat as OptKvqFormat};
-use mosaickv_optimized::{DenseF16Cache, LiveCache, Mode, QuestF16Cache};
-use mosaickv_reference::baselines::{KvqCache, KvqFormat};
-use mosaickv_reference::{FullCache, MosaicCache, Naive2dCache, QuestCache};
-use mosaickv_spec::persist::{load_cache, save_cache};
-use mosaickv_spec::persist_baseline::{load_baseline, save_baseline, BaselineFile};
+#[cfg(feature = "cuda")]
+use mosaickv_optimized::LiveCache;
+use mosaickv_methods::{Implementation, Method, Mode, MosaicRun, Options};
 use mosaickv_spec::{
-    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
-    SideStrategy, ValueDtype,
+    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, KvqFormat, MemoryReport,
+    MosaicError, SideStrategy, ValueDtype,
 };
 use ndarray::{Array2, ArrayD, ArrayView2, ArrayView3, ArrayViewD, Ix2, Ix3};
 use numpy::{IntoPyArray, PyArray2, PyReadonlyArrayDyn};
@@ -152,92 +149,48 @@ fn ranked<'a, D: ndarray::Dimension>(
 
 // ------------------------------------------------------------------ the caches
 
-/// Every cache the package offers.
+/// Every cache the package offers: a cache of the method registry (`mosaickv-methods`, the
+/// factory every front end uses) or, with the `cuda` feature, the CPU lifecycle with
+/// attention on the GPU.
 enum Kind {
-    /// `Cache(backend="cpu")`: the production cache (the one `mosaickv attend` rebuilds),
-    /// synchronous: compression happens inside `prefill`/`append`.
-    Live(Box<LiveCache>),
-    /// `Cache(backend="reference")`: the SPEC.md oracle.
-    Reference(Box<MosaicCache>),
+    /// `backend="cpu"` or `"reference"`: whatever the registry built, with the backend it ran
+    /// on (`"reference"` for the methods that exist only there, e.g. naive 2-D).
+    Registry(Box<dyn KvCache>, &'static str),
     /// `Cache(backend="cuda")`: the CPU lifecycle, attention by the CUDA backend.
     #[cfg(feature = "cuda")]
     Cuda(Box<LiveCache>, Box<mosaickv_optimized::cuda::CudaBackend>),
-    Full(DenseF16Cache),
-    FullReference(FullCache),
-    Quest(QuestF16Cache),
-    QuestReference(QuestCache),
-    Naive2d(Naive2dCache),
-    /// `Kvq8Cache` / `Kvq4Cache(backend="cpu")`: the optimized llama.cpp q8_0 / q4_0 cache.
-    Kvq(OptKvqCache),
-    /// `Kvq8Cache` / `Kvq4Cache(backend="reference")`.
-    KvqReference(KvqCache),
 }
 
 impl Kind {
     fn kv(&mut self) -> &mut dyn KvCache {
         match self {
-            Kind::Live(c) => c.as_mut(),
-            Kind::Reference(c) => c.as_mut(),
+            Kind::Registry(c, _) => c.as_mut(),
             #[cfg(feature = "cuda")]
             Kind::Cuda(c, _) => c.as_mut(),
-            Kind::Full(c) => c,
-            Kind::FullReference(c) => c,
-            Kind::Quest(c) => c,
-            Kind::QuestReference(c) => c,
-            Kind::Naive2d(c) => c,
-            Kind::Kvq(c) => c,
-            Kind::KvqReference(c) => c,
         }
     }
 
     fn kv_ref(&self) -> &dyn KvCache {
         match self {
-            Kind::Live(c) => c.as_ref(),
-            Kind::Reference(c) => c.as_ref(),
+            Kind::Registry(c, _) => c.as_ref(),
             #[cfg(feature = "cuda")]
             Kind::Cuda(c, _) => c.as_ref(),
-            Kind::Full(c) => c,
-            Kind::FullReference(c) => c,
-            Kind::Quest(c) => c,
-            Kind::QuestReference(c) => c,
-            Kind::Naive2d(c) => c,
-            Kind::Kvq(c) => c,
-            Kind::KvqReference(c) => c,
         }
     }
 
     fn set_q_heads(&mut self, q: usize) -> mosaickv_spec::Result<()> {
-        match self {
-            Kind::Live(c) => c.set_q_heads(q),
-            Kind::Reference(c) => c.set_q_heads(q),
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(c, _) => c.set_q_heads(q),
-            Kind::Full(c) => c.set_q_heads(q),
-            Kind::FullReference(c) => c.set_q_heads(q),
-            Kind::Quest(c) => c.set_q_heads(q),
-            Kind::QuestReference(c) => c.set_q_heads(q),
-            Kind::Naive2d(c) => c.set_q_heads(q),
-            Kind::Kvq(c) => c.set_q_heads(q),
-            Kind::KvqReference(c) => c.set_q_heads(q),
-        }
+        self.kv().set_q_heads(q)
     }
 
     fn compressed(&self) -> Option<&CompressedCache> {
-        match self {
-            Kind::Live(c) => Some(c.compressed()),
-            Kind::Reference(c) => Some(c.compressed()),
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(c, _) => Some(c.compressed()),
-            _ => None,
-        }
+        self.kv_ref().compressed()
     }
 
     fn backend(&self) -> &'static str {
         match self {
-            Kind::Live(_) | Kind::Full(_) | Kind::Quest(_) | Kind::Kvq(_) => "cpu",
+            Kind::Registry(_, b) => b,
             #[cfg(feature = "cuda")]
             Kind::Cuda(..) => "cuda",
-            _ => "reference",
         }
     }
 
@@ -414,46 +367,44 @@ impl _Cache {
     ) -> PyResult<Self> {
         let cfg = parse_config(config).or_raise(py)?;
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
-        let kind = match backend {
-            "cpu" => Kind::Live(Box::new(
-                LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?,
-            )),
-            "reference" => Kind::Reference(Box::new(MosaicCache::new(shape, cfg).or_raise(py)?)),
-            #[cfg(feature = "cuda")]
-            "cuda" => {
-                let gpu = cuda_backend().or_raise(py)?;
-                Kind::Cuda(
-                    Box::new(LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?),
-                    gpu,
-                )
-            }
-            #[cfg(not(feature = "cuda"))]
-            "cuda" => return Err(to_py(py, no_cuda())),
-            other => {
-                return Err(to_py(
-                    py,
-                    unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\""),
-                ))
-            }
+        if backend == "cuda" {
+            return cuda_cache(py, shape, cfg);
+        }
+        let method = Method::Mosaic {
+            implementation: implementation(backend).or_raise(py)?,
+            config: cfg,
         };
-        Ok(Self::new(kind))
+        Self::built(py, &method, shape, backend)
+    }
+
+    /// Any method string, as every front end parses it (`mosaickv_spec::method`): `quest:rate=0.1`,
+    /// `kvq4`, `mosaic:kloss=0.02`, ... (`mosaic-ref` is `mosaic` on the reference).
+    #[staticmethod]
+    fn method(
+        py: Python<'_>,
+        kv_heads: usize,
+        head_dim: usize,
+        method: &str,
+        backend: &str,
+    ) -> PyResult<Self> {
+        let m = Method::parse(method).or_raise(py)?;
+        let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
+        if backend == "cuda" {
+            return match m {
+                Method::Mosaic {
+                    implementation: Implementation::Optimized,
+                    config,
+                } => cuda_cache(py, shape, config),
+                _ => Err(to_py(py, cuda_baseline())),
+            };
+        }
+        Self::built(py, &m, shape, backend)
     }
 
     #[staticmethod]
     fn full(py: Python<'_>, kv_heads: usize, head_dim: usize, backend: &str) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
-        let kind = match backend {
-            "cpu" => Kind::Full(DenseF16Cache::new(shape).or_raise(py)?),
-            "reference" => Kind::FullReference(FullCache::new(shape)),
-            "cuda" => return Err(to_py(py, cuda_baseline())),
-            other => {
-                return Err(to_py(
-                    py,
-                    unknown_backend(other, "\"cpu\" or \"reference\""),
-                ))
-            }
-        };
-        Ok(Self::new(kind))
+        Self::built(py, &Method::Full, shape, backend)
     }
 
     #[staticmethod]
@@ -462,21 +413,16 @@ impl _Cache {
         kv_heads: usize,
         head_dim: usize,
         token_rate: f64,
+        min_budget_tokens: usize,
         backend: &str,
     ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
-        let kind = match backend {
-            "cpu" => Kind::Quest(QuestF16Cache::new(shape, token_rate).or_raise(py)?),
-            "reference" => Kind::QuestReference(QuestCache::new(shape, token_rate).or_raise(py)?),
-            "cuda" => return Err(to_py(py, cuda_baseline())),
-            other => {
-                return Err(to_py(
-                    py,
-                    unknown_backend(other, "\"cpu\" or \"reference\""),
-                ))
-            }
+        let method = Method::Quest {
+            token_rate,
+            dense_layers: mosaickv_methods::QUEST_DENSE_LAYERS,
+            min_budget_tokens,
         };
-        Ok(Self::new(kind))
+        Self::built(py, &method, shape, backend)
     }
 
     #[staticmethod]
@@ -486,15 +432,16 @@ impl _Cache {
         head_dim: usize,
         token_rate: f64,
         retention: f64,
+        min_budget_tokens: usize,
         backend: &str,
     ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
-        if backend != "reference" {
-            return Err(to_py(py, naive2d_reference_only(backend)));
-        }
-        Ok(Self::new(Kind::Naive2d(
-            Naive2dCache::new(shape, token_rate, retention).or_raise(py)?,
-        )))
+        let method = Method::Naive2d {
+            retention,
+            token_rate,
+            min_budget_tokens,
+        };
+        Self::built(py, &method, shape, backend)
     }
 
     #[staticmethod]
@@ -506,19 +453,19 @@ impl _Cache {
         backend: &str,
     ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
-        let (r, o) = kvq_formats(bits).or_raise(py)?;
-        let kind = match backend {
-            "cpu" => Kind::Kvq(OptKvqCache::new(shape, o).or_raise(py)?),
-            "reference" => Kind::KvqReference(KvqCache::new(shape, r).or_raise(py)?),
-            "cuda" => return Err(to_py(py, cuda_baseline())),
-            other => {
+        let format = match bits {
+            8 => KvqFormat::Q8_0,
+            4 => KvqFormat::Q4_0,
+            b => {
                 return Err(to_py(
                     py,
-                    unknown_backend(other, "\"cpu\" or \"reference\""),
+                    MosaicError::InvalidConfig(format!(
+                        "kvq has 8 (q8_0) or 4 (q4_0) bits, not {b}"
+                    )),
                 ))
             }
         };
-        Ok(Self::new(kind))
+        Self::built(py, &Method::Kvq { format }, shape, backend)
     }
 
     /// SPEC 15.5-15.6: a baseline cache file written by `save` of the baseline `method`
@@ -528,36 +475,22 @@ impl _Cache {
     fn load_baseline(py: Python<'_>, path: PathBuf, method: &str, backend: &str) -> PyResult<Self> {
         let kind = py
             .detach(|| -> mosaickv_spec::Result<Kind> {
-                if method == "naive2d" && backend != "reference" {
-                    return Err(naive2d_reference_only(backend));
+                if backend == "cuda" {
+                    return Err(cuda_baseline());
                 }
-                match backend {
-                    "cpu" | "reference" => {}
-                    "cuda" => return Err(cuda_baseline()),
-                    other => return Err(unknown_backend(other, "\"cpu\" or \"reference\"")),
-                }
-                let file = load_baseline(&path, method)?;
-                let at = |e: MosaicError| match e {
+                let imp = implementation(backend)?;
+                let c = mosaickv_methods::load_baseline(&path, method, imp).map_err(|e| match e {
                     MosaicError::BadFormat(m) => {
                         MosaicError::BadFormat(format!("{}: {m}", path.display()))
                     }
                     other => other,
+                })?;
+                let ran = if method == "naive2d" {
+                    Implementation::Reference
+                } else {
+                    imp
                 };
-                Ok(match (method, backend) {
-                    ("full", "cpu") => Kind::Full(DenseF16Cache::from_file(&file).map_err(at)?),
-                    ("full", _) => Kind::FullReference(FullCache::from_file(&file).map_err(at)?),
-                    ("quest", "cpu") => Kind::Quest(QuestF16Cache::from_file(&file).map_err(at)?),
-                    ("quest", _) => Kind::QuestReference(QuestCache::from_file(&file).map_err(at)?),
-                    ("naive2d", _) => Kind::Naive2d(Naive2dCache::from_file(&file).map_err(at)?),
-                    (m, b) => {
-                        let (r, o) = kvq_formats(if m == "kvq8" { 8 } else { 4 })?;
-                        if b == "cpu" {
-                            Kind::Kvq(OptKvqCache::from_file(&file, o).map_err(at)?)
-                        } else {
-                            Kind::KvqReference(KvqCache::from_file(&file, r).map_err(at)?)
-                        }
-                    }
-                })
+                Ok(Kind::Registry(c, backend_name(ran)))
             })
             .or_raise(py)?;
         Ok(Self::new(kind))
@@ -568,23 +501,20 @@ impl _Cache {
     fn load(py: Python<'_>, path: PathBuf, backend: &str) -> PyResult<Self> {
         let kind = py
             .detach(|| -> mosaickv_spec::Result<Kind> {
-                Ok(match backend {
-                    "cpu" => Kind::Live(Box::new(LiveCache::load(&path, Mode::Sync)?)),
-                    "reference" => {
-                        let (c, k, v) = load_cache(&path)?;
-                        Kind::Reference(Box::new(MosaicCache::from_parts(c, k, v)?))
-                    }
+                if backend == "cuda" {
                     #[cfg(feature = "cuda")]
-                    "cuda" => {
+                    {
                         let gpu = cuda_backend()?;
-                        Kind::Cuda(Box::new(LiveCache::load(&path, Mode::Sync)?), gpu)
+                        return Ok(Kind::Cuda(Box::new(LiveCache::load(&path, Mode::Sync)?), gpu));
                     }
                     #[cfg(not(feature = "cuda"))]
-                    "cuda" => return Err(no_cuda()),
-                    other => {
-                        return Err(unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\""))
-                    }
-                })
+                    return Err(no_cuda());
+                }
+                let imp = implementation(backend)?;
+                Ok(Kind::Registry(
+                    mosaickv_methods::load_mosaic(&path, imp, Mode::Sync)?,
+                    backend_name(imp),
+                ))
             })
             .or_raise(py)?;
         Ok(Self::new(kind))
@@ -710,54 +640,54 @@ impl _Cache {
     /// SPEC 15: writes the cache file: `cache.mkv` (15.3) for MosaicKV, a dense file (15.5)
     /// for full and Quest, a baseline cache file (15.6) for naive 2-D and kvq.
     fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        py.detach(|| -> mosaickv_spec::Result<()> {
-            let mut g = self.lock();
-            let baseline: Option<BaselineFile> = match &*g {
-                Kind::Full(c) => Some(c.to_file()),
-                Kind::FullReference(c) => Some(c.to_file()),
-                Kind::Quest(c) => Some(c.to_file()),
-                Kind::QuestReference(c) => Some(c.to_file()),
-                Kind::Naive2d(c) => Some(c.to_file()),
-                Kind::Kvq(c) => Some(c.to_file()),
-                Kind::KvqReference(c) => Some(c.to_file()),
-                _ => None,
-            };
-            if let Some(file) = baseline {
-                drop(g);
-                return save_baseline(&path, &file);
-            }
-            match &mut *g {
-                Kind::Live(c) => c.save(&path),
-                #[cfg(feature = "cuda")]
-                Kind::Cuda(c, _) => c.save(&path),
-                Kind::Reference(c) => {
-                    let (k, v) = c.host_rows();
-                    save_cache(&path, c.compressed(), k, v)
-                }
-                _ => Err(MosaicError::InvalidConfig(
-                    "this cache has no file format".into(),
-                )),
-            }
-        })
-        .or_raise(py)
+        py.detach(|| self.lock().kv().save(&path)).or_raise(py)
     }
 }
 
-fn naive2d_reference_only(backend: &str) -> MosaicError {
-    MosaicError::BackendUnavailable(format!(
-        "naive2d exists only on the reference backend, not `{backend}`"
-    ))
+impl _Cache {
+    /// A cache of the method registry on `backend` (`"cpu"`: the optimized implementation,
+    /// `"reference"`: the oracle), reporting the implementation that runs it.
+    fn built(py: Python<'_>, method: &Method, shape: KvShape, backend: &str) -> PyResult<Self> {
+        if backend == "cuda" {
+            return Err(to_py(py, cuda_baseline()));
+        }
+        let options = Options {
+            implementation: implementation(backend).or_raise(py)?,
+            mosaic: MosaicRun::Live(Mode::Sync),
+        };
+        let cache = mosaickv_methods::cache(method, shape, &options).or_raise(py)?;
+        let ran = mosaickv_methods::implementation_of(method, &options);
+        Ok(Self::new(Kind::Registry(cache, backend_name(ran))))
+    }
 }
 
-/// The reference's and the optimized crate's names of llama.cpp's `q8_0` (8) / `q4_0` (4).
-fn kvq_formats(bits: u32) -> mosaickv_spec::Result<(KvqFormat, OptKvqFormat)> {
-    match bits {
-        8 => Ok((KvqFormat::Q8_0, OptKvqFormat::Q8_0)),
-        4 => Ok((KvqFormat::Q4_0, OptKvqFormat::Q4_0)),
-        b => Err(MosaicError::InvalidConfig(format!(
-            "kvq has 8 (q8_0) or 4 (q4_0) bits, not {b}"
-        ))),
+/// `"cpu"` / `"reference"` as the registry's implementation.
+fn implementation(backend: &str) -> mosaickv_spec::Result<Implementation> {
+    match backend {
+        "cpu" => Ok(Implementation::Optimized),
+        "reference" => Ok(Implementation::Reference),
+        other => Err(unknown_backend(other, "\"cpu\", \"reference\" or \"cuda\"")),
     }
+}
+
+fn backend_name(imp: Implementation) -> &'static str {
+    match imp {
+        Implementation::Optimized => "cpu",
+        Implementation::Reference => "reference",
+    }
+}
+
+/// `Cache(backend="cuda")`: the CPU lifecycle, attention on the GPU.
+#[allow(unused_variables)]
+fn cuda_cache(py: Python<'_>, shape: KvShape, cfg: CompressConfig) -> PyResult<_Cache> {
+    #[cfg(feature = "cuda")]
+    {
+        let gpu = cuda_backend().or_raise(py)?;
+        let live = LiveCache::new(shape, cfg, Mode::Sync).or_raise(py)?;
+        Ok(_Cache::new(Kind::Cuda(Box::new(live), gpu)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(to_py(py, no_cuda()))
 }
 
 fn cuda_baseline() -> MosaicError {

@@ -473,6 +473,18 @@ impl LiveCache {
 }
 
 impl KvCache for LiveCache {
+    fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
+        LiveCache::set_q_heads(self, q_heads)
+    }
+    fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
+        crate::attend::attended_tokens(LiveCache::compressed(self), queries).map(Some)
+    }
+    fn compressed(&self) -> Option<&CompressedCache> {
+        Some(LiveCache::compressed(self))
+    }
+    fn save(&mut self, path: &std::path::Path) -> Result<()> {
+        LiveCache::save(self, path)
+    }
     /// Gives (or with `None` removes) the layer's query statistics, used by the prompt
     /// segments' strategies when the configuration's loss is `attention` (SPEC.md section
     /// 11.1; generated segments keep the energy loss). Checked against the shape; nothing

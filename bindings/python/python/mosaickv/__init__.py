@@ -361,7 +361,9 @@ class FullCache(_Baseline):
 
 class QuestCache(_Baseline):
     """Baseline: Quest (SPEC section 12): dense f16 K/V, pages of 16 tokens with
-    per-dim key min/max; ``ceil(ceil(token_rate * n) / 16)`` pages attended.
+    per-dim key min/max; ``ceil(B / 16)`` pages attended, ``B = min(n, max(ceil(token_rate
+    * n), min_budget_tokens))`` (the budget of SPEC section 8.3; ``min_budget_tokens``
+    defaults to MosaicKV's 256, as for the method string ``quest`` in every front end).
 
     ``backend="cpu"`` is the optimized ``QuestF16Cache``; ``"reference"`` the oracle.
 
@@ -372,9 +374,18 @@ class QuestCache(_Baseline):
 
     _method = "quest"
 
-    def __init__(self, kv_heads: int, head_dim: int, token_rate: float = 0.2, backend: str = "cpu") -> None:
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        token_rate: float = 0.2,
+        backend: str = "cpu",
+        min_budget_tokens: int = 256,
+    ) -> None:
         kv_heads, head_dim = _dims(kv_heads, head_dim)
-        self._inner = _Cache.quest(kv_heads, head_dim, float(token_rate), backend)
+        self._inner = _Cache.quest(
+            kv_heads, head_dim, float(token_rate), _count(min_budget_tokens, "min_budget_tokens"), backend
+        )
 
 
 class Naive2dCache(_Baseline):
@@ -382,8 +393,10 @@ class Naive2dCache(_Baseline):
     channel mask of the ``ceil(retention * head_dim)`` highest-energy dims of
     the prompt, then Quest on the masked K/V.
 
-    Only the reference implementation exists (there is no optimized naive 2-D),
-    so ``backend`` can only be ``"reference"`` (also for :meth:`load`).
+    Only the reference implementation exists (there is no optimized naive 2-D), so
+    ``backend="cpu"`` runs it too and :meth:`backend` says ``"reference"``, as ``mosaickv
+    attend`` and the engine do. ``retention`` defaults to 0.5 and ``min_budget_tokens`` to
+    256, the defaults of the method string ``naive2d`` in every front end.
 
     Methods: :meth:`prefill`, :meth:`append`, :meth:`attend` (SPEC section 12),
     ``len()``, :meth:`memory` (13), :meth:`save` / :meth:`load`: a baseline cache
@@ -403,11 +416,19 @@ class Naive2dCache(_Baseline):
         kv_heads: int,
         head_dim: int,
         token_rate: float = 0.2,
-        retention: float = 0.25,
+        retention: float = 0.5,
         backend: str = "reference",
+        min_budget_tokens: int = 256,
     ) -> None:
         kv_heads, head_dim = _dims(kv_heads, head_dim)
-        self._inner = _Cache.naive2d(kv_heads, head_dim, float(token_rate), float(retention), backend)
+        self._inner = _Cache.naive2d(
+            kv_heads,
+            head_dim,
+            float(token_rate),
+            float(retention),
+            _count(min_budget_tokens, "min_budget_tokens"),
+            backend,
+        )
 
 
 class _KvqCache(_Baseline):
