@@ -89,14 +89,8 @@ fn method_of(a: &Args, cache_rate: f64) -> Result<Method, CliError> {
             }
             config.token_rate = rate.unwrap_or(config.token_rate);
         }
-        Method::Full | Method::Kvq { .. } => {
-            if a.token_rate.is_some() {
-                return Err(CliError::Input(format!(
-                    "--token-rate does not apply to --method {} (every token is attended)",
-                    a.method
-                )));
-            }
-        }
+        // every token attended: a token rate has nothing to select (accepted, as before)
+        Method::Full | Method::Kvq { .. } => {}
     }
     match (&mut method, a.retention) {
         (Method::Naive2d { retention, .. }, Some(r)) => *retention = r,

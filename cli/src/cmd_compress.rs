@@ -4,13 +4,12 @@ use crate::backend::Backend;
 use crate::cachedir;
 use crate::error::{io, CliError};
 use crate::npy;
-use mosaickv_optimized::OptimizedMosaicCache;
-use mosaickv_reference::MosaicCache;
+use mosaickv_methods::{Implementation, Method, MosaicRun, Options};
 use mosaickv_spec::atomic::Pending;
 use mosaickv_spec::cache::DenseRows;
 use mosaickv_spec::persist::{write_cache, write_dense};
 use mosaickv_spec::{
-    f16, validate, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
+    f16, validate, CompressConfig, CompressedCache, KvShape, MemoryReport, MosaicError,
 };
 use ndarray::Array3;
 use std::path::{Path, PathBuf};
@@ -56,26 +55,32 @@ pub fn run(a: Args) -> Result<(), CliError> {
     if tokens == 0 {
         return Err(MosaicError::EmptyCache.into());
     }
-    match a.backend {
-        Backend::Optimized => {
-            let mut cache = OptimizedMosaicCache::new(shape, config)?;
-            cache.prefill(keys.view(), values.view())?;
-            // A prefill leaves no open segment and an empty buffer (SPEC.md section 10.1):
-            // no host rows to save (the reference's `host_rows()` are empty here too).
-            write_dir(&a.out, cache.compressed(), (&[], &[]), &keys, &values)
-        }
-        Backend::Reference => {
-            let mut cache = MosaicCache::new(shape, config)?;
-            cache.prefill(keys.view(), values.view())?;
-            write_dir(
-                &a.out,
-                cache.compressed(),
-                cache.host_rows(),
-                &keys,
-                &values,
-            )
-        }
+    // The method registry's MosaicKV cache on the chosen implementation, every close inline.
+    let implementation = match a.backend {
+        Backend::Optimized => Implementation::Optimized,
+        Backend::Reference => Implementation::Reference,
+    };
+    let method = Method::Mosaic {
+        implementation,
+        config,
+    };
+    let options = Options {
+        implementation,
+        mosaic: MosaicRun::Whole,
+    };
+    let mut cache = mosaickv_methods::cache(&method, shape, &options)?;
+    cache.prefill(keys.view(), values.view())?;
+    // A prefill leaves no open segment and an empty buffer (SPEC.md section 10.1): no host
+    // rows to save, on either implementation.
+    if cache.memory().host_rows != 0 {
+        return Err(CliError::Input(
+            "a prefilled cache kept host rows; SPEC.md section 10.1 leaves none".into(),
+        ));
     }
+    let compressed = cache
+        .compressed()
+        .expect("a MosaicKV cache has a compressed cache");
+    write_dir(&a.out, compressed, (&[], &[]), &keys, &values)
 }
 
 /// Writes `cache.mkv`, `dense.mkv` and `manifest.json` into `out` and prints the summary line.

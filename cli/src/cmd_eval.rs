@@ -22,8 +22,14 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The default methods: every baseline of SPEC.md section 12 and MosaicKV's default.
-pub const DEFAULT_METHODS: &str = "full,quest,quest-sink,naive2d,kvq8,kvq4,mosaic";
+/// The default methods: every baseline of SPEC.md section 12 and MosaicKV's default; without
+/// the oracle (`--no-default-features`), the baselines it alone implements (quest-sink,
+/// naive2d) are left out.
+pub const DEFAULT_METHODS: &str = if mosaickv_methods::has_oracle() {
+    "full,quest,quest-sink,naive2d,kvq8,kvq4,mosaic"
+} else {
+    "full,quest,kvq8,kvq4,mosaic"
+};
 
 /// The headline pools the cells where `full` scores at least this: a cell that full attention
 /// fails carries no information about a compression method.

@@ -24,17 +24,21 @@ pub const TEXT_CANDIDATES: [&str; 3] = [
     "/usr/share/common-licenses/GPL-2",
 ];
 
+/// Every baseline of SPEC.md section 12 and MosaicKV, as for `eval`.
+const DEFAULT_METHODS: &str = if mosaickv_methods::has_oracle() {
+    "quest,quest-sink,naive2d,kvq8,kvq4,mosaic"
+} else {
+    "quest,kvq8,kvq4,mosaic"
+};
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Prompt length in tokens (the niah prompt and the teacher-forced text prefix).
     #[arg(long, default_value_t = 2048)]
     pub length: usize,
-    /// Methods compared with full attention.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "quest,quest-sink,naive2d,kvq8,kvq4,mosaic"
-    )]
+    /// Methods compared with full attention (quest-sink and naive2d only in a build with the
+    /// oracle, the default).
+    #[arg(long, value_delimiter = ',', default_value = DEFAULT_METHODS)]
     pub methods: Vec<String>,
     /// Decode steps measured on the niah prompt.
     #[arg(long, default_value_t = 4)]

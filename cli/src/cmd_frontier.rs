@@ -91,24 +91,30 @@ pub struct Point {
 }
 
 pub fn run(a: Args) -> Result<(), CliError> {
+    // quest-sink and naive2d exist only in the oracle: in a build without it they are left out
+    let oracle = mosaickv_methods::has_oracle();
     let mut methods = vec![
         (Method::Full, "full", None),
         (Method::parse("quest")?, "quest", None),
-        (Method::parse("quest-sink")?, "quest-sink", None),
-        (Method::parse("kvq8")?, "kvq8", None),
-        (Method::parse("kvq4")?, "kvq4", None),
     ];
+    if oracle {
+        methods.push((Method::parse("quest-sink")?, "quest-sink", None));
+    }
+    methods.push((Method::parse("kvq8")?, "kvq8", None));
+    methods.push((Method::parse("kvq4")?, "kvq4", None));
     for &r in &a.retentions {
         methods.push((
             Method::parse(&format!("mosaic:ret={r}"))?,
             "mosaic (fixed)",
             Some(r),
         ));
-        methods.push((
-            Method::parse(&format!("naive2d:ret={r}"))?,
-            "naive2d",
-            Some(r),
-        ));
+        if oracle {
+            methods.push((
+                Method::parse(&format!("naive2d:ret={r}"))?,
+                "naive2d",
+                Some(r),
+            ));
+        }
     }
     for t in &a.thresholds {
         let (k, v) = t.split_once('/').ok_or_else(|| {

@@ -103,6 +103,7 @@ pub trait Caches {
 
 impl Caches for Method {
     fn new_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn LayerKv>>> {
+        checked_for_model(self, cfg.head_dim)?;
         let options = Options {
             mosaic: MosaicRun::Live(Mode::Async),
             ..Options::default()
@@ -111,6 +112,7 @@ impl Caches for Method {
     }
 
     fn new_probe_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn ProbeKv>>> {
+        checked_for_model(self, cfg.head_dim)?;
         let options = Options {
             mosaic: MosaicRun::Whole,
             ..Options::default()
@@ -142,6 +144,16 @@ fn layer_caches(
             })
         })
         .collect()
+}
+
+/// The method checked against the loaded model's head_dim, a MosaicKV refusal naming both.
+fn checked_for_model(method: &Method, head_dim: usize) -> Result<()> {
+    method.validate_for(head_dim).map_err(|e| match method {
+        Method::Mosaic { .. } => {
+            EngineError::Invalid(format!("{method} for the model's head_dim {head_dim}: {e}"))
+        }
+        _ => e.into(),
+    })
 }
 
 fn shape_of(cfg: &crate::Config) -> Result<KvShape> {

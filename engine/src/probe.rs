@@ -8,7 +8,7 @@
 
 use crate::kv::{FullKv, LayerKv};
 use crate::methods::ProbeKv;
-use mosaickv_reference::metrics::{full_attention_probs, recall_at_k, rel_l2};
+use mosaickv_spec::metrics::{full_attention_probs, recall_at_k, rel_l2};
 use ndarray::{Array2, ArrayView2, ArrayView3, ArrayViewMut2};
 use std::sync::{Arc, Mutex};
 

@@ -19,7 +19,7 @@
 //! | [`strategy`] | 11 (loss, (r, g), block size) |
 //! | [`loss`] | 11.1 (attention loss) |
 //! | [`baselines`] | 12 (Full, Quest, naive 2-D) |
-//! | [`metrics`] | 16 (relative L2, recall@k) |
+//! | [`metrics`] (re-exported from `mosaickv-spec`) | 16 (relative L2, recall@k) |
 //! | [`synthetic`] | test data with realistic structure (not normative) |
 
 pub mod attention;
@@ -28,7 +28,7 @@ pub mod baselines;
 pub mod lifecycle;
 pub mod loss;
 pub mod meta;
-pub mod metrics;
+pub use mosaickv_spec::metrics;
 pub mod packed;
 pub mod rotation;
 pub mod round;

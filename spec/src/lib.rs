@@ -12,6 +12,7 @@ pub mod error;
 pub mod kvq;
 pub mod layout;
 pub mod method;
+pub mod metrics;
 pub mod persist;
 pub mod persist_baseline;
 pub mod query;

@@ -364,11 +364,8 @@ impl Method {
     pub fn validate_for(&self, head_dim: usize) -> Result<()> {
         self.validate()?;
         match self {
-            Method::Mosaic { config, .. } => config.validate(head_dim).map_err(|e| {
-                MosaicError::InvalidConfig(format!(
-                    "{self} for the model's head_dim {head_dim}: {e}"
-                ))
-            }),
+            // the configuration's own error, its kind kept (e.g. GroupSizeNotDivisor)
+            Method::Mosaic { config, .. } => config.validate(head_dim),
             _ => Ok(()),
         }
     }

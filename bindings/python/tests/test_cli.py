@@ -36,7 +36,8 @@ def test_default_mosaic_equals_the_cli_on_the_fixtures(cli, tmp_path):
 @pytest.mark.parametrize("method,make", [
     ("full", lambda kv, d: mosaickv.FullCache(kv, d)),
     ("quest", lambda kv, d: mosaickv.QuestCache(kv, d, token_rate=0.2)),
-    ("naive2d", lambda kv, d: mosaickv.Naive2dCache(kv, d, token_rate=0.2, retention=0.25)),
+    # both front ends with their defaults (retention 0.5, min_budget_tokens 256): one default
+    ("naive2d", lambda kv, d: mosaickv.Naive2dCache(kv, d, token_rate=0.2)),
 ])
 def test_baselines_equal_the_cli(cli, tmp_path, method, make):
     k, v, q = fixture_arrays()

@@ -174,7 +174,7 @@ def test_cuda_without_the_feature_is_unavailable():
     with pytest.raises(mosaickv.BackendUnavailableError, match="no CUDA support"):
         mosaickv.Cache(2, 16, backend="cuda")
     with pytest.raises(mosaickv.BackendUnavailableError):
-        mosaickv.Naive2dCache(2, 16, backend="cpu")
+        mosaickv.Naive2dCache(2, 16, backend="cuda")
 
 
 @pytest.fixture

@@ -41,6 +41,8 @@ __all__ = [
     "Naive2dCache",
     "Kvq8Cache",
     "Kvq4Cache",
+    "QuestSinkCache",
+    "from_method",
     "SideStrategy",
     "HeadStrategy",
     "SegmentInfo",
@@ -67,6 +69,20 @@ def _dims(kv_heads: Any, head_dim: Any) -> "tuple[int, int]":
             raise _errors.InvalidConfigError(f"invalid configuration: {name} {v} is not a positive integer")
         out.append(v)
     return out[0], out[1]
+
+
+def _count(x: Any, name: str) -> int:
+    """A count (``min_budget_tokens``) as a Python int: numpy integers accepted, negative or
+    oversized values :class:`InvalidConfigError`."""
+    import operator
+
+    try:
+        v = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
+    if v < 0 or v >= 2**63:
+        raise _errors.InvalidConfigError(f"invalid configuration: {name} {v} is not a non-negative integer")
+    return v
 
 
 def _plain(x: Any) -> Any:
@@ -476,6 +492,47 @@ class Kvq4Cache(_KvqCache):
 
     _method = "kvq4"
     _bits = 4
+
+
+class QuestSinkCache(_Baseline):
+    """Baseline: Quest-sink (SPEC section 12): Quest's pages under MosaicKV's sink, update
+    buffer and token budget. Only the reference implementation exists, so it runs on any
+    ``backend`` and :meth:`backend` says ``"reference"``. Built by :func:`from_method`
+    (``"quest-sink"``, ``"quest-sink:rate=0.1:sink=0"``); it has no file format."""
+
+    _method = "quest-sink"
+
+
+_CLASSES = {
+    "mosaic": None,
+    "mosaic-ref": None,
+    "full": FullCache,
+    "quest": QuestCache,
+    "quest-sink": QuestSinkCache,
+    "naive2d": Naive2dCache,
+    "kvq8": Kvq8Cache,
+    "kvq4": Kvq4Cache,
+}
+
+
+def from_method(method: str, kv_heads: int, head_dim: int, backend: str = "cpu") -> "_Base":
+    """The cache a method string names, built by the method registry every front end uses
+    (the engine's ``--method``, ``mosaickv attend --method``, ``mosaickv serve``): the same
+    string gives the same cache, and the same attention output bit for bit.
+
+    ``method``: ``full``, ``quest``, ``quest-sink``, ``naive2d``, ``kvq8``, ``kvq4``,
+    ``mosaic``, ``mosaic-ref``, each with ``:key=value`` overrides (``quest:rate=0.1``,
+    ``naive2d:ret=0.25``, ``mosaic:kloss=0.02:vloss=0.05``, ``mosaic:ret=0.5:g=2``; every key
+    is in the README). A bad string raises :class:`InvalidConfigError` naming what is wrong.
+    Returns an instance of the matching class (:class:`Cache` for ``mosaic``)."""
+    kv_heads, head_dim = _dims(kv_heads, head_dim)
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}")
+    inner = _Cache.method(kv_heads, head_dim, method, backend)
+    cls = _CLASSES.get(method.split(":")[0].strip()) or Cache
+    self = cls.__new__(cls)
+    self._inner = inner
+    return self
 
 
 def _config_from_dict(keys: Dict[str, Any]) -> "Config":

@@ -1,4 +1,5 @@
-//! SPEC.md section 16: quality measures.
+//! SPEC.md section 16: quality measures, written once: `fidelity`, the conformance suite and the
+//! benches measure every backend with them (measurement, not a backend stage).
 
 use ndarray::{Array2, ArrayView2, ArrayView3};
 
