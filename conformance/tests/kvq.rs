@@ -22,14 +22,29 @@ fn pair(shape: KvShape, i: usize) -> (RefKvq, OptKvq) {
     )
 }
 
+/// As [`pair`], llama.cpp's Hadamard rotation on (kvq8 / kvq4 as the registry builds them).
+fn rotated_pair(shape: KvShape, i: usize) -> (RefKvq, OptKvq) {
+    let (r, o) = pair(shape, i);
+    (r.with_rotation(), o.with_rotation())
+}
+
 #[test]
 fn same_bytes_memory_and_attention_as_the_reference() {
-    for (kv_heads, gqa, head_dim) in [(1, 1, 32), (3, 3, 64), (2, 6, 128), (2, 4, 96)] {
+    // head_dim 192: a rotation block of 64 for K (three per head); 96: no rotation (llama.cpp's
+    // rule), so the rotated cache is the unrotated one
+    for (kv_heads, gqa, head_dim) in [(1, 1, 32), (3, 3, 64), (2, 6, 128), (2, 4, 96), (1, 2, 192)]
+    {
         let shape = KvShape::new(kv_heads, kv_heads * gqa, head_dim).unwrap();
         let (n, gen) = (700, 40);
         let (k, v) = structured_kv(n + gen, kv_heads, head_dim, 11 + head_dim as u64);
-        for i in 0..FORMATS.len() {
-            let (mut r, mut o) = pair(shape, i);
+        for (i, rotated) in (0..FORMATS.len()).flat_map(|i| [(i, false), (i, true)]) {
+            let (mut r, mut o) = if rotated {
+                rotated_pair(shape, i)
+            } else {
+                pair(shape, i)
+            };
+            assert_eq!(r.rotated(), rotated && head_dim % 64 == 0);
+            assert_eq!(r.rotated(), o.rotated());
             r.prefill(k.slice(s![..n, .., ..]), v.slice(s![..n, .., ..]))
                 .unwrap();
             o.prefill(k.slice(s![..n, .., ..]), v.slice(s![..n, .., ..]))
@@ -50,16 +65,91 @@ fn same_bytes_memory_and_attention_as_the_reference() {
                         a.iter().map(|x| x.to_bits()).collect(),
                         b.iter().map(|x| x.to_bits()).collect(),
                     );
-                    assert_eq!(ab, bb, "{:?} D={head_dim} t={t}", FORMATS[i].0);
+                    assert_eq!(
+                        ab, bb,
+                        "{:?} rotated {rotated} D={head_dim} t={t}",
+                        FORMATS[i].0
+                    );
                 }
             }
             assert_eq!(r.key_bytes(), o.key_bytes().as_slice());
             assert_eq!(r.value_bytes(), o.value_bytes().as_slice());
             assert_eq!(r.memory(), o.memory());
             let per_token = 2 * kv_heads * head_dim / 32 * FORMATS[i].0.block_bytes();
+            // the rotation is computed, not stored: the same bytes per token
             assert_eq!(r.memory().device_bytes(), (n + gen) * per_token);
+            // the file keeps the rotation and reads back to the same output bits
+            let file = o.to_file();
+            let mut back = OptKvq::from_file(&file, FORMATS[i].1).unwrap();
+            assert_eq!(back.rotated(), o.rotated());
+            let q = queries(shape.q_heads, head_dim, 5);
+            let (mut a, mut b) = (
+                Array2::zeros((shape.q_heads, head_dim)),
+                Array2::zeros((shape.q_heads, head_dim)),
+            );
+            o.attend(q.view(), a.view_mut()).unwrap();
+            back.attend(q.view(), b.view_mut()).unwrap();
+            assert_eq!(a, b);
         }
     }
+}
+
+#[test]
+fn the_rotation_is_llama_cpps_hadamard_and_helps_q4_on_outlier_channels() {
+    // H[i][j] = (-1)^popcount(i & j) / sqrt(n): the explicit product in f64 against the
+    // transform, and twice the transform gives the input back
+    for n in [64usize, 128, 256] {
+        let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+        let mut y = x.clone();
+        mosaickv_reference::baselines::hadamard_rotate(&mut y, n);
+        for (i, &yi) in y.iter().enumerate() {
+            let e: f64 = (0..n)
+                .map(|j| {
+                    let sign = if (i & j).count_ones() % 2 == 0 {
+                        1.0
+                    } else {
+                        -1.0
+                    };
+                    sign * x[j] as f64
+                })
+                .sum::<f64>()
+                / (n as f64).sqrt();
+            assert!((yi as f64 - e).abs() < 1e-5, "n={n} i={i}: {yi} vs {e}");
+        }
+        mosaickv_reference::baselines::hadamard_rotate(&mut y, n);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() < 1e-5);
+        }
+    }
+    // keys with two large outlier channels per head: q4_0 of the raw rows loses the small
+    // channels to the outliers' scale; rotated, the energy is spread over the block
+    let shape = KvShape::new(2, 4, 128).unwrap();
+    let (mut k, v) = structured_kv(300, 2, 128, 3);
+    for t in 0..300 {
+        for h in 0..2 {
+            k[[t, h, 5]] *= 40.0;
+            k[[t, h, 77]] *= 40.0;
+        }
+    }
+    let q = queries(4, 128, 9);
+    let mut exact = Array2::zeros((4, 128));
+    let mut full = mosaickv_reference::FullCache::new(shape);
+    full.prefill(k.view(), v.view()).unwrap();
+    full.attend(q.view(), exact.view_mut()).unwrap();
+    let err = |rotated: bool| {
+        let (mut c, _) = if rotated {
+            rotated_pair(shape, 1)
+        } else {
+            pair(shape, 1)
+        };
+        c.prefill(k.view(), v.view()).unwrap();
+        let mut o = Array2::zeros((4, 128));
+        c.attend(q.view(), o.view_mut()).unwrap();
+        mosaickv_spec::metrics::rel_l2(o.view(), exact.view())
+    };
+    let (plain, rotated) = (err(false), err(true));
+    println!("q4_0 on outlier keys: rel L2 {plain:.4} unrotated, {rotated:.4} rotated");
+    assert!(rotated < plain, "{rotated} >= {plain}");
 }
 
 #[test]

@@ -17,7 +17,7 @@
 //! * [`Model::decode_step`] runs one token through all layers against caller-owned caches;
 //!   [`Model::decode_batch`] runs one step of many sequences together (batched weight products).
 //!
-//! * [`methods::Method`] builds per-layer caches for `full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4`, `mosaic`;
+//! * [`methods::Caches`] builds a [`Method`]'s per-layer caches (`full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4`, `mosaic`) through the method registry (`mosaickv-methods`);
 //!   [`probe`] measures per-layer attention fidelity against the dense cache.
 //!
 //! Set `MOSAICKV_PROFILE=1` to print prefill timings (total and attention) to stderr.

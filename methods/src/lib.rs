@@ -117,8 +117,9 @@ fn build(method: &Method, shape: KvShape, options: &Options) -> Result<Box<dyn K
         ) => Box::new(
             QuestF16Cache::new(shape, *token_rate)?.with_min_budget_tokens(*min_budget_tokens),
         ),
-        (Method::Kvq { format }, Implementation::Optimized) => {
-            Box::new(KvqCache::new(shape, *format)?)
+        (Method::Kvq { format, rotated }, Implementation::Optimized) => {
+            let c = KvqCache::new(shape, *format)?;
+            Box::new(if *rotated { c.with_rotation() } else { c })
         }
         (Method::Mosaic { config, .. }, Implementation::Optimized) => match options.mosaic {
             MosaicRun::Live(mode) => Box::new(LiveCache::new(shape, config.clone(), mode)?),
@@ -163,7 +164,8 @@ pub fn load_mosaic(
 
 /// A baseline cache file (SPEC.md sections 15.5-15.6) of the baseline `name` (`full`, `quest`,
 /// `naive2d`, `kvq8`, `kvq4`; `full` also reads the `dense.mkv` of `mosaickv compress`) as a
-/// cache of `implementation` (`naive2d`: the reference, its only one). Another kind of file is
+/// cache of `implementation` (`naive2d`: the reference, its only one). A kvq file says itself
+/// whether its rows are rotated, and is read back under that rotation. Another kind of file is
 /// `BadFormat` naming what it is.
 pub fn load_baseline(
     path: &Path,
@@ -212,7 +214,10 @@ mod oracle {
             Method::QuestSink { .. } => {
                 Box::new(QuestSinkCache::new(shape, &method.quest_sink_config()?)?)
             }
-            Method::Kvq { format } => Box::new(KvqCache::new(shape, *format)?),
+            Method::Kvq { format, rotated } => {
+                let c = KvqCache::new(shape, *format)?;
+                Box::new(if *rotated { c.with_rotation() } else { c })
+            }
             Method::Naive2d {
                 retention,
                 token_rate,

@@ -575,7 +575,31 @@ impl KvCache for QuestF16Cache {
 }
 
 use mosaickv_spec::kvq::check_block_scales as kvq_scales_ok;
+use mosaickv_spec::kvq::{key_rotation_block, VALUE_ROTATION_BLOCK};
 pub use mosaickv_spec::kvq::{KvqFormat, KVQ_BLOCK};
+
+/// SPEC 12: llama.cpp's Hadamard rotation of rows in blocks of `n`, as ggml's CPU fast
+/// Walsh-Hadamard transform computes it (f32: scale by `1 / sqrtf(n)`, then butterflies of
+/// length 1, 2, 4, ...); the same operations in the same order as the reference's
+/// `hadamard_rotate`, so the same bits.
+fn hadamard_rotate(row: &mut [f32], n: usize) {
+    let scale = 1.0f32 / (n as f32).sqrt();
+    for block in row.chunks_exact_mut(n) {
+        block.iter_mut().for_each(|x| *x *= scale);
+        let mut len = 1;
+        while len < n {
+            for pair in block.chunks_exact_mut(2 * len) {
+                let (lo, hi) = pair.split_at_mut(len);
+                for (u, v) in lo.iter_mut().zip(hi.iter_mut()) {
+                    let (a, b) = (*u, *v);
+                    *u = a + b;
+                    *v = a - b;
+                }
+            }
+            len *= 2;
+        }
+    }
+}
 
 /// One block as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` writes it (f32
 /// arithmetic; the same bytes as the reference, written into `out[..block_bytes]`).
@@ -620,6 +644,8 @@ fn quantize_block(format: KvqFormat, x: &[f32], out: &mut [u8]) {
 pub struct KvqCache {
     shape: KvShape,
     format: KvqFormat,
+    /// Rows Hadamard-rotated before quantization (SPEC 12, llama.cpp since 2026-04).
+    rotated: bool,
     tokens: usize,
     keys: Vec<Vec<u8>>,
     values: Vec<Vec<u8>>,
@@ -639,10 +665,39 @@ impl KvqCache {
         Ok(Self {
             shape,
             format,
+            rotated: false,
             tokens: 0,
             keys: vec![Vec::new(); shape.kv_heads],
             values: vec![Vec::new(); shape.kv_heads],
         })
+    }
+
+    /// llama.cpp's cache as it runs today: rows Hadamard-rotated where its rule rotates them
+    /// (`head_dim` a multiple of 64; SPEC 12). Only on an empty cache.
+    pub fn with_rotation(mut self) -> Self {
+        assert_eq!(
+            self.tokens, 0,
+            "the rotation is chosen before any row is stored"
+        );
+        self.rotated = key_rotation_block(self.shape.head_dim).is_some();
+        self
+    }
+
+    /// Whether the rows are rotated.
+    pub fn rotated(&self) -> bool {
+        self.rotated
+    }
+
+    /// Rows `[.., head_dim]` rotated in place in blocks of `n` (nothing when unrotated).
+    fn rotate_rows(&self, rows: &mut [f32], n: usize) {
+        if self.rotated {
+            rows.par_chunks_mut(self.shape.head_dim.max(1) * 64)
+                .for_each(|chunk| hadamard_rotate(chunk, n));
+        }
+    }
+
+    fn key_block(&self) -> usize {
+        key_rotation_block(self.shape.head_dim).unwrap_or(self.shape.head_dim)
     }
 
     /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
@@ -807,7 +862,9 @@ impl KvCache for KvqCache {
             return Err(MosaicError::AlreadyPrefilled(self.tokens));
         }
         validate::prompt_kv(&self.shape, &keys, &values)?;
-        let (k, v) = (contig3(&keys), contig3(&values));
+        let (mut k, mut v) = (contig3(&keys), contig3(&values));
+        self.rotate_rows(&mut k, self.key_block());
+        self.rotate_rows(&mut v, VALUE_ROTATION_BLOCK);
         kvq_scales_ok(self.format, "keys (block scale beyond f16 range)", k.iter())?;
         kvq_scales_ok(
             self.format,
@@ -819,7 +876,9 @@ impl KvCache for KvqCache {
     }
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
         validate::token_kv(&self.shape, &key, &value)?;
-        let (k, v) = (contig(&key), contig(&value));
+        let (mut k, mut v) = (contig(&key).into_owned(), contig(&value).into_owned());
+        self.rotate_rows(&mut k, self.key_block());
+        self.rotate_rows(&mut v, VALUE_ROTATION_BLOCK);
         kvq_scales_ok(self.format, "key (block scale beyond f16 range)", k.iter())?;
         kvq_scales_ok(
             self.format,
@@ -835,7 +894,9 @@ impl KvCache for KvqCache {
         if self.tokens == 0 {
             return Err(MosaicError::EmptyCache);
         }
-        let q = contig(&queries);
+        // the queries as attention sees them: rotated like the keys
+        let mut q = contig(&queries).into_owned();
+        self.rotate_rows(&mut q, self.key_block());
         kvq_scales_ok(
             KvqFormat::Q8_0,
             "queries (block scale beyond f16 range)",
@@ -873,6 +934,10 @@ impl KvCache for KvqCache {
                 );
                 let inv = if l == 0.0 { 0.0 } else { 1.0 / l };
                 o.iter_mut().for_each(|x| *x *= inv);
+                // rotated back from the values' rotation
+                if self.rotated {
+                    hadamard_rotate(&mut o, VALUE_ROTATION_BLOCK);
+                }
                 o
             })
             .collect();
@@ -1014,6 +1079,7 @@ impl KvqCache {
         BaselineFile::Kvq(KvqFile {
             shape: self.shape,
             format: Self::blocks(self.format),
+            rotated: self.rotated,
             tokens: self.tokens,
             keys: self.key_bytes(),
             values: self.value_bytes(),
@@ -1027,6 +1093,7 @@ impl KvqCache {
             BaselineFile::Kvq(f) if f.format == Self::blocks(want) => {
                 file.validate()?;
                 let mut c = Self::new(f.shape, want)?;
+                c.rotated = f.rotated;
                 let rb = c.row_bytes();
                 for (src, dst) in [(&f.keys, &mut c.keys), (&f.values, &mut c.values)] {
                     for (i, row) in src.chunks_exact(rb).enumerate() {

@@ -858,6 +858,7 @@ impl KvCache for QuestSinkCache {
 }
 
 use mosaickv_spec::kvq::check_block_scales as check_kvq_scales;
+use mosaickv_spec::kvq::{key_rotation_block, VALUE_ROTATION_BLOCK};
 pub use mosaickv_spec::kvq::{KvqFormat, KVQ_BLOCK};
 
 /// SPEC.md section 12: one block of 32 f32 values as ggml's `quantize_row_q8_0_ref` /
@@ -927,6 +928,36 @@ pub fn block_quants(format: KvqFormat, block: &[u8]) -> [i32; KVQ_BLOCK] {
     q
 }
 
+/// SPEC.md section 12: llama.cpp's rotation of one row, block-diagonal by `n` (a power of two):
+/// each `n` consecutive values `x` become `H_n x`, `H_n` the Sylvester Hadamard matrix in
+/// natural order scaled by `1 / sqrt(n)` (`H[i][j] = (-1)^popcount(i & j) / sqrt(n)`, its own
+/// inverse), computed as ggml's CPU fast Walsh-Hadamard transform does it, all f32: every value
+/// times `1 / sqrtf(n)` first, then for `len = 1, 2, 4, ..., n/2` each pair `(i, i + len)` with
+/// bit `len` of `i` clear becomes `(x_i + x_{i+len}, x_i - x_{i+len})`.
+pub fn hadamard_rotate(row: &mut [f32], n: usize) {
+    assert!(
+        n.is_power_of_two() && row.len() % n == 0,
+        "blocks of {n} values"
+    );
+    let scale = 1.0f32 / (n as f32).sqrt();
+    for block in row.chunks_mut(n) {
+        for x in block.iter_mut() {
+            *x *= scale;
+        }
+        let mut len = 1;
+        while len < n {
+            for i in 0..n {
+                if i & len == 0 {
+                    let (u, v) = (block[i], block[i + len]);
+                    block[i] = u + v;
+                    block[i + len] = u - v;
+                }
+            }
+            len *= 2;
+        }
+    }
+}
+
 /// ggml's `dequantize_row_*`: `x_j = q_j * d` in f32.
 pub fn dequantize_block(format: KvqFormat, block: &[u8], out: &mut [f32]) {
     let d = block_scale(block);
@@ -944,10 +975,19 @@ pub fn dequantize_block(format: KvqFormat, block: &[u8], out: &mut [f32]) {
 /// blocks in order), an online softmax over the tokens in order in f32
 /// (`M`, `S`, `ms = exp(M_old - M)`, `vs = exp(s - M)`), values dequantized to f32 and
 /// accumulated `o = o * ms + v * vs`, then `o / S`. Every token is attended.
+///
+/// Rotated ([`KvqCache::with_rotation`], llama.cpp since 2026-04, PR 21038): keys and queries
+/// are rotated per head by [`hadamard_rotate`] in blocks of
+/// `mosaickv_spec::kvq::key_rotation_block(head_dim)`, values in blocks of 64, before keys and
+/// values are quantized and before the query is; the output of each head is rotated back by the
+/// same blocks of 64. Where 64 does not divide `head_dim`, llama.cpp does not rotate, nor does
+/// this cache.
 #[derive(Debug, Clone)]
 pub struct KvqCache {
     shape: KvShape,
     format: KvqFormat,
+    /// Rows rotated before quantization (SPEC.md section 12).
+    rotated: bool,
     tokens: usize,
     /// Blocks of every key row, token-major (llama.cpp's K cache layout for one layer).
     keys: Vec<u8>,
@@ -968,10 +1008,27 @@ impl KvqCache {
         Ok(Self {
             shape,
             format,
+            rotated: false,
             tokens: 0,
             keys: Vec::new(),
             values: Vec::new(),
         })
+    }
+
+    /// The cache llama.cpp runs today: rows Hadamard-rotated before quantization where its
+    /// rule rotates them (`head_dim` a multiple of 64; see [`KvqCache`]). Only on an empty cache.
+    pub fn with_rotation(mut self) -> Self {
+        assert_eq!(
+            self.tokens, 0,
+            "the rotation is chosen before any row is stored"
+        );
+        self.rotated = key_rotation_block(self.shape.head_dim).is_some();
+        self
+    }
+
+    /// Whether the rows are rotated.
+    pub fn rotated(&self) -> bool {
+        self.rotated
     }
 
     /// Sets the query head count attention expects (SPEC.md section 1); nothing else changes.
@@ -983,6 +1040,19 @@ impl KvqCache {
 
     pub fn format(&self) -> KvqFormat {
         self.format
+    }
+
+    /// Rows `[.. , head_dim]` rotated in place by the blocks of `n` (nothing when unrotated).
+    fn rotate_rows(&self, rows: &mut [f32], n: usize) {
+        if self.rotated {
+            for row in rows.chunks_mut(self.shape.head_dim) {
+                hadamard_rotate(row, n);
+            }
+        }
+    }
+
+    fn key_block(&self) -> usize {
+        key_rotation_block(self.shape.head_dim).unwrap_or(self.shape.head_dim)
     }
 
     /// The stored key blocks, token-major, then KV head, then block.
@@ -1107,10 +1177,12 @@ impl KvCache for KvqCache {
             return Err(MosaicError::AlreadyPrefilled(self.tokens));
         }
         prompt_kv(&self.shape, &keys, &values)?;
-        let (k, v): (Vec<f32>, Vec<f32>) = (
+        let (mut k, mut v): (Vec<f32>, Vec<f32>) = (
             keys.iter().copied().collect(),
             values.iter().copied().collect(),
         );
+        self.rotate_rows(&mut k, self.key_block());
+        self.rotate_rows(&mut v, VALUE_ROTATION_BLOCK);
         self.validate_rows(&k, &v, true)?;
         self.push_rows(k.iter(), v.iter());
         self.tokens = keys.shape()[0];
@@ -1118,10 +1190,12 @@ impl KvCache for KvqCache {
     }
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
         token_kv(&self.shape, &key, &value)?;
-        let (k, v): (Vec<f32>, Vec<f32>) = (
+        let (mut k, mut v): (Vec<f32>, Vec<f32>) = (
             key.iter().copied().collect(),
             value.iter().copied().collect(),
         );
+        self.rotate_rows(&mut k, self.key_block());
+        self.rotate_rows(&mut v, VALUE_ROTATION_BLOCK);
         self.validate_rows(&k, &v, false)?;
         self.push_rows(k.iter(), v.iter());
         self.tokens += 1;
@@ -1129,15 +1203,19 @@ impl KvCache for KvqCache {
     }
     fn attend(&mut self, queries: ArrayView2<f32>, mut out: ArrayViewMut2<f32>) -> Result<()> {
         validate_attend(&self.shape, &queries, out.shape(), self.len())?;
+        // the queries as attention sees them: rotated like the keys
+        let mut q: Vec<f32> = queries.iter().copied().collect();
+        self.rotate_rows(&mut q, self.key_block());
         check_kvq_scales(
             KvqFormat::Q8_0,
             "queries (block scale beyond f16 range)",
-            queries.iter(),
+            q.iter(),
         )?;
-        let g = self.shape.group();
+        let (g, d) = (self.shape.group(), self.shape.head_dim);
         for qh in 0..self.shape.q_heads {
-            let q: Vec<f32> = queries.row(qh).to_vec();
-            let o = self.attend_row(&q, qh / g);
+            let mut o = self.attend_row(&q[qh * d..(qh + 1) * d], qh / g);
+            // rotated back from the values' rotation
+            self.rotate_rows(&mut o, VALUE_ROTATION_BLOCK);
             for (i, x) in o.into_iter().enumerate() {
                 out[[qh, i]] = x;
             }
@@ -1312,6 +1390,7 @@ impl KvqCache {
                 KvqFormat::Q8_0 => KvqBlocks::Q8_0,
                 KvqFormat::Q4_0 => KvqBlocks::Q4_0,
             },
+            rotated: self.rotated,
             tokens: self.tokens,
             keys: self.keys.clone(),
             values: self.values.clone(),
@@ -1329,6 +1408,7 @@ impl KvqCache {
             BaselineFile::Kvq(f) if f.format == want_blocks => {
                 file.validate()?;
                 let mut c = Self::new(f.shape, want)?;
+                c.rotated = f.rotated;
                 c.tokens = f.tokens;
                 c.keys = f.keys.clone();
                 c.values = f.values.clone();

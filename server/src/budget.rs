@@ -71,7 +71,7 @@ impl Footprint {
                 min_segment_len: 1,
                 sink_tokens: 0,
             }),
-            Method::Kvq { format } => Some(Self {
+            Method::Kvq { format, .. } => Some(Self {
                 per_token: layers * kvh * 2 * d.div_ceil(KVQ_BLOCK) * format.block_bytes(),
                 per_segment: 0,
                 dense: 0,

@@ -82,6 +82,26 @@ impl KvqFormat {
     }
 }
 
+/// The Hadamard block of llama.cpp's rotation of V rows (and of the attention output back):
+/// always 64 (`build_input_v_rot` in llama.cpp's `src/llama-kv-cache.cpp`).
+pub const VALUE_ROTATION_BLOCK: usize = 64;
+
+/// SPEC.md section 12 (kvq8 / kvq4): the Hadamard block of llama.cpp's rotation of K rows and
+/// queries for heads of `head_dim` dimensions: the largest power of two of at least 64 that
+/// divides it (64 -> 64, 128 -> 128, 192 -> 64); `None` when 64 does not divide it, where
+/// llama.cpp does not rotate (`build_input_k_rot`, `attn_rot_k`). The same rule of 64 gates
+/// V's rotation.
+pub fn key_rotation_block(head_dim: usize) -> Option<usize> {
+    if head_dim == 0 || head_dim % VALUE_ROTATION_BLOCK != 0 {
+        return None;
+    }
+    let mut n = VALUE_ROTATION_BLOCK;
+    while head_dim % (2 * n) == 0 {
+        n *= 2;
+    }
+    Some(n)
+}
+
 /// SPEC.md section 12 (kvq8 / kvq4): every block of a row set must have a scale that is a
 /// finite f16, else `NonFinite` at the flat index of the first element of the first block that
 /// breaks it. `values` run over whole rows, so every [`KVQ_BLOCK`] of them is one block.
@@ -112,6 +132,18 @@ mod tests {
         assert_eq!(KvqFormat::from_name("kvq2"), None);
         assert_eq!(KvqFormat::Q8_0.block_bytes(), 2 + KVQ_BLOCK);
         assert_eq!(KvqFormat::Q4_0.block_bytes(), 2 + KVQ_BLOCK / 2);
+    }
+
+    #[test]
+    fn the_key_rotation_block_is_llama_cpps() {
+        assert_eq!(key_rotation_block(64), Some(64));
+        assert_eq!(key_rotation_block(128), Some(128));
+        assert_eq!(key_rotation_block(256), Some(256));
+        assert_eq!(key_rotation_block(192), Some(64));
+        assert_eq!(key_rotation_block(320), Some(64));
+        for d in [0, 32, 80, 96, 112] {
+            assert_eq!(key_rotation_block(d), None, "{d}");
+        }
     }
 
     #[test]

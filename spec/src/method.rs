@@ -3,7 +3,9 @@
 //! end (the engine's `--method`, `mosaickv attend`, the server, the Python package). The
 //! factory that builds a cache from a [`Method`] is the method registry, `mosaickv-methods`.
 //!
-//! Names: `full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4`, `mosaic` (optimized
+//! Names: `full`, `quest`, `quest-sink`, `naive2d`, `kvq8`, `kvq4` (llama.cpp's quantized cache
+//! as it runs today, Hadamard-rotated), `kvq8-norot`, `kvq4-norot` (llama.cpp's before its
+//! 2026-04 rotation), `mosaic` (optimized
 //! backend), `mosaic-ref` (reference backend), each optionally followed by `:key=value`
 //! overrides separated by `:`: `rate` (token_rate), `dense` (quest: leading dense layers),
 //! `ret` (fixed channel retention; for mosaic it switches to the fixed policy), `g` (group
@@ -23,13 +25,15 @@ use crate::layout::ValueDtype;
 use std::fmt;
 
 /// Every method name the parser knows, in the order the docs list them.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 10] = [
     "full",
     "quest",
     "quest-sink",
     "naive2d",
     "kvq8",
     "kvq4",
+    "kvq8-norot",
+    "kvq4-norot",
     "mosaic",
     "mosaic-ref",
 ];
@@ -71,9 +75,11 @@ pub enum Method {
     /// token budget (the default configuration's, with `token_rate` and `sink_tokens`
     /// overridable), every layer.
     QuestSink { token_rate: f64, sink_tokens: usize },
-    /// SPEC.md section 12 kvq8 / kvq4: llama.cpp's `q8_0` / `q4_0` KV cache, every token
+    /// SPEC.md section 12 kvq8 / kvq4: llama.cpp's `q8_0` / `q4_0` KV cache, `rotated` by its
+    /// Hadamard as llama.cpp does since 2026-04 (`kvq8`, `kvq4`) or not (`kvq8-norot`,
+    /// `kvq4-norot`), every token
     /// attended, every layer.
-    Kvq { format: KvqFormat },
+    Kvq { format: KvqFormat, rotated: bool },
     /// SPEC.md section 12 naive 2-D, with Quest's budget floor (`minb`) as for `quest`.
     Naive2d {
         retention: f64,
@@ -187,12 +193,17 @@ impl Method {
                     sink_tokens,
                 }
             }
-            "kvq8" | "kvq4" => {
+            "kvq8" | "kvq4" | "kvq8-norot" | "kvq4-norot" => {
                 if let Some((k, _)) = kv.first() {
                     return Err(unknown(k));
                 }
+                let (base, rotated) = match name.strip_suffix("-norot") {
+                    Some(base) => (base, false),
+                    None => (name, true),
+                };
                 Method::Kvq {
-                    format: KvqFormat::from_name(name).expect("kvq8 or kvq4"),
+                    format: KvqFormat::from_name(base).expect("kvq8 or kvq4"),
+                    rotated,
                 }
             }
             "naive2d" => {
@@ -382,7 +393,18 @@ impl Method {
             Method::Full => "full",
             Method::Quest { .. } => "quest",
             Method::QuestSink { .. } => "quest-sink",
-            Method::Kvq { format } => format.name(),
+            Method::Kvq {
+                format,
+                rotated: true,
+            } => format.name(),
+            Method::Kvq {
+                format: KvqFormat::Q8_0,
+                rotated: false,
+            } => "kvq8-norot",
+            Method::Kvq {
+                format: KvqFormat::Q4_0,
+                rotated: false,
+            } => "kvq4-norot",
             Method::Naive2d { .. } => "naive2d",
             Method::Mosaic {
                 implementation: Implementation::Optimized,
@@ -478,7 +500,7 @@ impl fmt::Display for Method {
                 }
                 Ok(())
             }
-            Method::Kvq { format } => f.write_str(format.name()),
+            Method::Kvq { .. } => f.write_str(self.name()),
             Method::Naive2d {
                 retention,
                 token_rate,
@@ -619,6 +641,8 @@ mod tests {
             "quest-sink:rate=0.1:sink=0",
             "kvq8",
             "kvq4",
+            "kvq8-norot",
+            "kvq4-norot",
         ] {
             let m = Method::parse(s).unwrap();
             assert_eq!(m.to_string(), s);
@@ -658,6 +682,8 @@ mod tests {
             "quest-sink:ret=0.5",
             "quest-sink:rate=0",
             "kvq8:rate=0.5",
+            "kvq4-norot:rate=0.5",
+            "kvq8-rot",
             // counts are integers, not numbers cast to one (-5 and NaN became 0, 1e30 the
             // largest usize, 1.5 became 1)
             "mosaic:minb=-5",

@@ -142,6 +142,9 @@ impl KvqBlocks {
 pub struct KvqFile {
     pub shape: KvShape,
     pub format: KvqBlocks,
+    /// Whether the rows were rotated by llama.cpp's Hadamard before quantization (SPEC.md
+    /// section 12); the blocks are read back under the same rotation.
+    pub rotated: bool,
     pub tokens: usize,
     pub keys: Vec<u8>,
     pub values: Vec<u8>,
@@ -284,6 +287,12 @@ fn validate_naive2d(f: &Naive2dFile) -> Result<()> {
 /// each block as ggml's quantizer writes it: a finite f16 scale (q8_0: not negative, since
 /// `d = amax / 127`), q8_0 quants in [-127, 127].
 fn validate_kvq(f: &KvqFile) -> Result<()> {
+    if f.rotated && crate::kvq::key_rotation_block(f.shape.head_dim).is_none() {
+        return Err(bad(format!(
+            "kvq blocks: rotated at head_dim {}, which llama.cpp's rotation leaves unrotated (not a multiple of 64)",
+            f.shape.head_dim
+        )));
+    }
     let (s, bb) = (&f.shape, f.format.block_bytes());
     if s.head_dim % KvqBlocks::VALUES != 0 {
         return Err(MosaicError::InvalidConfig(format!(
@@ -374,6 +383,14 @@ pub(crate) fn describe_sections(sections: &[(u32, &[u8])]) -> String {
 struct BaselineManifest {
     shape: KvShape,
     baseline: BaselineMethod,
+    /// kvq: the rows were Hadamard-rotated before quantization (SPEC.md section 12, llama.cpp
+    /// since 2026-04); absent (false) in files of the unrotated format and of other methods.
+    #[serde(default, skip_serializing_if = "is_false")]
+    rotated: bool,
+}
+
+fn is_false(x: &bool) -> bool {
+    !*x
 }
 
 const SAVED_ROLE: &str = "baseline cache: the dense f16 K/V of a full or quest cache";
@@ -410,6 +427,7 @@ pub fn write_baseline(w: &mut impl Write, file: &BaselineFile) -> Result<()> {
             let m = BaselineManifest {
                 shape: f.shape,
                 baseline: file.method().expect("a naive2d file has a method"),
+                rotated: false,
             };
             let mut b = Buf::default();
             match &f.masks {
@@ -440,6 +458,7 @@ pub fn write_baseline(w: &mut impl Write, file: &BaselineFile) -> Result<()> {
             let m = BaselineManifest {
                 shape: f.shape,
                 baseline: f.format.method(),
+                rotated: f.rotated,
             };
             let mut b = Buf::default();
             b.u64(f.tokens);
@@ -537,6 +556,16 @@ fn parse_baseline_file(sections: &[(u32, &[u8])]) -> Result<BaselineFile> {
     let m: BaselineManifest = parse_json(sections[0].1, "baseline manifest")?;
     let shape = shape_of(m.shape)?;
     m.baseline.validate().map_err(as_format_error)?;
+    if m.rotated {
+        let kvq = matches!(m.baseline, BaselineMethod::Kvq8 | BaselineMethod::Kvq4);
+        if !kvq || crate::kvq::key_rotation_block(shape.head_dim).is_none() {
+            return Err(bad(format!(
+                "baseline manifest: rotated {} at head_dim {} (only kvq rows whose head_dim is a multiple of 64 are rotated)",
+                m.baseline.name(),
+                shape.head_dim
+            )));
+        }
+    }
     let file = match m.baseline {
         BaselineMethod::Naive2d {
             token_rate,
@@ -590,6 +619,7 @@ fn parse_baseline_file(sections: &[(u32, &[u8])]) -> Result<BaselineFile> {
             BaselineFile::Kvq(KvqFile {
                 shape,
                 format,
+                rotated: m.rotated,
                 tokens,
                 keys,
                 values,

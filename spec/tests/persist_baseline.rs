@@ -91,6 +91,7 @@ fn kvq(format: KvqBlocks, tokens: usize) -> BaselineFile {
     BaselineFile::Kvq(KvqFile {
         shape: shape(),
         format,
+        rotated: false,
         tokens,
         keys,
         values,

@@ -450,6 +450,7 @@ impl _Cache {
         kv_heads: usize,
         head_dim: usize,
         bits: u32,
+        rotated: bool,
         backend: &str,
     ) -> PyResult<Self> {
         let shape = shape_of(kv_heads, head_dim).or_raise(py)?;
@@ -465,7 +466,7 @@ impl _Cache {
                 ))
             }
         };
-        Self::built(py, &Method::Kvq { format }, shape, backend)
+        Self::built(py, &Method::Kvq { format, rotated }, shape, backend)
     }
 
     /// SPEC 15.5-15.6: a baseline cache file written by `save` of the baseline `method`

@@ -415,3 +415,68 @@ def test_help_of_the_baselines_names_the_spec_sections():
         text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
         for s in sections + ["save", "load", "prefill", "append", "attend", "memory"]:
             assert s in text, (cls.__name__, s)
+
+
+# ------------------------------------------------------------------ kvq rotated (llama.cpp today)
+
+
+def sylvester_hadamard(n):
+    """llama.cpp's `ggml_gen_hadamard`: H[i][j] = (-1)^popcount(i & j) / sqrt(n)."""
+    i = np.arange(n)
+    pop = np.vectorize(lambda x: bin(x).count("1"))(i[:, None] & i[None, :])
+    return np.where(pop % 2 == 0, 1.0, -1.0) / np.sqrt(n)
+
+
+def rotate(x, n):
+    """Rows [..., d] rotated block-diagonally by H_n (f64)."""
+    shape = x.shape
+    blocks = np.asarray(x, np.float64).reshape(-1, n)
+    return (blocks @ sylvester_hadamard(n).T).reshape(shape)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotated_kvq_is_llama_cpps_rotation_then_ggmls_blocks(tmp_path, bits):
+    """kvq8 / kvq4 as llama.cpp runs them since 2026-04: K and Q rotated by H_128 (the largest
+    power of two >= 64 dividing head_dim 128), V by H_64 blocks, the output rotated back by
+    H_64. Checked against this numpy model of it, built from the Hadamard matrix itself."""
+    kv, d = 2, 128
+    cls = mosaickv.Kvq8Cache if bits == 8 else mosaickv.Kvq4Cache
+    k, v = low_rank_kv(20, 200, kv, d)
+    k[:, :, 3] *= 30.0  # an outlier channel, what the rotation is for
+    cache = cls(kv, d)
+    cache.prefill(k, v)
+    cache.save(tmp_path / "c.mkv")
+    plain = cls(kv, d, rotated=False)
+    plain.prefill(k, v)
+    q = queries(21, 2 * kv, d)
+    out = cache.attend(q)
+    # the file's blocks dequantize to the rotated rows (within each format's step)
+    data = (tmp_path / "c.mkv").read_bytes()
+    kr, vr = rotate(k, 128), rotate(v, 64)
+    quant = quantize_q8_0 if bits == 8 else quantize_q4_0
+    dk, qk = quant(kr.astype(np.float32))
+    dv, qv = quant(vr.astype(np.float32))
+    deq = lambda dd, qq: ((qq.astype(np.float32) - (8 if bits == 4 else 0)) * dd.astype(np.float32)[:, None]).reshape(200, kv, d)
+    kd, vd = deq(dk, qk), deq(dv, qv)
+    assert b'"rotated":true' in data
+    # attention in the rotated space on the q8_0 rotated query, rotated back by H_64
+    qr = rotate(q, 128).astype(np.float32)
+    qs, qq = quantize_q8_0(qr)
+    q8 = (qq.astype(np.float32) * qs.astype(np.float32)[:, None]).reshape(q.shape)
+    expect = rotate(exact_attention_f64_dims(kd, vd, q8, kv, d), 64)
+    assert rel_l2(out, expect) < 1e-4, rel_l2(out, expect)
+    # and it differs from the unrotated cache (the rotation is not a no-op)
+    assert rel_l2(plain.attend(q), out) > 1e-4
+    # the saved file reads back rotated: the same output bits
+    np.testing.assert_array_equal(cls.load(tmp_path / "c.mkv").attend(q), out)
+
+
+def exact_attention_f64_dims(k, v, q, kv, d):
+    k, v, q = (np.asarray(a, np.float64) for a in (k, v, q))
+    group = q.shape[0] // kv
+    out = np.zeros(q.shape)
+    for h in range(q.shape[0]):
+        z = k[:, h // group] @ q[h] / np.sqrt(d)
+        p = np.exp(z - z.max())
+        out[h] = (p / p.sum()) @ v[:, h // group]
+    return out

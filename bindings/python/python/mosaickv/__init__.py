@@ -450,9 +450,11 @@ class Naive2dCache(_Baseline):
 class _KvqCache(_Baseline):
     _bits = 0
 
-    def __init__(self, kv_heads: int, head_dim: int, backend: str = "cpu") -> None:
+    def __init__(self, kv_heads: int, head_dim: int, backend: str = "cpu", rotated: bool = True) -> None:
         kv_heads, head_dim = _dims(kv_heads, head_dim)
-        self._inner = _Cache.kvq(kv_heads, head_dim, self._bits, backend)
+        if not isinstance(rotated, bool):
+            raise TypeError(f"rotated must be a bool, got {type(rotated).__name__}")
+        self._inner = _Cache.kvq(kv_heads, head_dim, self._bits, rotated, backend)
 
 
 class Kvq8Cache(_KvqCache):
@@ -464,6 +466,13 @@ class Kvq8Cache(_KvqCache):
     ggml's CPU flash-attention row, all f32: the query is quantized to ``q8_0``
     too, then an online softmax over every token. A block whose scale would not
     be a finite f16 raises :class:`NonFiniteError`.
+
+    ``rotated=True`` (the default) is llama.cpp's cache as it runs today (since 2026-04,
+    PR 21038): each head's K rows and queries are rotated by a normalized Hadamard matrix
+    (blocks of the largest power of two >= 64 dividing ``head_dim``), V rows by blocks of 64,
+    before quantization, and the output is rotated back; ``rotated=False`` is llama.cpp
+    before it (``kvq8-norot``). Where 64 does not divide ``head_dim`` nothing is rotated, as in
+    llama.cpp. A saved file records the rotation and :meth:`load` follows it.
 
     ``backend="cpu"`` is the optimized cache, ``"reference"`` the readable one
     (the same output bits).
@@ -512,6 +521,8 @@ _CLASSES = {
     "naive2d": Naive2dCache,
     "kvq8": Kvq8Cache,
     "kvq4": Kvq4Cache,
+    "kvq8-norot": Kvq8Cache,
+    "kvq4-norot": Kvq4Cache,
 }
 
 
