@@ -90,7 +90,7 @@ fn method_of(a: &Args, cache_rate: f64) -> Result<Method, CliError> {
             config.token_rate = rate.unwrap_or(config.token_rate);
         }
         // every token attended: a token rate has nothing to select (accepted, as before)
-        Method::Full | Method::Kvq { .. } => {}
+        Method::Full | Method::Kvq { .. } | Method::TurboQuant { .. } => {}
     }
     match (&mut method, a.retention) {
         (Method::Naive2d { retention, .. }, Some(r)) => *retention = r,

@@ -11,8 +11,9 @@ make_golden.py does, and needle-in-a-haystack prompts of about 300, 1,000 and 2,
 for each KV format pair
 
     llama.cpp type_k = type_v = f16   vs   ours --method full
-    llama.cpp type_k = type_v = q8_0  vs   ours --method kvq8
+    llama.cpp type_k = type_v = q8_0  vs   ours --method kvq8         (rotation on, llama.cpp's default)
     llama.cpp type_k = type_v = q4_0  vs   ours --method kvq4
+    the same with LLAMA_ATTN_ROT_DISABLE=1   vs   ours --method kvq8-norot / kvq4-norot
 
 llama.cpp (llama-cpp-python, flash_attn on: llama.cpp needs it for a quantized V cache; n_batch
 512) evaluates the prompt tokens and decodes greedily up to --max-new tokens (stopping after an
@@ -35,8 +36,16 @@ from llama_cpp import Llama, __version__ as llama_cpp_version
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 EOS_NAMES = ("<|im_end|>", "<|endoftext|>")
-# ggml_type values (ggml.h): GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q8_0 = 8
-FORMATS = [("f16", 1, "full"), ("q8_0", 8, "kvq8"), ("q4_0", 2, "kvq4")]
+# ggml_type values (ggml.h): GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q8_0 = 8; the last
+# field: llama.cpp's Hadamard rotation of a quantized cache (on by default since 2026-04, off with
+# LLAMA_ATTN_ROT_DISABLE=1, read when a context is created)
+FORMATS = [
+    ("f16", 1, "full", True),
+    ("q8_0", 8, "kvq8", True),
+    ("q4_0", 2, "kvq4", True),
+    ("q8_0 norot", 8, "kvq8-norot", False),
+    ("q4_0 norot", 2, "kvq4-norot", False),
+]
 
 
 def haystack(lines, number, key):
@@ -60,8 +69,13 @@ def haystack(lines, number, key):
 PROMPTS = [
     ("chat_math", "In 2024, Alice had 12 apples and bought 7 more. How many apples does she have now?"),
     ("chat_capital", "What is the capital of France? Answer in one sentence."),
+    ("chat_poem", "Write two lines of a poem about the sea."),
+    ("chat_list", "List three colours of the rainbow, separated by commas."),
+    ("chat_code", "Write a Python function that returns the square of a number."),
     ("needle_300", haystack(12, 4729, "the blue door")),
+    ("needle_600", haystack(26, 61904, "the green lamp")),
     ("needle_1k", haystack(45, 8316207, "the red kite")),
+    ("needle_1500", haystack(70, 270418, "the silver key")),
     ("needle_2k", haystack(95, 5093421, "the old lighthouse")),
 ]
 
@@ -113,7 +127,11 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
-    for fmt, ggml_type, method in FORMATS:
+    for fmt, ggml_type, method, rotate in FORMATS:
+        if rotate:
+            os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        else:
+            os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
         llm = Llama(model_path=args.model, n_ctx=4096, n_batch=512, n_threads=args.threads,
                     n_threads_batch=args.threads, type_k=ggml_type, type_v=ggml_type,
                     flash_attn=True, verbose=False, seed=0)
@@ -131,17 +149,17 @@ def main():
                   f"\n  llama.cpp: {theirs!r}\n  ours:      {mine!r}", file=sys.stderr)
         del llm
     print(f"llama-cpp-python {llama_cpp_version}, {args.model}, greedy, max {args.max_new} new tokens\n")
-    print("| prompt | tokens | " + " | ".join(f"{f} vs {m}" for f, _, m in FORMATS) + " |")
+    print("| prompt | tokens | " + " | ".join(f"{f} vs {m}" for f, _, m, _ in FORMATS) + " |")
     print("|---|---:|" + "---|" * len(FORMATS))
     for name, _ in PROMPTS:
         rs = [r for r in rows if r["prompt"] == name]
         cells = []
-        for f, _, _ in FORMATS:
+        for f, _, _, _ in FORMATS:
             r = next(r for r in rs if r["format"] == f)
             cells.append("same" if r["equal"] else f"differ at char {r['first_diff']}")
         print(f"| {name} | {rs[0]['tokens']} | " + " | ".join(cells) + " |")
-    same = {f: sum(r["equal"] for r in rows if r["format"] == f) for f, _, _ in FORMATS}
-    print("\nSame greedy text: " + ", ".join(f"{f} {same[f]}/{len(PROMPTS)}" for f, _, _ in FORMATS))
+    same = {f: sum(r["equal"] for r in rows if r["format"] == f) for f, _, _, _ in FORMATS}
+    print("\nSame greedy text: " + ", ".join(f"{f} {same[f]}/{len(PROMPTS)}" for f, _, _, _ in FORMATS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"llama_cpp_python": llama_cpp_version, "model": args.model, "rows": rows}, f, indent=1)

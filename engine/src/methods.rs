@@ -120,10 +120,12 @@ impl Caches for Method {
         let shape = shape_of(cfg)?;
         (0..cfg.n_layers)
             .map(|layer| -> Result<Box<dyn ProbeKv>> {
-                Ok(match layer_cache(self, shape, layer, &options)? {
-                    LayerCache::Dense => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
-                    LayerCache::Cache(c) => Box::new(KvAdapter(c)),
-                })
+                Ok(
+                    match layer_cache(self, shape, layer, cfg.n_layers, &options)? {
+                        LayerCache::Dense => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
+                        LayerCache::Cache(c) => Box::new(KvAdapter(c)),
+                    },
+                )
             })
             .collect()
     }
@@ -138,10 +140,12 @@ fn layer_caches(
 ) -> Result<Vec<Box<dyn LayerKv>>> {
     (0..n_layers)
         .map(|layer| -> Result<Box<dyn LayerKv>> {
-            Ok(match layer_cache(method, shape, layer, options)? {
-                LayerCache::Dense => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
-                LayerCache::Cache(c) => Box::new(KvAdapter(c)),
-            })
+            Ok(
+                match layer_cache(method, shape, layer, n_layers, options)? {
+                    LayerCache::Dense => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
+                    LayerCache::Cache(c) => Box::new(KvAdapter(c)),
+                },
+            )
         })
         .collect()
 }

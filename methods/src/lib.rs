@@ -9,7 +9,7 @@
 //! Implementations: the optimized CPU backend (`mosaickv-optimized`) serves every method it
 //! has; the f64 oracle (`mosaickv-reference`) serves the methods asked for by name
 //! (`mosaic-ref`, [`Implementation::Reference`]) and the baselines that exist only there
-//! (`naive2d`, `quest-sink`). The oracle is compiled in by the `oracle` feature; without it
+//! (`naive2d`, `quest-sink`, `turboquant`). The oracle is compiled in by the `oracle` feature; without it
 //! those methods are `BackendUnavailable`, never silently replaced.
 
 use mosaickv_optimized::baselines::KvqCache;
@@ -73,24 +73,30 @@ pub fn implementation_of(method: &Method, options: &Options) -> Implementation {
             ..
         }
         | Method::Naive2d { .. }
-        | Method::QuestSink { .. } => Implementation::Reference,
+        | Method::QuestSink { .. }
+        | Method::TurboQuant { .. } => Implementation::Reference,
         _ => options.implementation,
     }
 }
 
-/// The cache of layer `layer` of a model whose layers have KV shape `shape`: the method's
-/// layer rule applied (`quest` keeps its first `dense_layers` layers dense, as Quest's code
-/// does), the method checked against `shape.head_dim` first.
+/// The cache of layer `layer` of a model of `layers` layers whose KV shape is `shape`: the
+/// method's layer rule applied (`quest` keeps its first `dense_layers` layers dense, as Quest's
+/// code does; `turboquant` its first and last `boundary_layers`, as vLLM does), the method
+/// checked against `shape.head_dim` first.
 pub fn layer_cache(
     method: &Method,
     shape: KvShape,
     layer: usize,
+    layers: usize,
     options: &Options,
 ) -> Result<LayerCache> {
     method.validate_for(shape.head_dim)?;
     Ok(match method {
         Method::Full => LayerCache::Dense,
         Method::Quest { dense_layers, .. } if layer < *dense_layers => LayerCache::Dense,
+        Method::TurboQuant {
+            boundary_layers, ..
+        } if layer < *boundary_layers || layer + boundary_layers >= layers => LayerCache::Dense,
         _ => LayerCache::Cache(build(method, shape, options)?),
     })
 }
@@ -126,9 +132,10 @@ fn build(method: &Method, shape: KvShape, options: &Options) -> Result<Box<dyn K
             MosaicRun::Whole => Box::new(OptimizedMosaicCache::new(shape, config.clone())?),
         },
         (_, Implementation::Reference) => oracle::build(method, shape)?,
-        (Method::Naive2d { .. } | Method::QuestSink { .. }, Implementation::Optimized) => {
-            unreachable!("implementation_of runs them on the reference")
-        }
+        (
+            Method::Naive2d { .. } | Method::QuestSink { .. } | Method::TurboQuant { .. },
+            Implementation::Optimized,
+        ) => unreachable!("implementation_of runs them on the reference"),
     })
 }
 
@@ -197,6 +204,7 @@ pub fn load_baseline(
 #[cfg(feature = "oracle")]
 mod oracle {
     use mosaickv_reference::baselines::{KvqCache, QuestSinkCache};
+    use mosaickv_reference::turboquant::TurboQuantCache;
     use mosaickv_reference::{FullCache, MosaicCache, Naive2dCache, QuestCache};
     use mosaickv_spec::persist_baseline::BaselineFile;
     use mosaickv_spec::{CompressedCache, KvCache, KvShape, Method, MosaicError, Result};
@@ -226,6 +234,7 @@ mod oracle {
                 Naive2dCache::new(shape, *token_rate, *retention)?
                     .with_min_budget_tokens(*min_budget_tokens),
             ),
+            Method::TurboQuant { preset, .. } => Box::new(TurboQuantCache::new(shape, *preset)?),
             Method::Mosaic { config, .. } => Box::new(MosaicCache::new(shape, config.clone())?),
         })
     }

@@ -233,7 +233,7 @@ impl PagedStore {
     }
 }
 
-fn validate_prompt(
+pub(crate) fn validate_prompt(
     shape: &KvShape,
     keys: &ArrayView3<f32>,
     values: &ArrayView3<f32>,
@@ -247,13 +247,17 @@ fn validate_prompt(
     check_f16_range("values (beyond f16 range)", values.iter())
 }
 
-fn validate_token(shape: &KvShape, key: &ArrayView2<f32>, value: &ArrayView2<f32>) -> Result<()> {
+pub(crate) fn validate_token(
+    shape: &KvShape,
+    key: &ArrayView2<f32>,
+    value: &ArrayView2<f32>,
+) -> Result<()> {
     token_kv(shape, key, value)?;
     check_f16_range("key (beyond f16 range)", key.iter())?;
     check_f16_range("value (beyond f16 range)", value.iter())
 }
 
-fn validate_attend(
+pub(crate) fn validate_attend(
     shape: &KvShape,
     queries: &ArrayView2<f32>,
     out_shape: &[usize],

@@ -20,6 +20,7 @@
 //! | [`loss`] | 11.1 (attention loss) |
 //! | [`baselines`] | 12 (Full, Quest, naive 2-D) |
 //! | [`metrics`] (re-exported from `mosaickv-spec`) | 16 (relative L2, recall@k) |
+//! | [`turboquant`] | 12 (vLLM's TurboQuant) |
 //! | [`synthetic`] | test data with realistic structure (not normative) |
 
 pub mod attention;
@@ -36,6 +37,7 @@ pub mod select;
 pub mod strategy;
 pub mod synthetic;
 pub mod topr;
+pub mod turboquant;
 
 pub use backend::ReferenceBackend;
 pub use baselines::{FullCache, Naive2dCache, QuestCache};

@@ -18,6 +18,7 @@ pub mod persist_baseline;
 pub mod query;
 pub mod rules;
 pub mod traits;
+pub mod turboquant;
 pub mod validate;
 
 pub use cache::{CompressedCache, DenseRows, HeadSegment, MemoryReport, Segment, SegmentState};

@@ -22,10 +22,11 @@ use crate::config::{ChannelPolicy, CompressConfig, LossPolicy};
 use crate::error::{MosaicError, Result};
 use crate::kvq::KvqFormat;
 use crate::layout::ValueDtype;
+use crate::turboquant::{TurboQuantPreset, BOUNDARY_LAYERS};
 use std::fmt;
 
 /// Every method name the parser knows, in the order the docs list them.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 11] = [
     "full",
     "quest",
     "quest-sink",
@@ -34,6 +35,7 @@ pub const NAMES: [&str; 10] = [
     "kvq4",
     "kvq8-norot",
     "kvq4-norot",
+    "turboquant",
     "mosaic",
     "mosaic-ref",
 ];
@@ -86,6 +88,12 @@ pub enum Method {
         token_rate: f64,
         min_budget_tokens: usize,
     },
+    /// SPEC.md section 12 TurboQuant: vLLM's `turboquant_<preset>` KV cache; in a model, the
+    /// first and last `boundary_layers` layers dense, as vLLM keeps them.
+    TurboQuant {
+        preset: TurboQuantPreset,
+        boundary_layers: usize,
+    },
     /// MosaicKV with a configuration (SPEC.md section 2) on one implementation (`mosaic`,
     /// `mosaic-ref`).
     Mosaic {
@@ -117,7 +125,12 @@ impl Method {
         let mut parts = spec.trim().split(':');
         let name = parts.next().unwrap_or("");
         let mut kv = Vec::new();
-        for p in parts {
+        for (i, p) in parts.enumerate() {
+            // `turboquant:4bit_nc`: the preset, vLLM's name, right after the method name
+            if name == "turboquant" && i == 0 && !p.contains('=') {
+                kv.push(("preset".to_string(), p.trim().to_string()));
+                continue;
+            }
             let (k, v) = p.split_once('=').ok_or_else(|| {
                 MosaicError::InvalidConfig(format!(
                     "method {spec:?}: override {p:?} is not key=value"
@@ -221,6 +234,30 @@ impl Method {
                     retention,
                     token_rate,
                     min_budget_tokens,
+                }
+            }
+            "turboquant" => {
+                let (mut preset, mut boundary_layers) = (None, BOUNDARY_LAYERS);
+                for (k, v) in &kv {
+                    match k.as_str() {
+                        "preset" => {
+                            preset = Some(TurboQuantPreset::from_name(v).ok_or_else(|| {
+                                MosaicError::InvalidConfig(format!(
+                                    "method {spec:?}: {v:?} is not a TurboQuant preset (k8v4, 4bit_nc, k3v4_nc, 3bit_nc)"
+                                ))
+                            })?)
+                        }
+                        "boundary" => boundary_layers = count(k, v)?,
+                        _ => return Err(unknown(k)),
+                    }
+                }
+                Method::TurboQuant {
+                    preset: preset.ok_or_else(|| {
+                        MosaicError::InvalidConfig(format!(
+                            "method {spec:?}: turboquant needs its preset: turboquant:k8v4, turboquant:4bit_nc, turboquant:k3v4_nc or turboquant:3bit_nc"
+                        ))
+                    })?,
+                    boundary_layers,
                 }
             }
             "mosaic" | "mosaic-ref" => {
@@ -340,7 +377,7 @@ impl Method {
     fn validate(&self) -> Result<()> {
         let rate = crate::rules::fraction;
         match self {
-            Method::Full | Method::Kvq { .. } => Ok(()),
+            Method::Full | Method::Kvq { .. } | Method::TurboQuant { .. } => Ok(()),
             Method::Quest { token_rate, .. } => rate("token_rate", *token_rate),
             Method::QuestSink { .. } => self.quest_sink_config()?.validate(64),
             Method::Naive2d {
@@ -377,6 +414,7 @@ impl Method {
         match self {
             // the configuration's own error, its kind kept (e.g. GroupSizeNotDivisor)
             Method::Mosaic { config, .. } => config.validate(head_dim),
+            Method::TurboQuant { preset, .. } => preset.check_head_dim(head_dim),
             _ => Ok(()),
         }
     }
@@ -406,6 +444,7 @@ impl Method {
                 rotated: false,
             } => "kvq4-norot",
             Method::Naive2d { .. } => "naive2d",
+            Method::TurboQuant { .. } => "turboquant",
             Method::Mosaic {
                 implementation: Implementation::Optimized,
                 ..
@@ -501,6 +540,16 @@ impl fmt::Display for Method {
                 Ok(())
             }
             Method::Kvq { .. } => f.write_str(self.name()),
+            Method::TurboQuant {
+                preset,
+                boundary_layers,
+            } => {
+                write!(f, "turboquant:{}", preset.name())?;
+                if *boundary_layers != BOUNDARY_LAYERS {
+                    write!(f, ":boundary={boundary_layers}")?;
+                }
+                Ok(())
+            }
             Method::Naive2d {
                 retention,
                 token_rate,
@@ -643,6 +692,9 @@ mod tests {
             "kvq4",
             "kvq8-norot",
             "kvq4-norot",
+            "turboquant:4bit_nc",
+            "turboquant:k8v4",
+            "turboquant:3bit_nc:boundary=0",
         ] {
             let m = Method::parse(s).unwrap();
             assert_eq!(m.to_string(), s);
@@ -684,6 +736,10 @@ mod tests {
             "kvq8:rate=0.5",
             "kvq4-norot:rate=0.5",
             "kvq8-rot",
+            "turboquant",
+            "turboquant:5bit",
+            "turboquant:4bit_nc:rate=0.5",
+            "turboquant:boundary=1",
             // counts are integers, not numbers cast to one (-5 and NaN became 0, 1e30 the
             // largest usize, 1.5 became 1)
             "mosaic:minb=-5",

@@ -42,6 +42,7 @@ __all__ = [
     "Kvq8Cache",
     "Kvq4Cache",
     "QuestSinkCache",
+    "TurboQuantCache",
     "from_method",
     "SideStrategy",
     "HeadStrategy",
@@ -512,6 +513,17 @@ class QuestSinkCache(_Baseline):
     _method = "quest-sink"
 
 
+class TurboQuantCache(_Baseline):
+    """Baseline: vLLM's TurboQuant KV cache (SPEC section 12, ``--kv-cache-dtype
+    turboquant_<preset>``): keys normalized, Hadamard-rotated and rounded to a Lloyd-Max
+    codebook of N(0, 1/head_dim) (3 or 4 bits, the norm in f16; ``k8v4``: FP8 keys), values
+    uniform per vector (3 or 4 bits, f16 scale and minimum), in vLLM's slot layout. Only the
+    reference implementation exists (``backend`` says ``"reference"``). Built by
+    :func:`from_method` (``"turboquant:4bit_nc"``, ``"turboquant:k8v4"``, ...); no file format."""
+
+    _method = "turboquant"
+
+
 _CLASSES = {
     "mosaic": None,
     "mosaic-ref": None,
@@ -523,6 +535,7 @@ _CLASSES = {
     "kvq4": Kvq4Cache,
     "kvq8-norot": Kvq8Cache,
     "kvq4-norot": Kvq4Cache,
+    "turboquant": TurboQuantCache,
 }
 
 
