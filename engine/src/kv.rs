@@ -250,11 +250,16 @@ fn span_partial(
 /// Whether [`span_partial_avx2`] can run: CPU features and `head_dim % 8 == 0`, `<= 256`.
 #[cfg(target_arch = "x86_64")]
 fn avx2_span_ok(d: usize) -> bool {
-    d % 8 == 0
-        && d <= 256
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
+    d % 8 == 0 && d <= 256 && attention_simd()
+}
+
+/// Whether the dense attention runs its AVX2/FMA/F16C kernel: on either SIMD path of the
+/// workspace's one CPU path (`mosaickv_optimized::Path::detect`, so `MOSAICKV_FORCE_PORTABLE`
+/// reaches it; AVX2 implies the features the kernel uses). Decided once per process.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn attention_simd() -> bool {
+    static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SIMD.get_or_init(|| mosaickv_optimized::Path::detect() != mosaickv_optimized::Path::Portable)
 }
 
 /// [`span_partial`] with AVX2/FMA/F16C: each f16 row is converted once into registers, then

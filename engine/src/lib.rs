@@ -113,3 +113,21 @@ mod tests {
         assert_send::<Box<dyn crate::LayerKv>>();
     }
 }
+
+/// The CPU kernels the engine runs, as the workspace's one path detection chose them
+/// (`mosaickv_optimized::Path::detect`; `MOSAICKV_FORCE_PORTABLE=1` and `MOSAICKV_FORCE_AVX2=1`
+/// reach them): the quantized weight products and the dense attention.
+pub fn kernel_paths() -> String {
+    #[cfg(target_arch = "x86_64")]
+    let attention = if kv::attention_simd() {
+        "avx2"
+    } else {
+        "portable"
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let attention = "portable";
+    format!(
+        "engine kernels: weight products {}, dense attention {attention}",
+        quant::Kernel::detect().name()
+    )
+}

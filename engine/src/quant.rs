@@ -712,19 +712,31 @@ pub(crate) enum Kernel {
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU runs.
+    /// The kernel of the workspace's one CPU path (`mosaickv_optimized::Path::detect`, which
+    /// `MOSAICKV_FORCE_PORTABLE` and `MOSAICKV_FORCE_AVX2` reach): portable, AVX2, or AVX-512
+    /// where the CPU also has VNNI (these kernels' `vpdpbusd`). Decided once per process.
     pub(crate) fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-            {
-                return Self::Avx512;
+        static DETECTED: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| match mosaickv_optimized::Path::detect() {
+            #[cfg(target_arch = "x86_64")]
+            mosaickv_optimized::Path::Avx512 if is_x86_feature_detected!("avx512vnni") => {
+                Self::Avx512
             }
-            return Self::Avx2;
+            #[cfg(target_arch = "x86_64")]
+            mosaickv_optimized::Path::Avx2 | mosaickv_optimized::Path::Avx512 => Self::Avx2,
+            _ => Self::Portable,
+        })
+    }
+
+    /// The kernel's name, as `cpu_paths` names the paths.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => "avx512 (vnni)",
         }
-        Self::Portable
     }
 
     /// Every kernel this CPU runs, slowest first (for the tests and the timing).
