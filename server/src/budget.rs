@@ -55,7 +55,8 @@ pub struct Footprint {
 }
 
 /// Methods the server runs.
-pub const SERVED_METHODS: &str = "full, kvq8, kvq4, mosaic";
+pub const SERVED_METHODS: &str =
+    "full, kvq8, kvq4, kvq8-norot, kvq4-norot, turboquant:<preset>, mosaic";
 
 impl Footprint {
     /// The byte rates of `method` on a model of configuration `cfg`; `None` for a method the
@@ -79,6 +80,28 @@ impl Footprint {
                 min_segment_len: 1,
                 sink_tokens: 0,
             }),
+            // vLLM's slots in the compressed layers, dense f16 in its boundary layers (the
+            // engine's own dense cache), the f32 key codebook once per compressed layer
+            Method::TurboQuant {
+                preset,
+                boundary_layers: b,
+            } => {
+                let dense_layers = (0..layers).filter(|&l| l < *b || l + b >= layers).count();
+                let tq = layers - dense_layers;
+                let codebook = if preset.key_bits() == 8 {
+                    0
+                } else {
+                    4 << preset.key_bits()
+                };
+                Some(Self {
+                    per_token: dense_layers * kvh * 4 * d + tq * kvh * preset.slot_bytes(d),
+                    per_segment: 0,
+                    dense: tq * codebook,
+                    input_segment_len: 1,
+                    min_segment_len: 1,
+                    sink_tokens: 0,
+                })
+            }
             Method::Mosaic { config, .. } => {
                 use mosaickv_spec::rules::{worst_segment_head_bytes, worst_token_bytes};
                 Some(Self {
@@ -167,6 +190,18 @@ mod tests {
         assert_eq!(f("kvq8").per_token, 30 * 3 * 2 * 2 * 34);
         assert_eq!(f("kvq4").per_token, 30 * 3 * 2 * 2 * 18);
         assert_eq!(f("kvq4").worst_case(100, 28), 128 * f("kvq4").per_token);
+    }
+
+    #[test]
+    fn turboquant_is_vllms_slots_plus_its_dense_boundary_layers() {
+        let f = |m: &str| Footprint::of(&Method::parse(m).unwrap(), &cfg()).unwrap();
+        // 30 layers: the first and last two dense (4 * 64 B per head), 26 with 70 B slots
+        let tq = f("turboquant:4bit_nc");
+        assert_eq!(tq.per_token, 4 * 3 * 4 * 64 + 26 * 3 * 70);
+        assert_eq!(tq.dense, 26 * 4 * 16);
+        assert_eq!(f("turboquant:k8v4").dense, 0);
+        assert_eq!(f("turboquant:3bit_nc:boundary=0").per_token, 30 * 3 * 54);
+        assert_eq!(tq.worst_case(100, 28), 128 * tq.per_token + tq.dense);
     }
 
     #[test]
