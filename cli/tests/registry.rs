@@ -96,25 +96,12 @@ fn data() -> (Array3<f32>, Array3<f32>, Array2<f32>) {
     (k, v, q)
 }
 
-fn write_npy3(path: &Path, a: &Array3<f32>) {
-    let s = a.shape();
+/// An f32 .npy of any shape.
+fn write_npy<D: ndarray::Dimension>(path: &Path, a: &ndarray::Array<f32, D>) {
+    let shape: Vec<u64> = a.shape().iter().map(|&n| n as u64).collect();
     let mut w = npyz::WriteOptions::<f32>::new()
         .default_dtype()
-        .shape(&[s[0] as u64, s[1] as u64, s[2] as u64])
-        .writer(std::io::BufWriter::new(
-            std::fs::File::create(path).unwrap(),
-        ))
-        .begin_nd()
-        .unwrap();
-    w.extend(a.iter().copied()).unwrap();
-    w.finish().unwrap();
-}
-
-fn write_npy2(path: &Path, a: &Array2<f32>) {
-    let s = a.shape();
-    let mut w = npyz::WriteOptions::<f32>::new()
-        .default_dtype()
-        .shape(&[s[0] as u64, s[1] as u64])
+        .shape(&shape)
         .writer(std::io::BufWriter::new(
             std::fs::File::create(path).unwrap(),
         ))
@@ -240,9 +227,9 @@ fn every_documented_method_string_builds_the_same_cache_through_every_front_end(
     assert!(words.iter().any(|w| w.contains(':')), "{words:?}");
     let (k, v, q) = data();
     let t = tempfile::tempdir().unwrap();
-    write_npy3(&t.path().join("k.npy"), &k);
-    write_npy3(&t.path().join("v.npy"), &v);
-    write_npy2(&t.path().join("q.npy"), &q);
+    write_npy(&t.path().join("k.npy"), &k);
+    write_npy(&t.path().join("v.npy"), &v);
+    write_npy(&t.path().join("q.npy"), &q);
     let full = through_registry(&Method::Full, &k, &v, &q).unwrap();
     let mut checked = 0;
     for word in &words {

@@ -103,47 +103,40 @@ pub trait Caches {
 
 impl Caches for Method {
     fn new_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn LayerKv>>> {
-        checked_for_model(self, cfg.head_dim)?;
         let options = Options {
             mosaic: MosaicRun::Live(Mode::Async),
             ..Options::default()
         };
-        layer_caches(self, cfg.n_layers, shape_of(cfg)?, &options)
+        per_layer(self, cfg, &options, |d| Box::new(d), |c| Box::new(c))
     }
 
     fn new_probe_caches(&self, cfg: &crate::Config) -> Result<Vec<Box<dyn ProbeKv>>> {
-        checked_for_model(self, cfg.head_dim)?;
         let options = Options {
             mosaic: MosaicRun::Whole,
             ..Options::default()
         };
-        let shape = shape_of(cfg)?;
-        (0..cfg.n_layers)
-            .map(|layer| -> Result<Box<dyn ProbeKv>> {
-                Ok(
-                    match layer_cache(self, shape, layer, cfg.n_layers, &options)? {
-                        LayerCache::Dense => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
-                        LayerCache::Cache(c) => Box::new(KvAdapter(c)),
-                    },
-                )
-            })
-            .collect()
+        per_layer(self, cfg, &options, |d| Box::new(d), |c| Box::new(c))
     }
 }
 
-/// One empty cache per layer of `n_layers` layers of KV shape `shape`.
-fn layer_caches(
+/// One empty cache per layer of a model of configuration `cfg` (the method checked against its
+/// head_dim first): the engine's [`FullKv`] where the method's layer rule keeps a layer dense,
+/// the registry's cache elsewhere, each boxed as the caller's trait object.
+fn per_layer<T: ?Sized>(
     method: &Method,
-    n_layers: usize,
-    shape: KvShape,
+    cfg: &crate::Config,
     options: &Options,
-) -> Result<Vec<Box<dyn LayerKv>>> {
-    (0..n_layers)
-        .map(|layer| -> Result<Box<dyn LayerKv>> {
+    dense: fn(FullKv) -> Box<T>,
+    cache: fn(KvAdapter) -> Box<T>,
+) -> Result<Vec<Box<T>>> {
+    checked_for_model(method, cfg.head_dim)?;
+    let shape = shape_of(cfg)?;
+    (0..cfg.n_layers)
+        .map(|layer| {
             Ok(
-                match layer_cache(method, shape, layer, n_layers, options)? {
-                    LayerCache::Dense => Box::new(FullKv::new(shape.kv_heads, shape.head_dim)),
-                    LayerCache::Cache(c) => Box::new(KvAdapter(c)),
+                match layer_cache(method, shape, layer, cfg.n_layers, options)? {
+                    LayerCache::Dense => dense(FullKv::new(shape.kv_heads, shape.head_dim)),
+                    LayerCache::Cache(c) => cache(KvAdapter(c)),
                 },
             )
         })
@@ -170,13 +163,28 @@ mod tests {
 
     #[test]
     fn quest_keeps_its_first_two_layers_dense_and_the_others_compressed() {
-        let shape = KvShape::new(2, 6, 64).unwrap();
+        let cfg = crate::Config {
+            arch: crate::Arch::Llama,
+            n_layers: 4,
+            hidden: 6 * 64,
+            ffn: 4 * 6 * 64,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: 64,
+            vocab: 16,
+            rope_theta: 10000.0,
+            rope: crate::RopeStyle::Interleaved,
+            rms_eps: 1e-5,
+            context_length: 4096,
+            tied_embeddings: true,
+            qkv_bias: false,
+        };
         let kv = ndarray::Array3::from_shape_fn((100, 2, 64), |(t, h, i)| {
             ((t * 7 + h * 3 + i) % 11) as f32 / 11.0 - 0.5
         });
         let bytes = |m: &str| -> Vec<usize> {
             let method = Method::parse(m).unwrap();
-            let mut caches = layer_caches(&method, 4, shape, &Options::default()).unwrap();
+            let mut caches = method.new_caches(&cfg).unwrap();
             caches
                 .iter_mut()
                 .map(|c| {

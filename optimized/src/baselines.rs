@@ -689,10 +689,16 @@ impl KvqCache {
     }
 
     /// Rows `[.., head_dim]` rotated in place in blocks of `n` (nothing when unrotated).
+    /// Prompts in parallel by 64 rows; a token's or a step's queries on this thread.
     fn rotate_rows(&self, rows: &mut [f32], n: usize) {
         if self.rotated {
-            rows.par_chunks_mut(self.shape.head_dim.max(1) * 64)
-                .for_each(|chunk| hadamard_rotate(chunk, n));
+            let chunk = self.shape.head_dim.max(1) * 64;
+            if rows.len() <= chunk {
+                hadamard_rotate(rows, n);
+            } else {
+                rows.par_chunks_mut(chunk)
+                    .for_each(|rows| hadamard_rotate(rows, n));
+            }
         }
     }
 
@@ -876,9 +882,12 @@ impl KvCache for KvqCache {
     }
     fn append(&mut self, key: ArrayView2<f32>, value: ArrayView2<f32>) -> Result<()> {
         validate::token_kv(&self.shape, &key, &value)?;
-        let (mut k, mut v) = (contig(&key).into_owned(), contig(&value).into_owned());
-        self.rotate_rows(&mut k, self.key_block());
-        self.rotate_rows(&mut v, VALUE_ROTATION_BLOCK);
+        // copied only when rotated
+        let (mut k, mut v) = (contig(&key), contig(&value));
+        if self.rotated {
+            self.rotate_rows(k.to_mut(), self.key_block());
+            self.rotate_rows(v.to_mut(), VALUE_ROTATION_BLOCK);
+        }
         kvq_scales_ok(self.format, "key (block scale beyond f16 range)", k.iter())?;
         kvq_scales_ok(
             self.format,
@@ -895,8 +904,11 @@ impl KvCache for KvqCache {
             return Err(MosaicError::EmptyCache);
         }
         // the queries as attention sees them: rotated like the keys
-        let mut q = contig(&queries).into_owned();
-        self.rotate_rows(&mut q, self.key_block());
+        // copied only when rotated
+        let mut q = contig(&queries);
+        if self.rotated {
+            self.rotate_rows(q.to_mut(), self.key_block());
+        }
         kvq_scales_ok(
             KvqFormat::Q8_0,
             "queries (block scale beyond f16 range)",

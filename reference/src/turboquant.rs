@@ -97,6 +97,17 @@ fn unpack(bytes: &[u8], bits: usize, n: usize) -> Vec<u8> {
         .collect()
 }
 
+/// `NonFinite` for a stored f16 that would overflow, named for a prompt (`plural`) or one
+/// token, at the flat index of its head's row.
+fn unstorable(
+    plural: bool,
+    (many, one): (&'static str, &'static str),
+    index: usize,
+) -> MosaicError {
+    let what = if plural { many } else { one };
+    MosaicError::NonFinite { what, index }
+}
+
 fn f16_bytes(x: f32) -> [u8; 2] {
     f16::from_f32(x).to_le_bytes()
 }
@@ -162,14 +173,14 @@ impl TurboQuantCache {
                     .collect();
                 pack(&idx, p.key_bits(), &mut out);
                 if f16::from_f32(norm).is_infinite() {
-                    return Err(MosaicError::NonFinite {
-                        what: if plural {
-                            "keys (norm beyond f16 range)"
-                        } else {
-                            "key (norm beyond f16 range)"
-                        },
-                        index: h * d,
-                    });
+                    return Err(unstorable(
+                        plural,
+                        (
+                            "keys (norm beyond f16 range)",
+                            "key (norm beyond f16 range)",
+                        ),
+                        h * d,
+                    ));
                 }
                 out.extend(f16_bytes(norm));
             }
@@ -186,14 +197,14 @@ impl TurboQuantCache {
                 .collect();
             pack(&idx, p.value_bits(), &mut out);
             if f16::from_f32(s).is_infinite() || f16::from_f32(lo).is_infinite() {
-                return Err(MosaicError::NonFinite {
-                    what: if plural {
-                        "values (scale beyond f16 range)"
-                    } else {
-                        "value (scale beyond f16 range)"
-                    },
-                    index: h * d,
-                });
+                return Err(unstorable(
+                    plural,
+                    (
+                        "values (scale beyond f16 range)",
+                        "value (scale beyond f16 range)",
+                    ),
+                    h * d,
+                ));
             }
             out.extend(f16_bytes(s));
             out.extend(f16_bytes(lo));

@@ -246,12 +246,12 @@ def dequantize(scale, q, tokens):
     return (q * scale.astype(np.float32)[:, None]).astype(np.float32).reshape(tokens, KV, D)
 
 
-def exact_attention_f64(k, v, q):
+def exact_attention_f64(k, v, q, kv=KV, d=D):
     k, v, q = (np.asarray(a, np.float64) for a in (k, v, q))
-    group = q.shape[0] // KV
+    group = q.shape[0] // kv
     out = np.zeros(q.shape)
     for h in range(q.shape[0]):
-        z = k[:, h // group] @ q[h] / np.sqrt(D)
+        z = k[:, h // group] @ q[h] / np.sqrt(d)
         p = np.exp(z - z.max())
         out[h] = (p / p.sum()) @ v[:, h // group]
     return out
@@ -463,20 +463,10 @@ def test_rotated_kvq_is_llama_cpps_rotation_then_ggmls_blocks(tmp_path, bits):
     qr = rotate(q, 128).astype(np.float32)
     qs, qq = quantize_q8_0(qr)
     q8 = (qq.astype(np.float32) * qs.astype(np.float32)[:, None]).reshape(q.shape)
-    expect = rotate(exact_attention_f64_dims(kd, vd, q8, kv, d), 64)
+    expect = rotate(exact_attention_f64(kd, vd, q8, kv, d), 64)
     assert rel_l2(out, expect) < 1e-4, rel_l2(out, expect)
     # and it differs from the unrotated cache (the rotation is not a no-op)
     assert rel_l2(plain.attend(q), out) > 1e-4
     # the saved file reads back rotated: the same output bits
     np.testing.assert_array_equal(cls.load(tmp_path / "c.mkv").attend(q), out)
 
-
-def exact_attention_f64_dims(k, v, q, kv, d):
-    k, v, q = (np.asarray(a, np.float64) for a in (k, v, q))
-    group = q.shape[0] // kv
-    out = np.zeros(q.shape)
-    for h in range(q.shape[0]):
-        z = k[:, h // group] @ q[h] / np.sqrt(d)
-        p = np.exp(z - z.max())
-        out[h] = (p / p.sum()) @ v[:, h // group]
-    return out

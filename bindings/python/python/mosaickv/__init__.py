@@ -54,27 +54,9 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _dims(kv_heads: Any, head_dim: Any) -> "tuple[int, int]":
-    """``kv_heads`` and ``head_dim`` as Python ints the library can take (numpy integers
-    accepted). Negative or oversized values raise :class:`InvalidConfigError`; zero is
-    left to the library, which names the rule it breaks (SPEC section 1)."""
-    import operator
-
-    out = []
-    for name, x in (("kv_heads", kv_heads), ("head_dim", head_dim)):
-        try:
-            v = operator.index(x)
-        except TypeError:
-            raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
-        if v < 0 or v >= 2**63:
-            raise _errors.InvalidConfigError(f"invalid configuration: {name} {v} is not a positive integer")
-        out.append(v)
-    return out[0], out[1]
-
-
-def _count(x: Any, name: str) -> int:
-    """A count (``min_budget_tokens``) as a Python int: numpy integers accepted, negative or
-    oversized values :class:`InvalidConfigError`."""
+def _index(x: Any, name: str, what: str) -> int:
+    """``x`` as a Python int the library can take (numpy integers accepted); negative or
+    oversized values raise :class:`InvalidConfigError` saying it is not ``what``."""
     import operator
 
     try:
@@ -82,8 +64,19 @@ def _count(x: Any, name: str) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
     if v < 0 or v >= 2**63:
-        raise _errors.InvalidConfigError(f"invalid configuration: {name} {v} is not a non-negative integer")
+        raise _errors.InvalidConfigError(f"invalid configuration: {name} {v} is not {what}")
     return v
+
+
+def _dims(kv_heads: Any, head_dim: Any) -> "tuple[int, int]":
+    """``kv_heads`` and ``head_dim`` as Python ints the library can take. Zero is left to the
+    library, which names the rule it breaks (SPEC section 1)."""
+    return _index(kv_heads, "kv_heads", "a positive integer"), _index(head_dim, "head_dim", "a positive integer")
+
+
+def _count(x: Any, name: str) -> int:
+    """A count (``min_budget_tokens``) as a Python int."""
+    return _index(x, name, "a non-negative integer")
 
 
 def _plain(x: Any) -> Any:
