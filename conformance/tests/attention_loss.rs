@@ -88,7 +88,7 @@ fn every_candidate_loss_is_bit_identical() {
             let cands = rules::candidates(&cfg, d);
             // the rows' rotated coordinates, as the strategy search computes them once
             let mut xr = vec![0f64; flat.len()];
-            mosaickv_optimized::encode::rotate_rows_f64(
+            mosaickv_optimized::rotation::rotate_rows_f64(
                 &mosaickv_spec::layout::rotation_f32(&rotation),
                 d,
                 &flat,

@@ -1,11 +1,11 @@
 //! SPEC.md notation: "f16 is IEEE binary16 with round-to-nearest-even", one rounding from
 //! f64. The reference (`round::f16_from_f64`, power-of-two scaling) and the optimized
-//! encoder (`encode::f16_from_f64`, bit manipulation) are independent implementations of
+//! encoder (`round::f16_from_f64`, bit manipulation) are independent implementations of
 //! that arithmetic; here they are compared on every f16 midpoint and its neighbours, the
 //! subnormal range, the overflow edge and a million random f64 values.
 
 use half::f16;
-use mosaickv_optimized::encode::f16_from_f64 as optimized;
+use mosaickv_optimized::round::f16_from_f64 as optimized;
 use mosaickv_reference::round::f16_from_f64 as reference;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

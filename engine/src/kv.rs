@@ -2,6 +2,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use mosaickv_optimized::simd::SpanPartial;
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
 /// One layer's KV cache, as seen by the decode loop.
@@ -149,7 +150,8 @@ impl LayerKv for FullKv {
         let spans = n.div_ceil(SPAN);
         // ndarray iterates in logical (row-major) order whatever the memory layout
         let q: Vec<f32> = queries.iter().map(|&x| x * scale).collect();
-        let partials: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = {
+        let path = crate::quant::path();
+        let partials: Vec<SpanPartial> = {
             use rayon::prelude::*;
             (0..self.kv_heads * spans)
                 .into_par_iter()
@@ -161,12 +163,7 @@ impl LayerKv for FullKv {
                         &self.keys[kh][t0 * d..t1 * d],
                         &self.values[kh][t0 * d..t1 * d],
                     );
-                    #[cfg(target_arch = "x86_64")]
-                    if avx2_span_ok(d) {
-                        // SAFETY: avx2_span_ok checked the CPU features and head_dim.
-                        return unsafe { span_partial_avx2(ks, vs, qg, group, d) };
-                    }
-                    span_partial(ks, vs, qg, group, d)
+                    path.span_partial(ks, vs, qg, group, d)
                 })
                 .collect()
         };
@@ -203,156 +200,6 @@ impl LayerKv for FullKv {
     fn bytes(&self) -> usize {
         2 * self.len * self.kv_heads * self.head_dim * std::mem::size_of::<f16>()
     }
-}
-
-/// One (KV head, token span) of [`FullKv::attend`]: per query head of the group, the span's
-/// max score, sum of `exp(score - max)` and the exp-weighted sum of values.
-/// `keys`/`values`: the span's rows (`head_dim` each), `qg`: the group's scaled queries.
-#[inline(always)]
-fn span_partial(
-    keys: &[f16],
-    values: &[f16],
-    qg: &[f32],
-    group: usize,
-    d: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let m = keys.len() / d;
-    let mut buf = vec![0f32; m * d];
-    keys.convert_to_f32_slice(&mut buf);
-    let mut scores = vec![0f32; group * m];
-    for (i, krow) in buf.chunks_exact(d).enumerate() {
-        for g in 0..group {
-            scores[g * m + i] = dot(&qg[g * d..(g + 1) * d], krow);
-        }
-    }
-    let mut mx = vec![0f32; group];
-    let mut sum = vec![0f32; group];
-    for g in 0..group {
-        let s = &mut scores[g * m..(g + 1) * m];
-        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        crate::model::exp_shifted_in_place(s, mg);
-        mx[g] = mg;
-        sum[g] = s.iter().sum();
-    }
-    values.convert_to_f32_slice(&mut buf);
-    let mut acc = vec![0f32; group * d];
-    for (i, vrow) in buf.chunks_exact(d).enumerate() {
-        for g in 0..group {
-            let p = scores[g * m + i];
-            for (a, &v) in acc[g * d..(g + 1) * d].iter_mut().zip(vrow) {
-                *a += p * v;
-            }
-        }
-    }
-    (mx, sum, acc)
-}
-
-/// Whether [`span_partial_avx2`] can run: CPU features and `head_dim % 8 == 0`, `<= 256`.
-#[cfg(target_arch = "x86_64")]
-fn avx2_span_ok(d: usize) -> bool {
-    d % 8 == 0 && d <= 256 && attention_simd()
-}
-
-/// Whether the dense attention runs its AVX2/FMA/F16C kernel: on either SIMD path of the
-/// workspace's one CPU path (`mosaickv_optimized::Path::detect`, so `MOSAICKV_FORCE_PORTABLE`
-/// reaches it; AVX2 implies the features the kernel uses). Decided once per process.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn attention_simd() -> bool {
-    static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SIMD.get_or_init(|| mosaickv_optimized::Path::detect() != mosaickv_optimized::Path::Portable)
-}
-
-/// [`span_partial`] with AVX2/FMA/F16C: each f16 row is converted once into registers, then
-/// shared by the group's query heads (scores) or added into each head's accumulator (values).
-///
-/// Safety: [`avx2_span_ok`]`(d)` must hold.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn span_partial_avx2(
-    keys: &[f16],
-    values: &[f16],
-    qg: &[f32],
-    group: usize,
-    d: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    use std::arch::x86_64::*;
-    let m = keys.len() / d;
-    let nv = d / 8;
-    assert!(d % 8 == 0 && nv <= 32);
-    assert!(keys.len() == m * d && values.len() == m * d && qg.len() == group * d);
-    let mut row = [_mm256_setzero_ps(); 32];
-    let mut scores = vec![0f32; group * m];
-    let (kp, vp, qp) = (
-        keys.as_ptr() as *const u16,
-        values.as_ptr() as *const u16,
-        qg.as_ptr(),
-    );
-    // SAFETY (every pointer access below): t < m, j < nv, g < group, and the asserts bound each
-    // offset by the slice lengths.
-    for t in 0..m {
-        for (j, r) in row[..nv].iter_mut().enumerate() {
-            *r = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(t * d + 8 * j) as *const __m128i));
-        }
-        for g in 0..group {
-            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut j = 0;
-            while j + 1 < nv {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(g * d + 8 * j)), row[j], a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(g * d + 8 * j + 8)), row[j + 1], a1);
-                j += 2;
-            }
-            if j < nv {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(g * d + 8 * j)), row[j], a0);
-            }
-            let v = _mm256_add_ps(a0, a1);
-            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            *scores.get_unchecked_mut(g * m + t) = _mm_cvtss_f32(h);
-        }
-    }
-    let mut mx = vec![0f32; group];
-    let mut sum = vec![0f32; group];
-    for g in 0..group {
-        let s = &mut scores[g * m..(g + 1) * m];
-        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        crate::model::exp_shifted_in_place(s, mg);
-        mx[g] = mg;
-        sum[g] = s.iter().sum();
-    }
-    let mut acc = vec![0f32; group * d];
-    let ap = acc.as_mut_ptr();
-    for t in 0..m {
-        for (j, r) in row[..nv].iter_mut().enumerate() {
-            *r = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(t * d + 8 * j) as *const __m128i));
-        }
-        for g in 0..group {
-            let p = _mm256_set1_ps(*scores.get_unchecked(g * m + t));
-            for (j, r) in row[..nv].iter().enumerate() {
-                let a = ap.add(g * d + 8 * j);
-                _mm256_storeu_ps(a, _mm256_fmadd_ps(p, *r, _mm256_loadu_ps(a)));
-            }
-        }
-    }
-    (mx, sum, acc)
-}
-
-/// Dot product with 8 independent accumulators (vectorizes well).
-#[inline(always)]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, ra) = a.split_at(a.len() / 8 * 8);
-    let (cb, rb) = b.split_at(ca.len());
-    for (x, y) in ca.chunks_exact(8).zip(cb.chunks_exact(8)) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }
 
 #[cfg(test)]
@@ -421,51 +268,6 @@ mod tests {
         assert!(err < 1e-5, "max abs err {err}");
     }
 
-    /// The AVX2 span kernel against the portable one (the oracle) on awkward span lengths, group
-    /// sizes and head dims; reported as skipped where the CPU cannot run it.
-    #[test]
-    fn span_kernels_agree() {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let mut seed = 9u64;
-            let mut rnd = || {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-            };
-            let cases = [
-                (1, 3, 64),
-                (7, 1, 8),
-                (33, 3, 64),
-                (513, 4, 128),
-                (100, 2, 24),
-                (5, 3, 256),
-            ];
-            for (m, group, d) in cases {
-                if !avx2_span_ok(d) {
-                    eprintln!("span_kernels_agree: AVX2 kernel cannot run here (d = {d}), skipped");
-                    continue;
-                }
-                let k: Vec<f16> = (0..m * d).map(|_| f16::from_f32(3.0 * rnd())).collect();
-                let v: Vec<f16> = (0..m * d).map(|_| f16::from_f32(rnd())).collect();
-                let q: Vec<f32> = (0..group * d).map(|_| rnd()).collect();
-                let want = span_partial(&k, &v, &q, group, d);
-                // SAFETY: avx2_span_ok checked above.
-                let got = unsafe { span_partial_avx2(&k, &v, &q, group, d) };
-                let close = |a: &[f32], b: &[f32]| {
-                    a.len() == b.len()
-                        && a.iter()
-                            .zip(b)
-                            .all(|(x, y)| (x - y).abs() <= 1e-4 * y.abs().max(1.0))
-                };
-                assert!(close(&got.0, &want.0), "max, m {m} group {group} d {d}");
-                assert!(close(&got.1, &want.1), "sum, m {m} group {group} d {d}");
-                assert!(close(&got.2, &want.2), "values, m {m} group {group} d {d}");
-            }
-        }
-    }
-
     /// `cargo test --release -p mosaickv-engine --lib kv::tests::attend_timing -- --ignored --nocapture`
     #[test]
     #[ignore]
@@ -487,27 +289,16 @@ mod tests {
             "FullKv attend over {n} tokens: {:.3} ms",
             t.elapsed().as_secs_f64() * 1e3 / reps as f64
         );
-        // one span kernel over a whole head, single thread: baseline vs AVX2 build
+        // one span kernel over a whole head, single thread: portable vs this CPU's path
         let qg: Vec<f32> = q.iter().take(3 * d).copied().collect();
-        let t = std::time::Instant::now();
-        for _ in 0..10 {
-            std::hint::black_box(span_partial(&c.keys[0], &c.values[0], &qg, 3, d));
-        }
-        eprintln!(
-            "span_partial (baseline build), {n} tokens: {:.3} ms",
-            t.elapsed().as_secs_f64() * 1e2
-        );
-        #[cfg(target_arch = "x86_64")]
-        if avx2_span_ok(d) {
+        for path in [mosaickv_optimized::Path::Portable, crate::quant::path()] {
             let t = std::time::Instant::now();
             for _ in 0..10 {
-                // SAFETY: avx2_span_ok checked above.
-                std::hint::black_box(unsafe {
-                    span_partial_avx2(&c.keys[0], &c.values[0], &qg, 3, d)
-                });
+                std::hint::black_box(path.span_partial(&c.keys[0], &c.values[0], &qg, 3, d));
             }
             eprintln!(
-                "span_partial_avx2, {n} tokens: {:.3} ms",
+                "span_partial ({}), {n} tokens: {:.3} ms",
+                path.name(),
                 t.elapsed().as_secs_f64() * 1e2
             );
         }

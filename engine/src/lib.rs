@@ -118,16 +118,14 @@ mod tests {
 /// (`mosaickv_optimized::Path::detect`; `MOSAICKV_FORCE_PORTABLE=1` and `MOSAICKV_FORCE_AVX2=1`
 /// reach them): the quantized weight products and the dense attention.
 pub fn kernel_paths() -> String {
-    #[cfg(target_arch = "x86_64")]
-    let attention = if kv::attention_simd() {
-        "avx2"
-    } else {
-        "portable"
+    let path = quant::path();
+    // the dense attention's AVX2/FMA/F16C span kernel runs on either SIMD path
+    let attention = match path {
+        mosaickv_optimized::Path::Portable => "portable",
+        _ => "avx2",
     };
-    #[cfg(not(target_arch = "x86_64"))]
-    let attention = "portable";
     format!(
         "engine kernels: weight products {}, dense attention {attention}",
-        quant::Kernel::detect().name()
+        quant::kernel_name()
     )
 }

@@ -1,8 +1,9 @@
 //! [`CpuBackend`]: every stage of `mosaickv_spec::Backend` on the CPU.
 
-use crate::attend::{packed_attention, pad8, MosaicScratch, SelectionSource};
-use crate::encode;
+use crate::attention::{packed_attention, MosaicScratch, SelectionSource};
+use crate::simd::pad8;
 use crate::simd::Path;
+use crate::{meta, packed, strategy};
 use mosaickv_spec::{
     validate, Availability, Backend, BlockMeta, CompressConfig, CompressedCache, MosaicError,
     PackedRows, Result, Selection, Side, SideStrategy,
@@ -152,7 +153,7 @@ impl Backend for CpuBackend {
         Self::check_rows(&rows, d, "rows")?;
         config.validate(d)?;
         let data = contig(&rows);
-        Ok(encode::fit_side_rotated(&data, d, side, config)?.0)
+        Ok(strategy::fit_side_rotated(&data, d, side, config)?.0)
     }
 
     fn fit_block_size(
@@ -167,9 +168,9 @@ impl Backend for CpuBackend {
         if config.block_sizes.len() == 1 {
             return Ok(config.block_sizes[0]);
         }
-        let packed = encode::encode_rows(&contig(&keys), key)?;
-        let dense = encode::decode_rows(&packed, &key.layout)?;
-        Ok(encode::block_size_dense(
+        let packed = packed::encode_rows(&contig(&keys), key)?;
+        let dense = packed::decode_rows(&packed, &key.layout)?;
+        Ok(strategy::block_size_dense(
             &dense,
             key.layout.kept_dims,
             config,
@@ -179,13 +180,13 @@ impl Backend for CpuBackend {
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
         side.validate()?;
         Self::check_rows(&rows, side.head_dim(), "rows")?;
-        encode::encode_rows(&contig(&rows), side)
+        packed::encode_rows(&contig(&rows), side)
     }
 
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
         side.validate()?;
         let dt = side.layout.kept_dims;
-        let v = encode::decode_rows(packed, &side.layout)?;
+        let v = packed::decode_rows(packed, &side.layout)?;
         Array2::from_shape_vec((packed.count, dt), v).map_err(|e| MosaicError::ShapeMismatch {
             what: "decoded",
             expected: format!("[{}, {dt}]", packed.count),
@@ -205,8 +206,8 @@ impl Backend for CpuBackend {
                 "block_size must be positive".into(),
             ));
         }
-        let dense = encode::decode_rows(keys, &key.layout)?;
-        Ok(encode::block_meta_dense(
+        let dense = packed::decode_rows(keys, &key.layout)?;
+        Ok(meta::block_meta_dense(
             &dense,
             key.layout.kept_dims,
             block_size,
@@ -281,7 +282,7 @@ impl Backend for CpuBackend {
             .saturating_add(block_lens.iter().filter(|&&l| l < bmin).count());
         let mut keys = Vec::new();
         let mut out = Vec::new();
-        crate::attend::top_blocks(
+        crate::select::top_blocks(
             self.path,
             scores,
             |i| block_lens[i],

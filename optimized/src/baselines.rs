@@ -2,11 +2,10 @@
 //! cache and Quest, with the same flash-decoding kernels as MosaicKV so that
 //! speed ratios compare like with like.
 
-use crate::attend::{
-    dense_rows_update, pad8, partial_init, partial_len, top_blocks, PREFETCH_AHEAD,
-};
+use crate::attention::{dense_rows_update, partial_init, partial_len, PREFETCH_AHEAD};
 use crate::backend::contig;
-use crate::simd::{fast_exp, Path};
+use crate::select::top_blocks;
+use crate::simd::{fast_exp, pad8, Path};
 use half::f16;
 use mosaickv_spec::persist_baseline::{
     widen_rows, BaselineFile, BaselineMethod, KvqBlocks, KvqFile,

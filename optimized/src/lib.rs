@@ -17,6 +17,23 @@
 //! f64 helpers, which none owns, follow the switches and compute the same bits on every path),
 //! and [`simd::kernels_ran`] reports which kernel layers ran (`examples/cpu_paths` prints it).
 //! The kernels live in [`simd`], one file per SPEC step (see its module docs).
+//!
+//! # One module per SPEC step, named as in `mosaickv-reference`
+//!
+//! | module | SPEC.md |
+//! |---|---|
+//! | [`round`] | notation: f64 -> f16 round-to-nearest-even |
+//! | [`rotation`] | 3 (rotation fit), the f64 rotation of rows |
+//! | [`topr`] | 4-5 (group importances, per-vector top-r) |
+//! | [`packed`] | 6 (record encode / decode) |
+//! | [`meta`] | 7 (block metadata) |
+//! | [`select`] | 8 (rotated queries, block scores, top blocks under a token budget) |
+//! | [`attention`] | 9 (PackedAttention: key logits, online softmax, values, merge) |
+//! | [`mosaic`], [`live`] | 10 (segments, update buffer, close rule; the live cache) |
+//! | [`strategy`] | 11 ((r, g, dtype) search, block size) |
+//! | [`loss`] | 11.1 (attention loss) |
+//! | [`baselines`] | 12 (Full, Quest, kvq) |
+//! | [`backend`] | the `Backend` trait over the steps above |
 
 // Index loops mirror the SPEC's formulas; kernels take many scalar geometry arguments.
 #![allow(
@@ -26,16 +43,22 @@
     clippy::manual_is_multiple_of
 )]
 
-pub mod attend;
+pub mod attention;
 pub mod backend;
 pub mod baselines;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod encode;
 pub mod live;
 pub mod loss;
+pub mod meta;
 pub mod mosaic;
+pub mod packed;
+pub mod rotation;
+pub mod round;
+pub mod select;
 pub mod simd;
+pub mod strategy;
+pub mod topr;
 
 pub use backend::CpuBackend;
 pub use baselines::{DenseF16Cache, QuestF16Cache, QUEST_PAGE};

@@ -8,7 +8,7 @@
 //! d sums of `M e`) rather than one after another: each sum still adds the same
 //! terms in the same order, so this changes the speed, not the bits.
 
-use crate::encode;
+use crate::packed;
 use mosaickv_spec::query::LossContext;
 use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, Side, SideStrategy};
 use rayon::prelude::*;
@@ -154,7 +154,7 @@ fn loss_of_packed(
 ) -> f64 {
     let (d, dt) = (layout.head_dim, layout.kept_dims);
     let n = rows.len() / d;
-    let dense = encode::decode_trusted(packed, layout);
+    let dense = packed::decode_trusted(packed, layout);
     let path = crate::simd::Path::detect();
     // Every row's error (and key term) in parallel; the sums below run over the rows in order.
     let mut errors = vec![0f64; n * d];
@@ -211,7 +211,7 @@ pub fn attention_loss(
     let layout = side_strategy.layout;
     let (d, dt) = (layout.head_dim, layout.kept_dims);
     let w = row_weights(&ctx, rows.len() / d)?;
-    let packed = encode::encode_rows(rows, side_strategy)?;
+    let packed = packed::encode_rows(rows, side_strategy)?;
     let rot_t = transposed(&side_strategy.rotation, d, dt);
     let m_t = (side == Side::Key).then(|| transposed(ctx.stats.moment(ctx.head), d, d));
     let o2 = ctx.stats.output_sq[ctx.head];
@@ -227,9 +227,9 @@ pub fn attention_loss(
 }
 
 /// The attention loss of every candidate (in parallel), rotation `rotation` (`D x D`), with
-/// `xr` the rows' rotated coordinates under it (`[n][D]` f64, as `encode::rotate_rows_f64`
+/// `xr` the rows' rotated coordinates under it (`[n][D]` f64, as `rotation::rotate_rows_f64`
 /// writes them). A candidate's records are packed from the first `Dt` of them
-/// (`encode::pack_rotated`): the same bytes as `encode::encode_rows` with the trimmed
+/// (`packed::pack_rotated`): the same bytes as `packed::encode_rows` with the trimmed
 /// rotation, whose coordinate j is the same sum, without rotating every row again per
 /// candidate. Each loss equals [`attention_loss`] of that candidate bit for bit.
 pub fn attention_losses(
@@ -252,7 +252,7 @@ pub fn attention_losses(
     candidates
         .par_iter()
         .map(|layout| {
-            let packed = encode::pack_rotated(xr, d, layout)?;
+            let packed = packed::pack_rotated(xr, d, layout)?;
             let rt = &rot_t[..layout.kept_dims * d];
             Ok(loss_of_packed(
                 rows,

@@ -1,10 +1,10 @@
 //! [`OptimizedMosaicCache`]: the MosaicKV cache with the SPEC.md section 10
 //! lifecycle, parallel encoding, and allocation-free decode attention.
 
-use crate::attend::{packed_attention, scratch_bytes_for, MosaicScratch, SelectionSource};
+use crate::attention::{packed_attention, scratch_bytes_for, MosaicScratch, SelectionSource};
 use crate::backend::contig;
-use crate::encode;
 use crate::simd::Path;
+use crate::{meta, packed, strategy};
 use mosaickv_spec::query::{LossContext, QueryStats};
 use mosaickv_spec::{
     rules, validate, CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport,
@@ -41,15 +41,15 @@ pub(crate) fn encode_segment(
     config: &CompressConfig,
     ctx: Option<LossContext<'_>>,
 ) -> Result<HeadSegment> {
-    let (ks, kr) = encode::fit_side_rotated_with(keys, d, Side::Key, config, ctx)?;
-    let packed_k = encode::pack_rotated(&kr, d, &ks.layout)?;
+    let (ks, kr) = strategy::fit_side_rotated_with(keys, d, Side::Key, config, ctx)?;
+    let packed_k = packed::pack_rotated(&kr, d, &ks.layout)?;
     drop(kr);
-    let (vs, vr) = encode::fit_side_rotated_with(values, d, Side::Value, config, ctx)?;
-    let packed_v = encode::pack_rotated(&vr, d, &vs.layout)?;
+    let (vs, vr) = strategy::fit_side_rotated_with(values, d, Side::Value, config, ctx)?;
+    let packed_v = packed::pack_rotated(&vr, d, &vs.layout)?;
     drop(vr);
-    let dense = encode::decode_trusted(&packed_k, &ks.layout);
-    let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
-    let meta = encode::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
+    let dense = packed::decode_trusted(&packed_k, &ks.layout);
+    let block_size = strategy::block_size_dense(&dense, ks.layout.kept_dims, config);
+    let meta = meta::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
     Ok(HeadSegment {
         strategy: Strategy {
             key: ks,
@@ -79,11 +79,11 @@ pub(crate) fn first_strategies(
             .map(|h| {
                 let k = gather(keys, kv, d, h, 0, n);
                 let v = gather(values, kv, d, h, 0, n);
-                let (ks, _) = encode::fit_side_rotated(&k, d, Side::Key, config)?;
-                let (vs, _) = encode::fit_side_rotated(&v, d, Side::Value, config)?;
-                let packed = encode::encode_rows(&k, &ks)?;
-                let dense = encode::decode_trusted(&packed, &ks.layout);
-                let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
+                let (ks, _) = strategy::fit_side_rotated(&k, d, Side::Key, config)?;
+                let (vs, _) = strategy::fit_side_rotated(&v, d, Side::Value, config)?;
+                let packed = packed::encode_rows(&k, &ks)?;
+                let dense = packed::decode_trusted(&packed, &ks.layout);
+                let block_size = strategy::block_size_dense(&dense, ks.layout.kept_dims, config);
                 Ok(Strategy {
                     key: ks,
                     value: vs,
@@ -225,16 +225,16 @@ impl OptimizedMosaicCache {
                 .map(|(h, st)| {
                     let k = gather(bk, kv, d, h, 0, n);
                     let v = gather(bv, kv, d, h, 0, n);
-                    let pk = encode::encode_rows(&k, &st.key)?;
-                    let pv = encode::encode_rows(&v, &st.value)?;
-                    let dense = encode::decode_trusted(&pk, &st.key.layout);
+                    let pk = packed::encode_rows(&k, &st.key)?;
+                    let pv = packed::encode_rows(&v, &st.value)?;
+                    let dense = packed::decode_trusted(&pk, &st.key.layout);
                     Ok((
                         pk,
                         pv,
                         dense,
                         [
-                            encode::loss_sums(&k, &st.key),
-                            encode::loss_sums(&v, &st.value),
+                            strategy::loss_sums(&k, &st.key),
+                            strategy::loss_sums(&v, &st.value),
                         ],
                     ))
                 })
@@ -257,8 +257,8 @@ impl OptimizedMosaicCache {
         let margin = config.segment_loss_margin;
         let drifted = new_len >= config.min_segment_len
             && strategies.iter().zip(&open_loss).any(|(st, sums)| {
-                encode::loss_of(sums[0]) > st.key.fit_loss + margin
-                    || encode::loss_of(sums[1]) > st.value.fit_loss + margin
+                strategy::loss_of(sums[0]) > st.key.fit_loss + margin
+                    || strategy::loss_of(sums[1]) > st.value.fit_loss + margin
             });
         let closed: Option<Vec<HeadSegment>> = if new_len >= config.max_segment_len || drifted {
             let (ok, ov) = (&self.open_k, &self.open_v);
@@ -321,12 +321,12 @@ impl OptimizedMosaicCache {
                     let b = hs.strategy.block_size;
                     let dt = hs.strategy.key.layout.kept_dims;
                     if old_len % b == 0 {
-                        let m = encode::block_meta_dense(&dense, dt, b);
+                        let m = meta::block_meta_dense(&dense, dt, b);
                         debug_assert_eq!(m.tokens, n);
                         hs.meta.append(&m);
                     } else {
-                        let all = encode::decode_trusted(&hs.keys, &hs.strategy.key.layout);
-                        hs.meta = encode::block_meta_dense(&all, dt, b);
+                        let all = packed::decode_trusted(&hs.keys, &hs.strategy.key.layout);
+                        hs.meta = meta::block_meta_dense(&all, dt, b);
                     }
                 }
                 self.open_k.extend_from_slice(&self.buf_k);
@@ -356,7 +356,7 @@ impl KvCache for OptimizedMosaicCache {
         Ok(())
     }
     fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
-        crate::attend::attended_tokens(&self.cache, queries).map(Some)
+        crate::select::attended_tokens(&self.cache, queries).map(Some)
     }
     fn compressed(&self) -> Option<&CompressedCache> {
         Some(&self.cache)

@@ -4,7 +4,9 @@
 
 use half::f16;
 use mosaickv_optimized::simd::Path;
-use mosaickv_optimized::{attend, CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
+use mosaickv_optimized::{
+    select, simd, CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache,
+};
 use mosaickv_spec::{
     Backend, ChannelPolicy, CompressConfig, KvCache, KvShape, MosaicError, SegmentState, Side,
 };
@@ -267,7 +269,7 @@ fn top_blocks_matches_full_sort() {
         order.sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
         assert_eq!(got, take_in_order(&order, &lens, budget), "trial {trial}");
     }
-    assert!(attend::rank_key(-0.0, 1) > attend::rank_key(0.0, 0));
+    assert!(simd::rank_key(-0.0, 1) > simd::rank_key(0.0, 0));
 }
 
 /// The sampled-pivot and uniform-length paths of `top_blocks` (n >= 2048) against a full sort:
@@ -330,7 +332,7 @@ fn top_blocks_large_matches_full_sort() {
             }
             let mut keys = Vec::new();
             let mut got = Vec::new();
-            attend::top_blocks(
+            select::top_blocks(
                 path,
                 &scores,
                 |i| lens[i],
@@ -342,7 +344,7 @@ fn top_blocks_large_matches_full_sort() {
             results.push((path, got));
         }
         let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by_key(|&i| attend::rank_key(scores[i], i as u32));
+        order.sort_by_key(|&i| simd::rank_key(scores[i], i as u32));
         let want = take_in_order(&order, &lens, budget);
         for (path, got) in &results {
             assert_eq!(got, &want, "{path:?} trial {trial} n {n} budget {budget}");
@@ -544,7 +546,7 @@ fn scratch_size_is_reported_and_names_say_path() {
 
 #[test]
 fn f64_to_f16_rounds_once_ties_to_even() {
-    use mosaickv_optimized::encode::f16_from_f64;
+    use mosaickv_optimized::round::f16_from_f64;
     for bits in (0u16..0x7bff).step_by(3) {
         let (a, b) = (f16::from_bits(bits), f16::from_bits(bits + 1));
         let (fa, fb) = (a.to_f64(), b.to_f64());

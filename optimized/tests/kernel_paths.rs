@@ -4,7 +4,6 @@
 //! 1..8 (heads in groups of 4). A path this CPU lacks is reported and skipped.
 
 use half::f16;
-use mosaickv_optimized::attend::online_softmax;
 use mosaickv_optimized::simd::{avx2_available, avx512_available, Path};
 use mosaickv_spec::layout::{write_quantized, QuantParams};
 use mosaickv_spec::{PackedRows, RecordLayout, ValueDtype};
@@ -395,7 +394,7 @@ fn fused_value_accumulation_matches_expand_then_accumulate() {
                 let mut tile = vec![0f32; n * dp];
                 Path::Avx2.expand_records(&bytes, 0, n, rb, bb, 1, dt, r, dp, &mut tile);
                 let mut st: Vec<f32> = mw.iter().chain(&lw).chain(&accw).copied().collect();
-                mosaickv_optimized::attend::online_update(
+                mosaickv_optimized::attention::online_update(
                     Path::Avx2,
                     &mut st,
                     g,
@@ -411,8 +410,7 @@ fn fused_value_accumulation_matches_expand_then_accumulate() {
                 let (mut mg, mut lg_, mut accg, mut lgg) =
                     (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
                 let mut corr = vec![f32::NAN; g];
-                online_softmax(
-                    Path::Avx512,
+                Path::Avx512.online_softmax(
                     &mut mg,
                     &mut lg_,
                     &mut [],
@@ -478,7 +476,7 @@ fn online_softmax_paths_agree() {
                 let run = |p: Path| {
                     let (mut m, mut l, mut acc, mut lg) =
                         (m0.clone(), l0.clone(), acc0.clone(), logits.clone());
-                    online_softmax(p, &mut m, &mut l, &mut acc, g, dp, &mut lg, n, None);
+                    p.online_softmax(&mut m, &mut l, &mut acc, g, dp, &mut lg, n, None);
                     (m, l, acc, lg)
                 };
                 let (mw, lw, aw, pw) = run(Path::Portable);

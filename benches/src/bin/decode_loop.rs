@@ -22,7 +22,7 @@
 //! covariance update cost per token.
 
 use clap::Parser;
-use mosaickv_optimized::attend::{packed_attention, MosaicScratch, SelectionSource};
+use mosaickv_optimized::attention::{packed_attention, MosaicScratch, SelectionSource};
 use mosaickv_optimized::live::covariance_update;
 use mosaickv_optimized::{LiveCache, Mode, OptimizedMosaicCache, Path};
 use mosaickv_spec::{CompressConfig, CompressedCache, KvCache, KvShape};

@@ -100,8 +100,7 @@ fn main() {
         let lg0: Vec<f32> = (0..g * TILE).map(|i| (i % 13) as f32 * 0.1).collect();
         // The softmax step as the fused path runs it: factors out, accumulators untouched.
         let softmax = |m: &mut [f32], l: &mut [f32], lg: &mut [f32], corr: &mut [f32]| {
-            let sm = mosaickv_optimized::attend::online_softmax;
-            sm(path, m, l, &mut [], g, dp, lg, TILE, Some(corr));
+            path.online_softmax(m, l, &mut [], g, dp, lg, TILE, Some(corr));
         };
         time("online_softmax (per token, g=4)", TILE, 200_000, || {
             lg.copy_from_slice(&lg0);
@@ -168,7 +167,7 @@ fn main() {
         .collect();
     let (mut keys, mut sel) = (Vec::new(), Vec::new());
     time("top_blocks (per score, n=8192, 10 %)", n, 2000, || {
-        mosaickv_optimized::attend::top_blocks(
+        mosaickv_optimized::select::top_blocks(
             path,
             &scores,
             |_| 16,

@@ -17,7 +17,6 @@ mod weights;
 
 pub use batch::{BatchSeq, ChunkedPrefill};
 pub use decode::DecodeWeights;
-pub(crate) use prefill::exp_shifted_in_place;
 pub use prefill::{Prefill, STATS_SAMPLE};
 
 use crate::kv::{FullKv, LayerKv};

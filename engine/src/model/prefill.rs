@@ -4,6 +4,7 @@ use super::{DecodeWeights, Model};
 use crate::kv::LayerKv;
 use crate::{EngineError, Result};
 use candle_core::Tensor;
+use mosaickv_optimized::simd::exp_shifted_in_place;
 use mosaickv_spec::{KvShape, QueryStats};
 use ndarray::{Array3, ArrayView3};
 use rayon::prelude::*;
@@ -273,32 +274,6 @@ impl Model {
             })
             .collect::<Result<_>>()?;
         Ok(Tensor::cat(&outs, 0)?)
-    }
-}
-
-/// `x <- exp(x - shift)` for a slice whose entries are <= shift (softmax numerators).
-///
-/// Branch-free Cephes-style expf (range reduction by ln 2, degree-6 polynomial, exponent bits
-/// assembled directly), so the loop vectorizes; relative error about 2e-7, like libm's expf.
-#[inline(always)]
-pub(crate) fn exp_shifted_in_place(xs: &mut [f32], shift: f32) {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    for x in xs.iter_mut() {
-        let v = (*x - shift).max(-87.0);
-        let n = (v * LOG2E + ROUND) - ROUND;
-        let r = v - n * LN2_HI - n * LN2_LO;
-        let mut p = 1.987_569_1e-4f32;
-        p = p * r + 1.398_199_9e-3;
-        p = p * r + 8.333_452e-3;
-        p = p * r + 4.166_579_6e-2;
-        p = p * r + 1.666_666_5e-1;
-        p = p * r + 5e-1;
-        let e = p * r * r + r + 1.0;
-        let bits = ((n as i32 + 127) as u32) << 23;
-        *x = e * f32::from_bits(bits);
     }
 }
 

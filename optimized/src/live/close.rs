@@ -4,12 +4,12 @@
 //! it, as `mosaic::encode_segment` does from the rows.
 
 use super::covariance::mirrored;
-use crate::encode;
+use crate::{meta, packed, rotation, strategy};
 use mosaickv_spec::{rules, CompressConfig, HeadSegment, Result, Side, SideStrategy, Strategy};
 use rayon::prelude::*;
 
 /// SPEC 3, 4, 11 for one side from an accumulated covariance: what
-/// `encode::fit_side_rotated` computes from the rows, with `C` given.
+/// `strategy::fit_side_rotated` computes from the rows, with `C` given.
 fn fit_side_from_cov(
     rows: &[f32],
     lower: &[f64],
@@ -17,18 +17,18 @@ fn fit_side_from_cov(
     side: Side,
     config: &CompressConfig,
 ) -> Result<(SideStrategy, Vec<f64>)> {
-    let rotation = encode::rotation_from_covariance(&mirrored(lower, d), d);
+    let rotation = rotation::rotation_from_covariance(&mirrored(lower, d), d);
     let rot = mosaickv_spec::layout::rotation_f32(&rotation);
     let n = rows.len() / d;
     let mut xr = vec![0f64; n * d];
     xr.par_chunks_mut(d * 256)
         .zip(rows.par_chunks(d * 256))
-        .for_each(|(o, x)| encode::rotate_rows_f64(&rot, d, x, d, o));
+        .for_each(|(o, x)| rotation::rotate_rows_f64(&rot, d, x, d, o));
     let cands = rules::candidates(config, d);
     for l in &cands {
         l.validate()?;
     }
-    let losses = encode::candidate_losses(rows, &xr, d, &cands);
+    let losses = strategy::candidate_losses(rows, &xr, d, &cands);
     let k = rules::choose_candidate(&cands, &losses, side, config);
     Ok((
         SideStrategy {
@@ -50,14 +50,14 @@ pub(super) fn finalize_head(
     config: &CompressConfig,
 ) -> Result<HeadSegment> {
     let (ks, kr) = fit_side_from_cov(keys, ck, d, Side::Key, config)?;
-    let packed_k = encode::pack_rotated(&kr, d, &ks.layout)?;
+    let packed_k = packed::pack_rotated(&kr, d, &ks.layout)?;
     drop(kr);
     let (vs, vr) = fit_side_from_cov(values, cv, d, Side::Value, config)?;
-    let packed_v = encode::pack_rotated(&vr, d, &vs.layout)?;
+    let packed_v = packed::pack_rotated(&vr, d, &vs.layout)?;
     drop(vr);
-    let dense = encode::decode_trusted(&packed_k, &ks.layout);
-    let block_size = encode::block_size_dense(&dense, ks.layout.kept_dims, config);
-    let meta = encode::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
+    let dense = packed::decode_trusted(&packed_k, &ks.layout);
+    let block_size = strategy::block_size_dense(&dense, ks.layout.kept_dims, config);
+    let meta = meta::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
     Ok(HeadSegment {
         strategy: Strategy {
             key: ks,

@@ -1,10 +1,10 @@
 //! SPEC.md section 3 step 1, incrementally: the open segment's covariance
 //! `C += x x^T` accumulated flush by flush (f64, token order), bit-identical to
-//! `encode::covariance` over the same rows.
+//! `rotation::covariance` over the same rows.
 
 /// `C += sum_t x_t x_t^T` over rows `[n][d]`, lower triangle: for each row `a` of
 /// `C` (kept in L1) the rows are added in token order, so every element sees
-/// exactly the additions, in the order, of SPEC 3 step 1 (`encode::covariance`).
+/// exactly the additions, in the order, of SPEC 3 step 1 (`rotation::covariance`).
 #[inline(always)]
 fn cov_add_body(c: &mut [f64], rows: &[f32], d: usize, xd: &mut [f64]) {
     for (o, &v) in xd.iter_mut().zip(rows) {
@@ -28,7 +28,7 @@ unsafe fn cov_add_avx2(c: &mut [f64], rows: &[f32], d: usize, xd: &mut [f64]) {
 }
 
 /// `C += x x^T` for every row of `rows` (`[n][d]`), in order, lower triangle only.
-/// Bit-identical to accumulating the same rows with `encode::covariance` (same
+/// Bit-identical to accumulating the same rows with `rotation::covariance` (same
 /// products, same order per element, no FMA contraction).
 pub fn covariance_update(c: &mut [f64], rows: &[f32], d: usize) {
     let mut xd = vec![0f64; rows.len()];
@@ -41,7 +41,7 @@ pub fn covariance_update(c: &mut [f64], rows: &[f32], d: usize) {
     cov_add_body(c, rows, d, &mut xd);
 }
 
-/// The full symmetric matrix from its lower triangle (as `encode::covariance` mirrors).
+/// The full symmetric matrix from its lower triangle (as `rotation::covariance` mirrors).
 pub(super) fn mirrored(lower: &[f64], d: usize) -> Vec<f64> {
     let mut c = lower.to_vec();
     for a in 0..d {
@@ -55,7 +55,7 @@ pub(super) fn mirrored(lower: &[f64], d: usize) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::encode;
+    use crate::rotation;
 
     #[test]
     fn covariance_update_matches_covariance() {
@@ -63,7 +63,7 @@ mod tests {
         let rows: Vec<f32> = (0..40 * d)
             .map(|i| ((i * 7919) % 113) as f32 / 17.0 - 3.0)
             .collect();
-        let full = encode::covariance(&rows, d);
+        let full = rotation::covariance(&rows, d);
         let mut c = vec![0f64; d * d];
         for chunk in rows.chunks(5 * d) {
             covariance_update(&mut c, chunk, d);

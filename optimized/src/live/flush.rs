@@ -4,8 +4,8 @@
 
 use super::protocol::{Done, FlushJob, Job, Part, Tag};
 use super::{gather, Engine, LiveCache};
-use crate::encode;
 use crate::mosaic::first_strategies;
+use crate::{meta, packed};
 use mosaickv_spec::{BlockMeta, HeadSegment, MosaicError, Result, Segment, SegmentState, Strategy};
 use rayon::prelude::*;
 use std::sync::atomic::Ordering;
@@ -13,10 +13,10 @@ use std::sync::Arc;
 
 /// SPEC 10.2 step 2 for one head: records and metadata of rows `[n][d]` under `st`.
 fn encode_part(k: &[f32], v: &[f32], st: &Strategy) -> Result<Part> {
-    let keys = encode::encode_rows(k, &st.key)?;
-    let values = encode::encode_rows(v, &st.value)?;
-    let dense = encode::decode_trusted(&keys, &st.key.layout);
-    let meta = encode::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
+    let keys = packed::encode_rows(k, &st.key)?;
+    let values = packed::encode_rows(v, &st.value)?;
+    let dense = packed::decode_trusted(&keys, &st.key.layout);
+    let meta = meta::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
     Ok(Part { keys, values, meta })
 }
 

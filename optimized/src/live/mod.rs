@@ -79,7 +79,7 @@ mod worker;
 pub use covariance::covariance_update;
 pub use prefill::PrefillRule;
 
-use crate::attend::{packed_attention, MosaicScratch, SelectionSource};
+use crate::attention::{packed_attention, MosaicScratch, SelectionSource};
 use crate::backend::contig;
 use crate::simd::Path;
 use dense::dense_attention;
@@ -477,7 +477,7 @@ impl KvCache for LiveCache {
         LiveCache::set_q_heads(self, q_heads)
     }
     fn attended(&self, queries: ArrayView2<f32>) -> Result<Option<Vec<Vec<usize>>>> {
-        crate::attend::attended_tokens(LiveCache::compressed(self), queries).map(Some)
+        crate::select::attended_tokens(LiveCache::compressed(self), queries).map(Some)
     }
     fn compressed(&self) -> Option<&CompressedCache> {
         Some(LiveCache::compressed(self))

@@ -124,7 +124,7 @@ impl LiveCache {
                     (&st.value, &host_values, &head.values, "values"),
                 ] {
                     let rows = super::gather(&host[..split], shape.kv_heads, shape.head_dim, h);
-                    if crate::encode::encode_rows(&rows, side)?.bytes != stored.bytes {
+                    if crate::packed::encode_rows(&rows, side)?.bytes != stored.bytes {
                         return bad(format!(
                             "the open segment's packed {name} of head {h} are not its host rows encoded with its strategy"
                         ));

@@ -8,7 +8,7 @@ use super::close::finalize_head;
 use super::covariance::covariance_update;
 use super::gather;
 use super::protocol::{Done, FlushJob, HostRows, Job, Part, Tag, Timing, Update};
-use crate::encode;
+use crate::{meta, packed, rotation, strategy};
 use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::{
     CompressConfig, KvShape, MosaicError, PackedRows, RecordLayout, Result, Strategy,
@@ -82,9 +82,10 @@ fn add_loss_terms(
         let rec = &packed.bytes[i * rb..(i + 1) * rb];
         if layout.dtype.is_quantized() {
             // The decoded values this record stores are the ones the loss measures (SPEC 11.1).
-            encode::record_dequantized(rec, layout, &mut deq);
+            packed::record_dequantized(rec, layout, &mut deq);
         }
-        let (dropped, total) = encode::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k), &deq);
+        let (dropped, total) =
+            strategy::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k), &deq);
         sums.dropped += dropped;
         sums.total += total;
     }
@@ -156,17 +157,17 @@ impl WorkerState {
                     let dt = side.layout.kept_dims;
                     let mut xr = vec![0f64; n * dt];
                     let rot = mosaickv_spec::layout::rotation_f32(&side.rotation);
-                    encode::rotate_rows_f64(&rot, d, rows, dt, &mut xr);
-                    let p = encode::pack_rotated(&xr, dt, &side.layout)?;
+                    rotation::rotate_rows_f64(&rot, d, rows, dt, &mut xr);
+                    let p = packed::pack_rotated(&xr, dt, &side.layout)?;
                     add_loss_terms(&mut sides[s].loss, rows, &xr, &p, &side.layout);
                     packed.push(p);
                 }
                 Ok(want_parts.then(|| {
                     let values = packed.pop().expect("value records");
                     let keys = packed.pop().expect("key records");
-                    let dense = encode::decode_trusted(&keys, &st.key.layout);
+                    let dense = packed::decode_trusted(&keys, &st.key.layout);
                     let meta =
-                        encode::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
+                        meta::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
                     Part { keys, values, meta }
                 }))
             })

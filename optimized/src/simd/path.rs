@@ -31,7 +31,7 @@ impl Path {
     /// unless `MOSAICKV_FORCE_PORTABLE=1` (portable) or `MOSAICKV_FORCE_AVX2=1` (AVX2 even
     /// where AVX-512 exists). Every kernel choice goes through a `Path`: the caches and
     /// backends made by `new()` hold this one, and the encode helpers that have no owner
-    /// (`encode::covariance`, `encode::rotate_rows_f64`, `live::covariance_update`) call it.
+    /// (`rotation::covariance`, `rotation::rotate_rows_f64`, `live::covariance_update`) call it.
     pub fn detect() -> Path {
         let set = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
         Path::detect_with(set(FORCE_PORTABLE), set(FORCE_AVX2))

@@ -4,24 +4,12 @@
 //! a record are first unpacked to one byte each (`avx2::quant::unpack_codes`; int4 is where
 //! the work is), then placed at the bitmap's set bits.
 
+use super::codes::{SparsePlan, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS, SPARSE_MAX_HEADS};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use super::{Path, TILE};
 use mosaickv_spec::layout::{dequantize, read_code, record_quant};
-use mosaickv_spec::{RecordLayout, ValueDtype};
-
-/// Largest `r` the SIMD kernels unpack into their local code buffer; larger records take the
-/// portable kernel.
-pub const QUANT_SIMD_MAX_R: usize = 512;
-/// Slack after the unpacked codes so that a kernel may load a whole register past the last one.
-pub(crate) const CODE_SLACK: usize = 64;
-
-/// The `r` codes of a quantized record's code bytes `v`, one byte each, into `out[..r]`.
-pub(crate) fn unpack_codes_scalar(dtype: ValueDtype, v: &[u8], r: usize, out: &mut [u8]) {
-    for (i, o) in out[..r].iter_mut().enumerate() {
-        *o = read_code(dtype, v, i);
-    }
-}
+use mosaickv_spec::RecordLayout;
 
 impl Path {
     /// Expands `n` consecutive int8/int4 records (`layout`, `layout.record_bytes()` each,
@@ -90,98 +78,6 @@ impl Path {
     }
 }
 
-/// Most query heads per KV head [`Path::sparse_accumulate_q`] takes.
-pub const SPARSE_MAX_HEADS: usize = 16;
-/// Most 16-lane registers a kept group's slot spans (`g * heads <= 16 * SPARSE_MAX_CHUNKS`).
-pub const SPARSE_MAX_CHUNKS: usize = 8;
-
-/// The head-minor accumulator of the sparse value accumulation for one group size `g` and
-/// `heads` query heads: one slot of whole 16-lane registers per group of `g` dims, lane `e <
-/// g * heads` of a slot being dim `e / heads` of the group and head `e % heads`; the lanes past
-/// that stay 0. Per register `c` of a slot: the first decoded value its lanes read (`vbase`),
-/// each lane's value offset from it (`vidx`, < 16) and head (`hidx`), the live lanes (`live`).
-#[derive(Clone, Debug)]
-pub struct SparsePlan {
-    pub g: usize,
-    pub heads: usize,
-    pub chunks: usize,
-    pub vbase: [usize; SPARSE_MAX_CHUNKS],
-    pub vidx: [[i32; 16]; SPARSE_MAX_CHUNKS],
-    pub hidx: [[i32; 16]; SPARSE_MAX_CHUNKS],
-    pub live: [u16; SPARSE_MAX_CHUNKS],
-}
-
-impl SparsePlan {
-    /// The plan for group size `g` and `heads` heads, or `None` past the kernel's limits.
-    pub fn new(g: usize, heads: usize) -> Option<Self> {
-        let span = g * heads;
-        if !(1..=SPARSE_MAX_HEADS).contains(&heads) || g == 0 || span > 16 * SPARSE_MAX_CHUNKS {
-            return None;
-        }
-        let chunks = span.div_ceil(16);
-        let mut plan = SparsePlan {
-            g,
-            heads,
-            chunks,
-            vbase: [0; SPARSE_MAX_CHUNKS],
-            vidx: [[0; 16]; SPARSE_MAX_CHUNKS],
-            hidx: [[0; 16]; SPARSE_MAX_CHUNKS],
-            live: [0; SPARSE_MAX_CHUNKS],
-        };
-        for c in 0..chunks {
-            plan.vbase[c] = 16 * c / heads;
-            for l in 0..16 {
-                let e = (16 * c + l).min(span - 1);
-                plan.vidx[c][l] = (e / heads - plan.vbase[c]) as i32;
-                plan.hidx[c][l] = (e % heads) as i32;
-            }
-            let lanes = (span - 16 * c).min(16);
-            plan.live[c] = ((1u32 << lanes) - 1) as u16;
-        }
-        Some(plan)
-    }
-
-    /// Floats of one group's slot.
-    #[inline]
-    pub fn stride(&self) -> usize {
-        16 * self.chunks
-    }
-
-    /// Floats of the accumulator for `kept_dims` dims.
-    #[inline]
-    pub fn len(&self, kept_dims: usize) -> usize {
-        kept_dims.div_ceil(self.g) * self.stride()
-    }
-
-    /// Where dim `j`, head `h` lives in the accumulator.
-    #[inline]
-    pub fn at(&self, j: usize, h: usize) -> usize {
-        (j / self.g) * self.stride() + (j % self.g) * self.heads + h
-    }
-
-    /// `acc_t *= corr[head]` lane by lane, when some factor is not 1: per element the
-    /// multiply the dense path's rescale makes (which skips heads whose factor is 1, and `x *
-    /// 1 = x`); dead lanes are 0 and stay 0.
-    pub fn rescale(&self, acc_t: &mut [f32], corr: &[f32]) {
-        if corr[..self.heads].iter().all(|&c| c == 1.0) {
-            return;
-        }
-        let mut pattern = [[1f32; 16]; SPARSE_MAX_CHUNKS];
-        for (c, pat) in pattern.iter_mut().enumerate().take(self.chunks) {
-            for (l, x) in pat.iter_mut().enumerate() {
-                *x = corr[self.hidx[c][l] as usize];
-            }
-        }
-        for slot in acc_t.chunks_exact_mut(self.stride()) {
-            for (reg, pat) in slot.chunks_exact_mut(16).zip(&pattern) {
-                for (x, &c) in reg.iter_mut().zip(pat) {
-                    *x *= c;
-                }
-            }
-        }
-    }
-}
-
 impl Path {
     /// Whether [`Path::sparse_accumulate_q`] takes value records of `layout` for `heads` query
     /// heads per KV head: the AVX-512 path, int8/int4 records that keep at most half of their
@@ -240,7 +136,8 @@ impl Path {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::encode::pack_rotated;
+    use crate::packed::pack_rotated;
+    use mosaickv_spec::ValueDtype;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -339,7 +236,7 @@ mod tests {
                 let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
                 let packed = pack_rotated(&rows, d, &layout).unwrap();
                 let p: Vec<f32> = (0..heads * TILE).map(|_| rng.gen_range(0.0..1.0)).collect();
-                let dp = crate::attend::pad8(dt);
+                let dp = crate::simd::pad8(dt);
                 // Dense: expanded tile, FMAs over every dim.
                 let mut tile = vec![0f32; n * dp];
                 Path::Avx512.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);

@@ -10,7 +10,9 @@ pub mod quant;
 pub mod rotate;
 pub mod score;
 pub mod softmax;
+pub mod span;
 pub mod tiles;
+pub mod weights;
 
 use half::f16;
 use std::arch::x86_64::*;

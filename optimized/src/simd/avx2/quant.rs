@@ -2,8 +2,8 @@
 //! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
 //! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
 
+use crate::simd::codes::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
 use crate::simd::path::Path;
-use crate::simd::quant::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
 

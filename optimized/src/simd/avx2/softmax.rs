@@ -34,7 +34,7 @@ unsafe fn exp256(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }
 
-/// Online softmax over one tile of `g` heads (see `attend::online_softmax`).
+/// Online softmax over one tile of `g` heads (see `Path::online_softmax`).
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn online_softmax(

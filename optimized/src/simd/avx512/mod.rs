@@ -43,7 +43,7 @@
 //!   one kernel, group bits spread by `pdep`, codes placed by `vpexpandb`. Value records
 //!   with few kept dims are not expanded at all: [`quant::sparse_accumulate_q`] decodes
 //!   only the kept groups and accumulates them into a head-minor accumulator
-//!   ([`crate::simd::quant::SparsePlan`]), the same FMAs in the same order as expansion +
+//!   ([`crate::simd::codes::SparsePlan`]), the same FMAs in the same order as expansion +
 //!   accumulation, so the same bits.
 //!
 //! Callers hold [`crate::simd::Path::Avx512`] (which [`crate::simd::Path::runs_here`] checks)
@@ -97,6 +97,7 @@ pub mod rotate;
 pub mod score;
 pub mod select;
 pub mod softmax;
+pub mod weights;
 
 /// Lane mask of the first `n` of 16 lanes.
 #[inline(always)]

@@ -6,8 +6,8 @@
 
 use super::{lanes16, lanes64};
 use crate::simd::avx2::quant::{spread_groups, unpack_codes};
+use crate::simd::codes::{SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS};
 use crate::simd::path::Path;
-use crate::simd::quant::{SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS};
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
 

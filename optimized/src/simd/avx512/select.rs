@@ -1,10 +1,10 @@
-//! The selection filter of `attend::top_blocks` (SPEC.md section 8.3), sixteen scores per step.
+//! The selection filter of `select::top_blocks` (SPEC.md section 8.3), sixteen scores per step.
 
 use super::lanes16;
 use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
-/// The selection filter of `attend::top_blocks`: writes the rank keys (`attend::rank_key`) of
+/// The selection filter of `select::top_blocks`: writes the rank keys (`simd::rank_key`) of
 /// the scores whose key is at most `pivot` to `out`, in any order, and returns how many. Sixteen
 /// scores per step: the keys' two 32-bit halves (inverted monotone score, index) are compared
 /// with the pivot's, the kept lanes compressed and interleaved into 64-bit keys.

@@ -35,7 +35,7 @@ unsafe fn exp512(x: __m512) -> __m512 {
     _mm512_mul_ps(y, _mm512_castsi512_ps(e))
 }
 
-/// The online-softmax step of one tile (`attend::online_softmax` with `corr` given): for each
+/// The online-softmax step of one tile (`Path::online_softmax` with `corr` given): for each
 /// of `g` heads, the tile's `n` logits (`logits[h * TILE ..]`) become `exp(x - m_new)`, `l` and
 /// `m` are updated, and `corr[h] = exp(m_old - m_new)` (0 for an empty state) is the factor
 /// the accumulators still have to be scaled by. One 16-lane register per head.

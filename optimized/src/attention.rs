@@ -1,0 +1,682 @@
+//! SPEC.md section 9, PackedAttention: flash-decoding attention over the selected blocks of
+//! packed segments, the dense rows (sink and update buffer), and their merge. One function per
+//! step of the decode step ([`packed_attention`] runs them in order):
+//!
+//! | step | function |
+//! |---|---|
+//! | SPEC 8 (rotated queries, block scores, top blocks) | [`crate::select::rotate_and_select`] |
+//! | work units over the selected blocks | [`plan_units`] |
+//! | SPEC 9 key logits on packed records | [`tile_key_logits`] |
+//! | SPEC 9 online softmax and value accumulation (rotated space) | [`attend_unit`] |
+//! | SPEC 9 dense rows (sink, update buffer) | [`dense_rows_update`] |
+//! | SPEC 9 merge of the partials and back-rotation of the values | [`merge_head`] |
+//!
+//! A *partial* is the online-softmax state of one work unit for the `G` query
+//! heads of one KV head: `[m; G] [l; G] [acc; G * dp]` (f32). Units run on
+//! rayon threads; partials are merged afterwards. All buffers live in a
+//! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
+//! allocates nothing once the buffers have grown to the cache's size.
+
+use crate::select::{
+    given_blocks, rotate_and_select, segment_geometry, segment_of, selection_of, SegGeom,
+    SelectBuffers,
+};
+use crate::simd::{fast_exp, pad8, Path, SparsePlan, TILE};
+use half::f16;
+use mosaickv_spec::{CompressedCache, MosaicError, RecordLayout, Result, Selection};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Selected blocks per work unit (flash-decoding split inside a segment).
+pub const UNIT_BLOCKS: usize = 32;
+
+/// Selected blocks prefetched ahead of the one being attended.
+pub const PREFETCH_AHEAD: usize = 3;
+
+/// Floats of one partial for `g` heads of padded width `dp`.
+#[inline]
+pub fn partial_len(g: usize, dp: usize) -> usize {
+    2 * g + g * dp
+}
+
+/// Resets a partial to the empty state.
+#[inline]
+pub fn partial_init(st: &mut [f32], g: usize) {
+    st[..g].fill(f32::NEG_INFINITY);
+    st[g..].fill(0.0);
+}
+
+thread_local! {
+    static TILES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f(ktile, vtile, logits)` with this thread's tile buffers (grown once, then reused).
+pub fn with_tiles<R>(
+    dp: usize,
+    g: usize,
+    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
+) -> R {
+    TILES.with(|t| {
+        let mut t = t.borrow_mut();
+        let need = 2 * TILE * dp + g * TILE;
+        if t.len() < need {
+            t.resize(need, 0.0);
+        }
+        let (k, rest) = t.split_at_mut(TILE * dp);
+        let (v, l) = rest.split_at_mut(TILE * dp);
+        f(k, v, &mut l[..g * TILE])
+    })
+}
+
+/// Tile-local online softmax step: `logits` (`[g][TILE]`, first `n` valid) become
+/// probabilities relative to the new running max; `st` is rescaled; values accumulated.
+#[inline]
+pub fn online_update(
+    path: Path,
+    st: &mut [f32],
+    g: usize,
+    dp: usize,
+    logits: &mut [f32],
+    n: usize,
+    vtile: &[f32],
+) {
+    let (m, rest) = st.split_at_mut(g);
+    let (l, acc) = rest.split_at_mut(g);
+    path.online_softmax(m, l, acc, g, dp, logits, n, None);
+    path.tile_accumulate(logits, g, dp, vtile, n, acc);
+}
+
+/// Attends dense f16 rows `t0..t1` (row t's key at `keys[t * stride ..][..d]`) into partial `st`.
+/// `q` is `[g][dp]` (zero-padded past d).
+#[allow(clippy::too_many_arguments)]
+pub fn dense_rows_update(
+    path: Path,
+    q: &[f32],
+    g: usize,
+    d: usize,
+    dp: usize,
+    keys: &[f16],
+    values: &[f16],
+    stride: usize,
+    t0: usize,
+    t1: usize,
+    scale: f32,
+    st: &mut [f32],
+) {
+    if path.fused_f16(d) {
+        // f16 rows read directly by the kernels; heads in groups of up to 8.
+        let mut lg = [0f32; 8 * TILE];
+        let (m, rest) = st.split_at_mut(g);
+        let (l, acc) = rest.split_at_mut(g);
+        let mut h0 = 0;
+        while h0 < g {
+            let gn = (g - h0).min(8);
+            let (mg, lgs, ag) = (
+                &mut m[h0..h0 + gn],
+                &mut l[h0..h0 + gn],
+                &mut acc[h0 * dp..(h0 + gn) * dp],
+            );
+            let mut t = t0;
+            while t < t1 {
+                let n = (t1 - t).min(TILE);
+                path.tile_logits_f16(
+                    &q[h0 * dp..],
+                    gn,
+                    dp,
+                    &keys[t * stride..],
+                    stride,
+                    n,
+                    scale,
+                    &mut lg,
+                );
+                path.online_softmax(mg, lgs, ag, gn, dp, &mut lg, n, None);
+                path.tile_accumulate_f16(&lg, gn, dp, &values[t * stride..], stride, n, ag);
+                t += n;
+            }
+            h0 += gn;
+        }
+        return;
+    }
+    with_tiles(dp, g, |kt, vt, lg| {
+        if d != dp {
+            kt[..TILE * dp].fill(0.0);
+            vt[..TILE * dp].fill(0.0);
+        }
+        let mut t = t0;
+        while t < t1 {
+            let n = (t1 - t).min(TILE);
+            for i in 0..n {
+                let o = (t + i) * stride;
+                path.f16_to_f32(&keys[o..o + d], &mut kt[i * dp..i * dp + d]);
+            }
+            path.tile_logits(q, g, dp, kt, n, scale, lg);
+            for i in 0..n {
+                let o = (t + i) * stride;
+                path.f16_to_f32(&values[o..o + d], &mut vt[i * dp..i * dp + d]);
+            }
+            online_update(path, st, g, dp, lg, n, vt);
+            t += n;
+        }
+    })
+}
+
+/// One flash-decoding work unit: selected blocks `sel[s0..s1]` of KV head `head`, all in segment `seg`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unit {
+    pub(crate) head: usize,
+    pub(crate) seg: usize,
+    pub(crate) s0: usize,
+    pub(crate) s1: usize,
+}
+
+/// Reusable buffers for packed attention over a [`CompressedCache`].
+#[derive(Debug, Default)]
+pub struct MosaicScratch {
+    geom: Vec<SegGeom>,
+    qrot: Vec<f32>,
+    scores: Vec<f32>,
+    sel: Vec<Vec<u32>>,
+    keys: Vec<Vec<u64>>,
+    units: Vec<Unit>,
+    partials: Vec<f32>,
+    head_out: Vec<f32>,
+}
+
+/// Sizes the step needs, from the cache's geometry.
+struct Dims {
+    kv: usize,
+    g: usize,
+    d: usize,
+    dp: usize,
+    nseg: usize,
+    dpk_max: usize,
+    dpv_max: usize,
+    blocks_max: usize,
+}
+
+fn dims(cache: &CompressedCache) -> Dims {
+    let s = &cache.shape;
+    let mut dpk_max = 8;
+    let mut dpv_max = 8;
+    let mut blocks_max = 0;
+    for h in 0..s.kv_heads {
+        let mut b = 0;
+        for seg in &cache.segments {
+            let hs = &seg.heads[h];
+            dpk_max = dpk_max.max(pad8(hs.strategy.key.layout.kept_dims));
+            dpv_max = dpv_max.max(pad8(hs.strategy.value.layout.kept_dims));
+            b += seg.len.div_ceil(hs.strategy.block_size.max(1));
+        }
+        blocks_max = blocks_max.max(b);
+    }
+    Dims {
+        kv: s.kv_heads,
+        g: s.group(),
+        d: s.head_dim,
+        dp: pad8(s.head_dim),
+        nseg: cache.segments.len(),
+        dpk_max,
+        dpv_max,
+        blocks_max,
+    }
+}
+
+/// Scratch bytes packed attention needs for a cache of this geometry (excluding
+/// per-thread tile buffers of `2 * TILE * dp + g * TILE` floats and the unit list).
+pub fn scratch_bytes_for(
+    kv: usize,
+    g: usize,
+    d: usize,
+    nseg: usize,
+    blocks_per_head: usize,
+    selected_per_head: usize,
+) -> usize {
+    let dp = pad8(d);
+    let units = kv * (nseg + selected_per_head.div_ceil(UNIT_BLOCKS));
+    4 * (kv * nseg * g * dp) // rotated queries
+        + 4 * kv * blocks_per_head // scores
+        + 8 * kv * blocks_per_head // rank keys
+        + 4 * kv * selected_per_head // selections
+        + 4 * units * partial_len(g, dp) // unit partials
+        + 4 * kv * (3 * g * dp + 3 * g) // per-head merge buffers
+        + std::mem::size_of::<SegGeom>() * kv * nseg
+        + std::mem::size_of::<Unit>() * units
+}
+
+/// Where the selection of a step comes from.
+pub enum SelectionSource<'a> {
+    /// Score and select (SPEC 8).
+    Compute,
+    /// Use this selection (validated).
+    Given(&'a Selection),
+}
+
+/// SPEC 8 + 9 over a compressed cache. `queries` is `[q_heads][d]` row-major, `out` `[q_heads][d]`.
+/// When `want_selection` is set (and the selection is computed), the selection is returned as `(segment, block)` pairs.
+pub fn packed_attention(
+    path: Path,
+    cache: &CompressedCache,
+    queries: &[f32],
+    src: SelectionSource<'_>,
+    want_selection: bool,
+    out: Option<&mut [f32]>,
+    sc: &mut MosaicScratch,
+) -> Result<Option<Selection>> {
+    if cache.is_empty() {
+        return Err(MosaicError::EmptyCache);
+    }
+    let dm = dims(cache);
+    let (kv, g, d, dp, nseg) = (dm.kv, dm.g, dm.d, dm.dp, dm.nseg);
+    segment_geometry(cache, &mut sc.geom);
+    let qstride = g * dm.dpk_max; // per (head, seg)
+    sc.qrot.resize(kv * nseg * qstride, 0.0);
+    sc.scores.resize(kv * dm.blocks_max, 0.0);
+    sc.sel.resize_with(kv, Vec::new);
+    sc.keys.resize_with(kv, Vec::new);
+    let compute = matches!(src, SelectionSource::Compute);
+    for sel in &mut sc.sel {
+        sel.clear();
+    }
+    // SPEC 8: the rotated queries of every (head, segment); scores and selection when computed.
+    if nseg > 0 {
+        let bufs = SelectBuffers {
+            qrot: &mut sc.qrot,
+            qstride,
+            scores: &mut sc.scores,
+            blocks_max: dm.blocks_max,
+            sel: &mut sc.sel,
+            keys: &mut sc.keys,
+        };
+        rotate_and_select(path, cache, queries, &sc.geom, compute, bufs);
+    }
+    if let SelectionSource::Given(given) = src {
+        given_blocks(given, &sc.geom, kv, nseg, &mut sc.sel)?;
+    }
+    let selection = (compute && want_selection).then(|| selection_of(&sc.sel, &sc.geom, nseg));
+    let Some(out) = out else {
+        return Ok(selection);
+    };
+
+    // SPEC 9 over the selected packed blocks, one partial per work unit.
+    plan_units(&sc.sel, &sc.geom, nseg, &mut sc.units);
+    let plen = partial_len(g, dm.dpv_max.max(dp));
+    sc.partials.resize(sc.units.len() * plen, 0.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    {
+        let (units, geom, sel, qrot) = (&sc.units, &sc.geom, &sc.sel, &sc.qrot);
+        sc.partials
+            .par_chunks_mut(plen)
+            .zip(units.par_iter())
+            .for_each(|(st, u)| {
+                let gm = geom[u.head * nseg + u.seg];
+                let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
+                let blocks = &sel[u.head][u.s0..u.s1];
+                attend_unit(path, cache, u, gm, blocks, q, g, scale, st);
+            });
+    }
+
+    // SPEC 9: per KV head, the dense rows, then the units' partials merged, the values
+    // rotated back once per (segment, head).
+    let hlen = 3 * g * dp + 3 * g;
+    sc.head_out.resize(kv * hlen, 0.0);
+    {
+        let (units, geom, partials) = (&sc.units, &sc.geom, &sc.partials);
+        sc.head_out
+            .par_chunks_mut(hlen)
+            .enumerate()
+            .for_each(|(h, buf)| {
+                let heads = Partials {
+                    units,
+                    geom: &geom[h * nseg..(h + 1) * nseg],
+                    partials,
+                    plen,
+                };
+                merge_head(path, cache, queries, h, &heads, scale, buf);
+            });
+    }
+    for h in 0..kv {
+        let buf = &sc.head_out[h * hlen..(h + 1) * hlen];
+        let o_acc = &buf[partial_len(g, dp)..partial_len(g, dp) + g * dp];
+        for k in 0..g {
+            out[(h * g + k) * d..(h * g + k + 1) * d].copy_from_slice(&o_acc[k * dp..k * dp + d]);
+        }
+    }
+    Ok(selection)
+}
+
+/// The work units of a step: consecutive selected blocks of one (head, segment), at most
+/// [`UNIT_BLOCKS`] each, head-major, into `units`.
+pub(crate) fn plan_units(sel: &[Vec<u32>], geom: &[SegGeom], nseg: usize, units: &mut Vec<Unit>) {
+    units.clear();
+    for (h, sel) in sel.iter().enumerate() {
+        let gh = &geom[h * nseg..(h + 1) * nseg];
+        let mut i = 0;
+        while i < sel.len() {
+            let s = segment_of(gh, sel[i] as usize);
+            let end_block = (gh[s].first + gh[s].blocks) as u32;
+            let mut j = i;
+            while j < sel.len() && sel[j] < end_block && j - i < UNIT_BLOCKS {
+                j += 1;
+            }
+            units.push(Unit {
+                head: h,
+                seg: s,
+                s0: i,
+                s1: j,
+            });
+            i = j;
+        }
+    }
+}
+
+/// SPEC 9 key logits of one tile: `n` key records of layout `kl` (record 0 at `kb[0]`) against
+/// the rotated queries `q` (`[g][dpk]`), scaled, into `lg` (`[g][TILE]`). The records are
+/// expanded into the key tile `kt` first: to f16 where `half_keys` (read by the f16 logits
+/// kernel), to decoded f32 for int8/int4, to f32 otherwise.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(crate) fn tile_key_logits(
+    path: Path,
+    kl: &RecordLayout,
+    kb: &[u8],
+    n: usize,
+    q: &[f32],
+    g: usize,
+    dpk: usize,
+    scale: f32,
+    half_keys: bool,
+    kt: &mut [f32],
+    lg: &mut [f32],
+) {
+    let krb = kl.record_bytes();
+    if half_keys {
+        // Keys expanded to an f16 tile (in the f32 key tile's bytes), widened as the logits
+        // load them.
+        let kh: &mut [f16] = bytemuck::cast_slice_mut(kt);
+        let kr = (kb, krb, kl.bitmap_bytes());
+        path.expand_records_h(kr, n, kl.kept_dims, kl.r, dpk, kh);
+        path.tile_logits_h(q, g, dpk, kh, n, scale, lg);
+    } else if kl.dtype.is_quantized() {
+        path.expand_records_q(kb, n, kl, dpk, kt);
+        path.tile_logits(q, g, dpk, kt, n, scale, lg);
+    } else {
+        path.expand_records(
+            kb,
+            kb.len() - n * krb,
+            n,
+            krb,
+            kl.bitmap_bytes(),
+            kl.group_size,
+            kl.kept_dims,
+            kl.r,
+            dpk,
+            kt,
+        );
+        path.tile_logits(q, g, dpk, kt, n, scale, lg);
+    }
+}
+
+/// SPEC 9 over one work unit: the selected `blocks` (global indices) of segment `u.seg`, KV
+/// head `u.head`, geometry `gm`, tile by tile: key logits ([`tile_key_logits`]), the online
+/// softmax, and the values accumulated in the segment's rotated space, into the partial `st`.
+/// The values take the fastest kernel the path has for their layout: accumulated straight
+/// from f16 records, from int8/int4 records at their kept dims only (sparse), or expanded to
+/// a tile first.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_unit(
+    path: Path,
+    cache: &CompressedCache,
+    u: &Unit,
+    gm: SegGeom,
+    blocks: &[u32],
+    q: &[f32],
+    g: usize,
+    scale: f32,
+    st: &mut [f32],
+) {
+    let hs = &cache.segments[u.seg].heads[u.head];
+    let seg_len = cache.segments[u.seg].len;
+    let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
+    let (krb, vrb) = (kl.record_bytes(), vl.record_bytes());
+    let dpmax = gm.dpk.max(gm.dpv);
+    partial_init(&mut st[..partial_len(g, gm.dpv)], g);
+    // Values expanded in registers straight into the accumulators where the path can.
+    let mut corr = [0f32; 64];
+    // The fused and f16-tile kernels read f16 values; int8/int4 records are
+    // expanded to f32 tiles of decoded values (`Path::expand_records_q`).
+    let fused_v = g <= corr.len()
+        && !vl.dtype.is_quantized()
+        && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
+    // Sparse int8/int4 values: only the kept dims are accumulated, into a
+    // head-minor accumulator (in the value tile's buffer) for the whole unit.
+    // (`plan.len(dtv) <= 16 dtv`, inside the value tile's TILE * dpmax floats.)
+    let sparse = if path.sparse_values(vl, g) {
+        SparsePlan::new(vl.group_size, g)
+    } else {
+        None
+    };
+    let half_keys =
+        !kl.dtype.is_quantized() && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
+    with_tiles(dpmax, g, |kt, vt, lg| {
+        // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
+        // scattered, so the hardware prefetcher cannot guess them).
+        let prefetch = |i: usize| {
+            if let Some(&next) = blocks.get(i) {
+                let t0 = (next as usize - gm.first) * gm.block;
+                let t1 = (t0 + gm.block).min(seg_len);
+                path.prefetch(&hs.keys.bytes[t0 * krb..t1 * krb]);
+                path.prefetch(&hs.values.bytes[t0 * vrb..t1 * vrb]);
+            }
+        };
+        for i in 0..PREFETCH_AHEAD {
+            prefetch(i);
+        }
+        if let Some(plan) = &sparse {
+            vt[..plan.len(gm.dtv)].fill(0.0);
+        }
+        for (bi, &gi) in blocks.iter().enumerate() {
+            prefetch(bi + PREFETCH_AHEAD);
+            let b = gi as usize - gm.first;
+            let t0 = b * gm.block;
+            let t1 = (t0 + gm.block).min(seg_len);
+            let mut t = t0;
+            while t < t1 {
+                let n = (t1 - t).min(TILE);
+                let kb = &hs.keys.bytes[t * krb..];
+                tile_key_logits(path, kl, kb, n, q, g, gm.dpk, scale, half_keys, kt, lg);
+                let st = &mut st[..partial_len(g, gm.dpv)];
+                let vb = &hs.values.bytes[t * vrb..];
+                if fused_v || sparse.is_some() {
+                    // The softmax step gives the rescale factors; the kernel
+                    // rescales its accumulator with them.
+                    let (m, rest) = st.split_at_mut(g);
+                    let (l, acc) = rest.split_at_mut(g);
+                    let corr = &mut corr[..g];
+                    path.online_softmax(m, l, &mut [], g, gm.dpv, lg, n, Some(&mut *corr));
+                    if let Some(plan) = &sparse {
+                        let acc_t = &mut vt[..plan.len(gm.dtv)];
+                        plan.rescale(acc_t, corr);
+                        path.sparse_accumulate_q(lg, plan, vb, vl, n, acc_t);
+                    } else {
+                        path.packed_accumulate(
+                            lg,
+                            g,
+                            gm.dpv,
+                            (vb, vrb, vl.bitmap_bytes()),
+                            n,
+                            vl.kept_dims,
+                            vl.r,
+                            corr,
+                            acc,
+                        );
+                    }
+                } else if vl.dtype.is_quantized() {
+                    path.expand_records_q(vb, n, vl, gm.dpv, vt);
+                    online_update(path, st, g, gm.dpv, lg, n, vt);
+                } else {
+                    path.expand_records(
+                        vb,
+                        vb.len() - n * vrb,
+                        n,
+                        vrb,
+                        vl.bitmap_bytes(),
+                        vl.group_size,
+                        vl.kept_dims,
+                        vl.r,
+                        gm.dpv,
+                        vt,
+                    );
+                    online_update(path, st, g, gm.dpv, lg, n, vt);
+                }
+                t += n;
+            }
+        }
+        if let Some(plan) = &sparse {
+            // The head-minor accumulator into the partial's `[g][dpv]` one (the
+            // dims past Dt stay 0, as the dense path leaves them).
+            let acc = &mut st[2 * g..partial_len(g, gm.dpv)];
+            for h in 0..g {
+                for j in 0..gm.dtv {
+                    acc[h * gm.dpv + j] = vt[plan.at(j, h)];
+                }
+            }
+        }
+    });
+}
+
+/// The work units of every head and their partials (`plen` floats each), with one head's
+/// segment geometry: what [`merge_head`] reads.
+pub(crate) struct Partials<'a> {
+    pub units: &'a [Unit],
+    pub geom: &'a [SegGeom],
+    pub partials: &'a [f32],
+    pub plen: usize,
+}
+
+/// SPEC 9's end for KV head `h`: the dense rows (sink and update buffer) attended with the
+/// unrotated queries ([`dense_rows_update`]), then the head's unit partials merged per
+/// segment in that segment's rotated value space, each segment's sum rotated back once
+/// (`o += R_v acc`), and everything normalized. `buf` is the head's `3 g dp + 3 g` floats;
+/// the output `[g][dp]` is left at `buf[partial_len(g, dp)..]`.
+pub(crate) fn merge_head(
+    path: Path,
+    cache: &CompressedCache,
+    queries: &[f32],
+    h: usize,
+    parts: &Partials<'_>,
+    scale: f32,
+    buf: &mut [f32],
+) {
+    let s = &cache.shape;
+    let (kv, g, d) = (s.kv_heads, s.group(), s.head_dim);
+    let dp = pad8(d);
+    let (units, gh, partials, plen) = (parts.units, parts.geom, parts.partials, parts.plen);
+    // a segment's f16 value rotation widened to f32 (exact)
+    let mut rv32 = Vec::new();
+    let (dense, rest) = buf.split_at_mut(partial_len(g, dp));
+    let (qd, rest) = rest.split_at_mut(g * dp);
+    let (acc, mx) = rest.split_at_mut(g * dp);
+    let mx = &mut mx[..g];
+    // Dense part with the unrotated queries.
+    partial_init(dense, g);
+    for k in 0..g {
+        let row = &mut qd[k * dp..(k + 1) * dp];
+        row[..d].copy_from_slice(&queries[(h * g + k) * d..(h * g + k + 1) * d]);
+        row[d..].fill(0.0);
+    }
+    let stride = kv * d;
+    for rows in [&cache.sink, &cache.buffer] {
+        if rows.tokens > 0 {
+            dense_rows_update(
+                path,
+                qd,
+                g,
+                d,
+                dp,
+                &rows.keys[h * d..],
+                &rows.values[h * d..],
+                stride,
+                0,
+                rows.tokens,
+                scale,
+                dense,
+            );
+        }
+    }
+    // Global max per query head.
+    mx.copy_from_slice(&dense[..g]);
+    let base = units.partition_point(|u| u.head < h);
+    let hu = &units[base..units.partition_point(|u| u.head <= h)];
+    for i in 0..hu.len() {
+        let p = &partials[(base + i) * plen..];
+        for k in 0..g {
+            mx[k] = mx[k].max(p[k]);
+        }
+    }
+    // Output accumulator (unrotated, width dp): starts from the dense part.
+    let mut lsum = [0f32; 64];
+    let mut lsum_vec: Vec<f32>;
+    let l: &mut [f32] = if g <= 64 {
+        &mut lsum[..g]
+    } else {
+        lsum_vec = vec![0.0; g];
+        &mut lsum_vec[..]
+    };
+    let (o_acc, seg_acc) = (qd, acc); // qd no longer needed after dense part
+    for k in 0..g {
+        let c = if dense[k] == f32::NEG_INFINITY {
+            0.0
+        } else {
+            fast_exp(dense[k] - mx[k])
+        };
+        l[k] = dense[g + k] * c;
+        for (o, &a) in o_acc[k * dp..(k + 1) * dp]
+            .iter_mut()
+            .zip(&dense[2 * g + k * dp..2 * g + (k + 1) * dp])
+        {
+            *o = a * c;
+        }
+    }
+    let mut i = 0;
+    while i < hu.len() {
+        let s = hu[i].seg;
+        let gm = gh[s];
+        seg_acc[..g * gm.dpv].fill(0.0);
+        while i < hu.len() && hu[i].seg == s {
+            let p = &partials[(base + i) * plen..(base + i) * plen + partial_len(g, gm.dpv)];
+            for k in 0..g {
+                if p[k] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let c = fast_exp(p[k] - mx[k]);
+                l[k] += p[g + k] * c;
+                for (o, &a) in seg_acc[k * gm.dpv..(k + 1) * gm.dpv]
+                    .iter_mut()
+                    .zip(&p[2 * g + k * gm.dpv..2 * g + (k + 1) * gm.dpv])
+                {
+                    *o += a * c;
+                }
+            }
+            i += 1;
+        }
+        // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j (R_v stored D x Dt_v).
+        mosaickv_spec::layout::widen_rotation(
+            &cache.segments[s].heads[h].strategy.value.rotation,
+            &mut rv32,
+        );
+        let rv = &rv32;
+        for k in 0..g {
+            let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
+            let o = &mut o_acc[k * dp..k * dp + d];
+            for (ii, oi) in o.iter_mut().enumerate() {
+                *oi += path.dot(&rv[ii * gm.dtv..(ii + 1) * gm.dtv], a);
+            }
+        }
+    }
+    for k in 0..g {
+        let inv = if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 };
+        for x in &mut o_acc[k * dp..k * dp + d] {
+            *x *= inv;
+        }
+    }
+}
