@@ -1,61 +1,11 @@
 //! SPEC.md section 9: PackedAttention (what is attended, and how).
 
+// The structural checks, also reachable as `attention::check_cache` / `check_selection`.
+pub use crate::checks::{check_cache, check_selection};
 use crate::packed::decode_record;
 use crate::select::{rotate_query_f64, select};
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
 use ndarray::{ArrayView2, ArrayViewMut2};
-
-fn mismatch(what: &'static str, expected: String, got: String) -> MosaicError {
-    MosaicError::ShapeMismatch {
-        what,
-        expected,
-        got,
-    }
-}
-
-/// Structural validation of a compressed cache before it is read: the spec
-/// crate's one validator, [`CompressedCache::validate_for_attention`] (SPEC.md
-/// sections 6, 7, 14, 15.4; segment states are lifecycle data attention does not read).
-pub fn check_cache(cache: &CompressedCache) -> Result<()> {
-    cache.validate_for_attention()
-}
-
-/// Checks a selection against the cache: one list per KV head, entries
-/// strictly ascending, every `(segment, block)` in range.
-pub fn check_selection(cache: &CompressedCache, selection: &Selection) -> Result<()> {
-    if selection.per_head.len() != cache.shape.kv_heads {
-        return Err(mismatch(
-            "selection",
-            format!("{} heads", cache.shape.kv_heads),
-            format!("{}", selection.per_head.len()),
-        ));
-    }
-    for (j, list) in selection.per_head.iter().enumerate() {
-        for w in list.windows(2) {
-            if w[0] >= w[1] {
-                return Err(mismatch(
-                    "selection",
-                    "strictly ascending blocks".into(),
-                    format!("{:?} then {:?}", w[0], w[1]),
-                ));
-            }
-        }
-        for &(s, b) in list {
-            let ok = cache
-                .segments
-                .get(s as usize)
-                .is_some_and(|seg| (b as usize) < seg.heads[j].meta.blocks());
-            if !ok {
-                return Err(mismatch(
-                    "selection",
-                    "existing (segment, block)".into(),
-                    format!("({s}, {b}) for head {j}"),
-                ));
-            }
-        }
-    }
-    Ok(())
-}
 
 /// Where an attended token's value lives.
 enum AttendedValue {

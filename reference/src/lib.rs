@@ -13,6 +13,7 @@
 //! | [`topr`] | 4 (truncation), 5 (per-vector top-r) |
 //! | [`packed`] | 6 (record encode / decode) |
 //! | [`meta`] | 7 (block metadata) |
+//! | [`checks`] | 6, 7, 14, 15.4 (structural checks of a cache and a selection before they are read) |
 //! | [`select`] | 8 (rotated query, block score, top-k under a token budget) |
 //! | [`attention`] | 9 (PackedAttention) |
 //! | [`lifecycle`] | 10 (segments, update buffer, close rule) |
@@ -26,6 +27,7 @@
 pub mod attention;
 pub mod backend;
 pub mod baselines;
+pub mod checks;
 pub mod lifecycle;
 pub mod loss;
 pub mod meta;

@@ -1,6 +1,6 @@
 //! SPEC.md section 8: token selection (rotated query, block score, top-k under a token budget).
 
-use crate::attention::check_cache;
+use crate::checks::check_cache;
 use mosaickv_spec::validate::finite;
 use mosaickv_spec::{BlockMeta, CompressedCache, MosaicError, Result, Selection, SideStrategy};
 use ndarray::{Array2, ArrayView2};
