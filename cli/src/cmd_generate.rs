@@ -3,8 +3,8 @@
 //! statistics to stderr.
 
 use crate::error::CliError;
-use crate::llm;
 use mosaickv_engine::Method;
+use mosaickv_eval::llm;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;

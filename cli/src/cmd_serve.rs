@@ -3,8 +3,8 @@
 //! decoding many sequences together under one KV memory budget.
 
 use crate::error::CliError;
-use crate::llm;
 use mosaickv_engine::Method;
+use mosaickv_eval::llm;
 use mosaickv_server::{ServeConfig, Server};
 use std::path::PathBuf;
 use std::sync::Arc;

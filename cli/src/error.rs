@@ -1,6 +1,7 @@
-//! The CLI's error: a library error or a problem with an input file.
+//! The CLI's error: a library error (the harness's among them) or a problem with an input file.
 
 use mosaickv_engine::EngineError;
+use mosaickv_eval::EvalError;
 use mosaickv_spec::MosaicError;
 use std::fmt;
 use std::path::Path;
@@ -14,6 +15,8 @@ pub enum CliError {
     Input(String),
     /// The model engine failed (model file missing, truncated or not GGUF, fetch failed, ...).
     Engine(EngineError),
+    /// The evaluation harness (`eval`, `fidelity`, `frontier`) failed.
+    Eval(EvalError),
 }
 
 impl CliError {
@@ -49,6 +52,7 @@ impl fmt::Display for CliError {
             CliError::Mosaic(e) => write!(f, "{e}"),
             CliError::Input(m) => write!(f, "{m}"),
             CliError::Engine(e) => write!(f, "{e}"),
+            CliError::Eval(e) => write!(f, "{e}"),
         }
     }
 }
@@ -62,6 +66,12 @@ impl From<MosaicError> for CliError {
 impl From<EngineError> for CliError {
     fn from(e: EngineError) -> Self {
         CliError::Engine(e)
+    }
+}
+
+impl From<EvalError> for CliError {
+    fn from(e: EvalError) -> Self {
+        CliError::Eval(e)
     }
 }
 

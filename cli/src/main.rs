@@ -2,7 +2,10 @@
 //!
 //! Each subcommand lives in its own module (`cmd_*.rs`) with an `Args`
 //! struct and a `run(args) -> Result<(), CliError>`; add a subcommand by
-//! adding a module and a variant of [`Command`].
+//! adding a module and a variant of [`Command`]. No `cmd_*` module imports
+//! another: what two share is a library's (`eval`, `fidelity` and `frontier`
+//! run the harness in `mosaickv-eval`) or a module of its own here
+//! (`progress.rs`, `cachedir.rs`, `npy.rs`, `backend.rs`).
 
 mod backend;
 mod cachedir;
@@ -15,9 +18,8 @@ mod cmd_generate;
 mod cmd_inspect;
 mod cmd_serve;
 mod error;
-mod llm;
 mod npy;
-mod plot;
+mod progress;
 
 use clap::{Parser, Subcommand};
 use error::CliError;

@@ -1,7 +1,7 @@
 //! The layering of issue 39, checked from the manifests: the spec crate is the ground floor of
-//! every backend, and the user-facing crates (`engine`, `server`, `cli`) reach the f64 oracle
-//! (`mosaickv-reference`) only through a feature named `oracle`. `.ci/run` checks the same with
-//! `cargo tree -e normal`.
+//! every backend, and the user-facing crates (`engine`, `server`, `eval`, `cli`) reach the f64
+//! oracle (`mosaickv-reference`) only through a feature named `oracle`. `.ci/run` checks the
+//! same with `cargo tree -e normal`.
 
 use std::path::Path;
 
@@ -32,7 +32,7 @@ fn manifest(krate: &str) -> String {
 
 #[test]
 fn user_facing_crates_reach_the_oracle_only_through_a_feature_named_oracle() {
-    for krate in ["engine", "server", "cli"] {
+    for krate in ["engine", "server", "eval", "cli"] {
         let m = manifest(krate);
         for dep in section(&m, "dependencies") {
             assert!(
@@ -64,6 +64,7 @@ fn the_spec_crate_is_under_every_backend_and_front_end() {
         "methods",
         "engine",
         "server",
+        "eval",
         "cli",
     ] {
         let deps = section(&manifest(krate), "dependencies");

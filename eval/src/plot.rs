@@ -1,6 +1,7 @@
-//! Line charts as SVG (plotters), for `eval --plot` and `frontier`.
+//! Line charts as SVG (plotters): accuracy vs length (`eval --plot`) and the frontier's two
+//! plots.
 
-use crate::error::CliError;
+use crate::error::{EvalError, Result};
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -30,8 +31,8 @@ pub fn line_chart(
     y_label: &str,
     series: &[Series],
     y_range: Option<(f64, f64)>,
-) -> Result<(), CliError> {
-    let err = |e: String| CliError::Input(format!("plot {}: {e}", path.display()));
+) -> Result<()> {
+    let err = |e: String| EvalError::Input(format!("plot {}: {e}", path.display()));
     let pts = series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (
         f64::INFINITY,

@@ -1,7 +1,8 @@
-//! Shared pieces of the model-driven subcommands (`generate`, `eval`, `fidelity`, `frontier`):
-//! loading the model, greedy decoding on a method's caches, task prompts and budgets.
+//! The model-driven pieces the harness shares with the CLI's `generate` and `serve`: loading
+//! the model, parsing method lists, greedy decoding on a method's caches, task prompts and
+//! budgets.
 
-use crate::error::CliError;
+use crate::error::Result;
 use mosaickv_engine::{argmax, resolve_model, Caches, LayerKv, Method, Model, Prefill};
 use std::path::Path;
 use std::time::Instant;
@@ -9,16 +10,17 @@ use std::time::Instant;
 /// Finds (or fetches) and loads the model: `--model NAME` names a known model
 /// (`smollm2-135m`, `qwen2.5-1.5b`, `qwen2.5-0.5b`; fetched into the cache directory on first use),
 /// `--model PATH` a local GGUF file; without it, SmolLM2-135M-Instruct.
-pub fn load_model(explicit: Option<&Path>) -> Result<Model, CliError> {
+pub fn load_model(explicit: Option<&Path>) -> Result<Model> {
     let path = resolve_model(explicit)?;
     Ok(Model::load(&path)?)
 }
 
 /// Parses a comma-separated method list (see [`Method`] for the names).
-pub fn parse_methods(list: &[String]) -> Result<Vec<Method>, CliError> {
-    list.iter()
-        .map(|s| Method::parse(s).map_err(CliError::from))
-        .collect()
+pub fn parse_methods(list: &[String]) -> Result<Vec<Method>> {
+    Ok(list
+        .iter()
+        .map(|s| Method::parse(s))
+        .collect::<mosaickv_spec::Result<_>>()?)
 }
 
 /// What one greedy decode on one method produced.
@@ -42,7 +44,7 @@ pub fn decode_greedy(
     method: &Method,
     max_new: usize,
     mut on_token: impl FnMut(u32),
-) -> Result<Decoded, CliError> {
+) -> Result<Decoded> {
     let mut caches = method.new_caches(model.config())?;
     pre.fill(&mut caches)?;
     let mut ids = Vec::new();
@@ -93,12 +95,3 @@ pub fn memory_report(caches: &[Box<dyn LayerKv>]) -> Option<mosaickv_spec::Memor
 }
 
 pub use mosaickv_engine::suite::{answer_budget, task_sample};
-
-/// Seconds as a short string.
-pub fn secs(s: f64) -> String {
-    if s >= 60.0 {
-        format!("{:.0} min {:.0} s", (s / 60.0).floor(), s % 60.0)
-    } else {
-        format!("{s:.1} s")
-    }
-}
