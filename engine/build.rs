@@ -1,7 +1,9 @@
 //! Two hashes of source code, part of the keys of what outlives a run (`src/store.rs`):
 //! - `MOSAICKV_PREFILL_CODE`: the code a prefill's numbers depend on (the forward pass in
-//!   `src/model`, the weight formats `src/quant.rs`, `src/kv.rs`, `src/gguf.rs`, the query
-//!   statistics `spec/src/query.rs`, and Cargo.lock's candle, gemm and half): a change to any
+//!   `src/model`, the weight formats and matrices `src/quant/`, `src/kv.rs`, `src/gguf.rs`,
+//!   their kernels in `optimized/src/simd/` (`weights.rs`, `ggml.rs`, `span.rs`, `common.rs` and
+//!   their ISA files), the query statistics `spec/src/query.rs`, and Cargo.lock's candle, gemm
+//!   and half): a change to any
 //!   of them stores new prefills instead of reusing ones the new code might not compute bit
 //!   for bit, while a change elsewhere (the CLI, a cache method) keeps them;
 //! - `MOSAICKV_RESULTS_CODE`: that and every crate an evaluation's results depend on (spec,
@@ -86,8 +88,16 @@ fn main() {
         root,
         &[
             "src/model",
-            "src/quant.rs",
+            "src/quant",
             "src/kv.rs",
+            // the weight-row and dense-attention kernels and the exp of the softmax
+            "../optimized/src/simd/common.rs",
+            "../optimized/src/simd/ggml.rs",
+            "../optimized/src/simd/weights.rs",
+            "../optimized/src/simd/span.rs",
+            "../optimized/src/simd/avx2/weights.rs",
+            "../optimized/src/simd/avx2/span.rs",
+            "../optimized/src/simd/avx512/weights.rs",
             "src/gguf.rs",
             "../spec/src/query.rs",
         ],

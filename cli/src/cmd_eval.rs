@@ -39,8 +39,9 @@ pub struct Args {
     /// suite].
     #[arg(long)]
     pub kl_length: Option<usize>,
-    /// Methods (comma-separated): full, quest, quest-sink, naive2d, kvq8, kvq4, mosaic,
-    /// mosaic-ref, with optional :key=value overrides.
+    /// Methods (comma-separated): full, quest, quest-sink, naive2d, kvq8, kvq4, kvq8-norot,
+    /// kvq4-norot, turboquant:<preset>, mosaic, mosaic-ref, with optional :key=value overrides
+    /// (quest-sink, naive2d and mosaic-ref run on the f64 oracle: named only, never by default).
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_METHODS)]
     pub methods: Vec<String>,
     /// Seed of the task generator (sample i uses seed + i).

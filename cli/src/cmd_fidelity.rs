@@ -17,8 +17,8 @@ pub struct Args {
     /// Prompt length in tokens (the niah prompt and the teacher-forced text prefix).
     #[arg(long, default_value_t = 2048)]
     pub length: usize,
-    /// Methods compared with full attention (quest-sink and naive2d only in a build with the
-    /// oracle, the default).
+    /// Methods compared with full attention (quest-sink and naive2d, which run on the f64
+    /// oracle, only when named, in a build with the oracle, the default).
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_METHODS)]
     pub methods: Vec<String>,
     /// Decode steps measured on the niah prompt.

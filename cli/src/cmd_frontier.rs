@@ -17,7 +17,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Channel retentions swept for mosaic (fixed policy, g = 1) and naive2d.
+    /// Channel retentions swept for mosaic (fixed policy, g = 1) (and naive2d with
+    /// --oracle-baselines).
     #[arg(long, value_delimiter = ',', default_value = "0.25,0.375,0.5,0.625")]
     pub retentions: Vec<f64>,
     /// Loss thresholds `key_loss/value_loss` swept for mosaic's default (loss-threshold) policy.
@@ -31,6 +32,10 @@ pub struct Args {
     /// `mosaic:aloss=0.1/0.001` for the attention loss of SPEC.md section 11.1.1).
     #[arg(long, value_delimiter = ',')]
     pub extra: Vec<String>,
+    /// Also sweep quest-sink and naive2d, which only the f64 oracle implements (slow; needs
+    /// a build with the `oracle` feature, the default).
+    #[arg(long)]
+    pub oracle_baselines: bool,
     /// Tasks of the accuracy part.
     #[arg(
         long,
@@ -73,7 +78,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<(), CliError> {
-    let methods = frontier::methods(&a.retentions, &a.thresholds, &a.extra)?;
+    let methods = frontier::methods(&a.retentions, &a.thresholds, &a.extra, a.oracle_baselines)?;
     frontier::check_suite(&a.lengths, a.samples)?;
     let model_path = mosaickv_engine::resolve_model(a.model.as_deref())?;
     let model = mosaickv_engine::Model::load(&model_path)?;

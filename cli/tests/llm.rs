@@ -43,6 +43,8 @@ fn eval_writes_json_records() {
         json.to_str().unwrap(),
         "--plot",
         svg.to_str().unwrap(),
+        // not resumed from a run log an earlier run of this test left in the cache
+        "--fresh",
     ]);
     assert_eq!(o.code, 0, "stderr: {}", o.stderr);
     // stderr is a pipe here, not a terminal: a plain line per finished prompt.

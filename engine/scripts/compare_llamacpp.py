@@ -5,7 +5,7 @@ Usage:  python3 -m pip install llama-cpp-python numpy
         cargo build --release -p mosaickv-engine --example bench
         python3 engine/scripts/compare_llamacpp.py [--lengths 1024,3072,6144] [--steps 32]
             [--methods full,mosaic] [--threads 2] [--json FILE] [--model GGUF|qwen2.5-1.5b]
-            [--llama-kv f16,q4_0]
+            [--llama-kv f16,q4_0] [--bench-b OTHER_BENCH --label-b NAME]
 
 The prompts are the first N tokens of a fixed filler text, tokenized by our engine
 (`bench --tokens-only`; the golden test checks that our tokenizer agrees with llama.cpp's), so
@@ -26,6 +26,9 @@ fraction it saw. llama.cpp's OpenMP threads spin at barriers by default, which c
 speed when other processes compete for the 2 cores (measured here at load ~5: decode 5 tok/s
 with the default policy, 18-23 tok/s with passive); the script therefore runs it with
 OMP_WAIT_POLICY=passive unless --omp-wait-policy says otherwise or the variable is already set.
+With --bench-b, a second build of our `bench` (another commit, say) runs each method right
+after the first, in the same interleaving: rows `ours / METHOD` and `ours (NAME) / METHOD`,
+a before/after comparison that shares its llama.cpp runs and its machine state.
 Prints a Markdown table; --json writes every record (llama.cpp's records carry its
 `llama_print_system_info()`: the CPU features its build uses).
 
@@ -189,6 +192,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=default_model())
     ap.add_argument("--bench", default=os.path.join(ROOT, "target", "release", "examples", "bench"))
+    ap.add_argument("--bench-b", help="a second build of the bench example, run after each of ours")
+    ap.add_argument("--label-b", default="B", help="the name of --bench-b's rows")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine and length; the fastest is reported")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for idle CPUs before each run")
     ap.add_argument("--omp-wait-policy", default="passive", help="OMP_WAIT_POLICY for llama.cpp ('' = leave unset)")
@@ -203,6 +208,8 @@ def main():
     args.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY", "")
     if not os.path.exists(args.bench):
         sys.exit(f"{args.bench} not found: run cargo build --release -p mosaickv-engine --example bench")
+    if args.bench_b and not os.path.exists(args.bench_b):
+        sys.exit(f"--bench-b {args.bench_b} not found")
     if not os.path.exists(args.model):
         sys.exit(f"{args.model} not found: run the engine once (it fetches the model) or pass --model")
 
@@ -225,13 +232,16 @@ def main():
                 r = llama_cpp(llm, args, n, prompts[n], kv)
                 r["idle_before"] = idle
                 runs.setdefault(f"llama.cpp/{kv}", []).append(r)
+            benches = [("ours", args.bench)] + ([(f"ours ({args.label_b})", args.bench_b)] if args.bench_b else [])
             for m in args.methods.split(","):
-                idle = wait_quiet(args.quiet_wait)
-                (o,) = run_bench(args.bench, args, ["--method", m], [n])
-                o["idle_before"] = idle
-                o["engine"] = "ours"
-                runs.setdefault(m, []).append(o)
-                print(f"ours/{m} {n}: prefill {o['prefill_s']:.2f} s, decode {o['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+                for engine, bench in benches:
+                    idle = wait_quiet(args.quiet_wait)
+                    (o,) = run_bench(bench, args, ["--method", m], [n])
+                    o["idle_before"] = idle
+                    o["engine"] = engine
+                    runs.setdefault(f"{engine} / {m}", []).append(o)
+                    print(f"{engine}/{m} {n}: prefill {o['prefill_s']:.2f} s, decode {o['decode_tok_s']:.1f} tok/s",
+                          file=sys.stderr)
         raw.append(runs)
         ref.extend(best(runs.pop(f"llama.cpp/{kv}")) for kv in kvs)
         ours.extend(best(v) for v in runs.values())
@@ -253,7 +263,7 @@ def main():
                   f"{q['decode_tok_s']:.1f} | {q['decode_ms']:.1f} | {q['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
                   f"{q['kv_bytes'] / 2**20:.1f} | {idle(q)} |")
         for o in (o for o in ours if o["length"] == n):
-            print(f"| {n} | ours / {o['method']} | {o['prefill_s']:.2f} | {o['prefill_s'] / r['prefill_s']:.2f}x | "
+            print(f"| {n} | {o['engine']} / {o['method']} | {o['prefill_s']:.2f} | {o['prefill_s'] / r['prefill_s']:.2f}x | "
                   f"{o['decode_tok_s']:.1f} | {o['decode_ms']:.1f} ({o['decode_kv_ms']:.1f}) | "
                   f"{o['decode_tok_s'] / r['decode_tok_s']:.2f}x | {o['kv_bytes'] / 2**20:.1f} | {idle(o)} |")
     if args.json:

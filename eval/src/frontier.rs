@@ -1,6 +1,7 @@
 //! The accuracy-memory frontier (issues 4, 14): channel retention swept for MosaicKV (fixed
-//! policy) and naive 2-D, the loss thresholds of MosaicKV's default policy, plus every other
-//! baseline of SPEC.md section 12 (full, quest, quest-sink, kvq8, kvq4) on the same prompts;
+//! policy) and, with `--oracle-baselines`, naive 2-D, the loss thresholds of MosaicKV's default
+//! policy, plus the other baselines of SPEC.md section 12 (full, quest, kvq8, kvq4; quest-sink
+//! with `--oracle-baselines`) on the same prompts;
 //! for each: the suite's mean accuracy (with the headline cells' pooled accuracy and Wilson
 //! interval) and the teacher-forced KL against the full cache, each beside the KV bytes per
 //! token it reached. A table and two SVG plots.
@@ -25,18 +26,29 @@ pub struct Swept {
     pub retention: Option<f64>,
 }
 
-/// The methods of a frontier, in order: full, quest, quest-sink, kvq8, kvq4, mosaic at each
-/// retention (fixed policy, g = 1) with naive2d at the same, mosaic at each
+/// The methods of a frontier, in order: full, quest, (quest-sink,) kvq8, kvq4, mosaic at each
+/// retention (fixed policy, g = 1) (with naive2d at the same), mosaic at each
 /// `key_loss/value_loss` threshold, the `extra` method strings not already there, and mosaic's
-/// default when none of these is it. Without the oracle, quest-sink and naive2d are left out.
-pub fn methods(retentions: &[f64], thresholds: &[String], extra: &[String]) -> Result<Vec<Swept>> {
+/// default when none of these is it. quest-sink and naive2d, which only the f64 oracle
+/// implements, are in it only with `oracle_baselines` (an error in a build without the oracle).
+pub fn methods(
+    retentions: &[f64],
+    thresholds: &[String],
+    extra: &[String],
+    oracle_baselines: bool,
+) -> Result<Vec<Swept>> {
     let swept = |method, family, retention| Swept {
         method,
         family,
         retention,
     };
-    // quest-sink and naive2d exist only in the oracle: in a build without it they are left out
-    let oracle = mosaickv_methods::has_oracle();
+    // quest-sink and naive2d exist only in the oracle: swept only when asked for
+    if oracle_baselines && !mosaickv_methods::has_oracle() {
+        return Err(EvalError::Input(
+            "quest-sink and naive2d need the oracle (a build with the `oracle` feature)".into(),
+        ));
+    }
+    let oracle = oracle_baselines;
     let mut methods = vec![
         swept(Method::Full, "full", None),
         swept(Method::parse("quest")?, "quest", None),
@@ -236,36 +248,46 @@ mod tests {
 
     #[test]
     fn the_sweep_lists_the_baselines_then_retentions_thresholds_and_extras_once() {
-        let m = methods(
-            &[0.5],
-            &["0.01/0.03".into()],
-            &["kvq8".into(), "mosaic:aloss=0.1/0.001".into()],
-        )
-        .unwrap();
+        let extra = ["kvq8".into(), "mosaic:aloss=0.1/0.001".into()];
         let oracle = mosaickv_methods::has_oracle();
-        let mut families = vec!["full", "quest"];
-        if oracle {
-            families.push("quest-sink");
+        for with_oracle in [false, true] {
+            let m = methods(&[0.5], &["0.01/0.03".into()], &extra, with_oracle);
+            if with_oracle && !oracle {
+                assert!(m.is_err(), "oracle baselines in a build without the oracle");
+                continue;
+            }
+            let m = m.unwrap();
+            let mut families = vec!["full", "quest"];
+            if with_oracle {
+                families.push("quest-sink");
+            }
+            families.extend(["kvq8", "kvq4", "mosaic (fixed)"]);
+            if with_oracle {
+                families.push("naive2d");
+            }
+            // the extra kvq8 is there already; mosaic's default is added last
+            families.extend([
+                "mosaic (loss threshold)",
+                "mosaic (attention loss)",
+                "mosaic (loss threshold)",
+            ]);
+            assert_eq!(m.iter().map(|s| s.family).collect::<Vec<_>>(), families);
+            let swept: Vec<_> = m.iter().filter_map(|s| s.retention).collect();
+            assert_eq!(
+                swept,
+                if with_oracle {
+                    vec![0.5, 0.5]
+                } else {
+                    vec![0.5]
+                }
+            );
+            assert_eq!(m.last().unwrap().method, Method::parse("mosaic").unwrap());
         }
-        families.extend(["kvq8", "kvq4", "mosaic (fixed)"]);
-        if oracle {
-            families.push("naive2d");
-        }
-        // the extra kvq8 is there already; mosaic's default is added last
-        families.extend([
-            "mosaic (loss threshold)",
-            "mosaic (attention loss)",
-            "mosaic (loss threshold)",
-        ]);
-        assert_eq!(m.iter().map(|s| s.family).collect::<Vec<_>>(), families);
-        let swept: Vec<_> = m.iter().filter_map(|s| s.retention).collect();
-        assert_eq!(swept, if oracle { vec![0.5, 0.5] } else { vec![0.5] });
-        assert_eq!(m.last().unwrap().method, Method::parse("mosaic").unwrap());
     }
 
     #[test]
     fn bad_thresholds_and_suites_are_refused() {
-        let e = methods(&[], &["x".into()], &[]).unwrap_err();
+        let e = methods(&[], &["x".into()], &[], false).unwrap_err();
         assert_eq!(
             e.to_string(),
             "--thresholds: \"x\" is not key_loss/value_loss"
