@@ -17,6 +17,7 @@
 //! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
 //! allocates nothing once the buffers have grown to the cache's size.
 
+use crate::profile::{Lap, Stage, StageClocks, StepProfile};
 use crate::select::{
     given_blocks, rotate_and_select, segment_geometry, segment_of, selection_of, SegGeom,
     SelectBuffers,
@@ -26,6 +27,7 @@ use half::f16;
 use mosaickv_spec::{CompressedCache, MosaicError, RecordLayout, Result, Selection};
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::time::Instant;
 
 /// Selected blocks per work unit (flash-decoding split inside a segment).
 pub const UNIT_BLOCKS: usize = 32;
@@ -262,6 +264,67 @@ pub fn packed_attention(
     out: Option<&mut [f32]>,
     sc: &mut MosaicScratch,
 ) -> Result<Option<Selection>> {
+    step(path, cache, queries, src, want_selection, out, sc, None)
+}
+
+/// [`packed_attention`] with its selection computed and its output written, timed stage by
+/// stage into `profile` (issue 38; see [`crate::profile`]): the same arithmetic, plus a clock
+/// read per phase, and per tile of 16 tokens and stage.
+pub fn packed_attention_profiled(
+    path: Path,
+    cache: &CompressedCache,
+    queries: &[f32],
+    out: &mut [f32],
+    sc: &mut MosaicScratch,
+    profile: &mut StepProfile,
+) -> Result<()> {
+    let clocks = StageClocks::default();
+    let mut wall = StepProfile::default();
+    let src = SelectionSource::Compute;
+    step(
+        path,
+        cache,
+        queries,
+        src,
+        false,
+        Some(out),
+        sc,
+        Some((&clocks, &mut wall)),
+    )?;
+    profile.steps += 1;
+    profile.select_wall += wall.select_wall;
+    profile.plan_wall += wall.plan_wall;
+    profile.units_wall += wall.units_wall;
+    profile.merge_wall += wall.merge_wall;
+    for (t, stage) in profile.thread.iter_mut().zip(Stage::ALL) {
+        *t += clocks.get(stage);
+    }
+    Ok(())
+}
+
+/// The decode step of [`packed_attention`]; with `prof`, the phases' wall times go to its
+/// [`StepProfile`] and the stages' thread times to its [`StageClocks`].
+#[allow(clippy::too_many_arguments)]
+fn step(
+    path: Path,
+    cache: &CompressedCache,
+    queries: &[f32],
+    src: SelectionSource<'_>,
+    want_selection: bool,
+    out: Option<&mut [f32]>,
+    sc: &mut MosaicScratch,
+    mut prof: Option<(&StageClocks, &mut StepProfile)>,
+) -> Result<Option<Selection>> {
+    let clocks = prof.as_ref().map(|p| p.0);
+    let mut phase = prof.as_ref().map(|_| Instant::now());
+    // the wall time since the previous phase's end, charged to `field` of the profile
+    let mut charge = |field: fn(&mut StepProfile) -> &mut std::time::Duration| {
+        if let (Some((_, p)), Some(t)) = (prof.as_mut(), phase.as_mut()) {
+            let now = Instant::now();
+            *field(p) += now - *t;
+            *t = now;
+        }
+    };
     if cache.is_empty() {
         return Err(MosaicError::EmptyCache);
     }
@@ -287,12 +350,13 @@ pub fn packed_attention(
             sel: &mut sc.sel,
             keys: &mut sc.keys,
         };
-        rotate_and_select(path, cache, queries, &sc.geom, compute, bufs);
+        rotate_and_select(path, cache, queries, &sc.geom, compute, bufs, clocks);
     }
     if let SelectionSource::Given(given) = src {
         given_blocks(given, &sc.geom, kv, nseg, &mut sc.sel)?;
     }
     let selection = (compute && want_selection).then(|| selection_of(&sc.sel, &sc.geom, nseg));
+    charge(|p| &mut p.select_wall);
     let Some(out) = out else {
         return Ok(selection);
     };
@@ -302,6 +366,7 @@ pub fn packed_attention(
     let plen = partial_len(g, dm.dpv_max.max(dp));
     sc.partials.resize(sc.units.len() * plen, 0.0);
     let scale = 1.0 / (d as f32).sqrt();
+    charge(|p| &mut p.plan_wall);
     {
         let (units, geom, sel, qrot) = (&sc.units, &sc.geom, &sc.sel, &sc.qrot);
         sc.partials
@@ -311,9 +376,10 @@ pub fn packed_attention(
                 let gm = geom[u.head * nseg + u.seg];
                 let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
                 let blocks = &sel[u.head][u.s0..u.s1];
-                attend_unit(path, cache, u, gm, blocks, q, g, scale, st);
+                attend_unit(path, cache, u, gm, blocks, q, g, scale, st, clocks);
             });
     }
+    charge(|p| &mut p.units_wall);
 
     // SPEC 9: per KV head, the dense rows, then the units' partials merged, the values
     // rotated back once per (segment, head).
@@ -341,6 +407,7 @@ pub fn packed_attention(
             out[(h * g + k) * d..(h * g + k + 1) * d].copy_from_slice(&o_acc[k * dp..k * dp + d]);
         }
     }
+    charge(|p| &mut p.merge_wall);
     Ok(selection)
 }
 
@@ -421,7 +488,7 @@ pub(crate) fn tile_key_logits(
 /// softmax, and the values accumulated in the segment's rotated space, into the partial `st`.
 /// The values take the fastest kernel the path has for their layout: accumulated straight
 /// from f16 records, from int8/int4 records at their kept dims only (sparse), or expanded to
-/// a tile first.
+/// a tile first. With `clocks`, each step's thread time is charged to its [`Stage`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_unit(
     path: Path,
@@ -433,6 +500,7 @@ pub(crate) fn attend_unit(
     g: usize,
     scale: f32,
     st: &mut [f32],
+    clocks: Option<&StageClocks>,
 ) {
     let hs = &cache.segments[u.seg].heads[u.head];
     let seg_len = cache.segments[u.seg].len;
@@ -458,6 +526,7 @@ pub(crate) fn attend_unit(
     let half_keys =
         !kl.dtype.is_quantized() && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
     with_tiles(dpmax, g, |kt, vt, lg| {
+        let mut lap = Lap::new(clocks);
         // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
         // scattered, so the hardware prefetcher cannot guess them).
         let prefetch = |i: usize| {
@@ -484,6 +553,7 @@ pub(crate) fn attend_unit(
                 let n = (t1 - t).min(TILE);
                 let kb = &hs.keys.bytes[t * krb..];
                 tile_key_logits(path, kl, kb, n, q, g, gm.dpk, scale, half_keys, kt, lg);
+                lap.lap(Stage::KeyLogits);
                 let st = &mut st[..partial_len(g, gm.dpv)];
                 let vb = &hs.values.bytes[t * vrb..];
                 if fused_v || sparse.is_some() {
@@ -493,6 +563,7 @@ pub(crate) fn attend_unit(
                     let (l, acc) = rest.split_at_mut(g);
                     let corr = &mut corr[..g];
                     path.online_softmax(m, l, &mut [], g, gm.dpv, lg, n, Some(&mut *corr));
+                    lap.lap(Stage::Softmax);
                     if let Some(plan) = &sparse {
                         let acc_t = &mut vt[..plan.len(gm.dtv)];
                         plan.rescale(acc_t, corr);
@@ -510,24 +581,33 @@ pub(crate) fn attend_unit(
                             acc,
                         );
                     }
-                } else if vl.dtype.is_quantized() {
-                    path.expand_records_q(vb, n, vl, gm.dpv, vt);
-                    online_update(path, st, g, gm.dpv, lg, n, vt);
                 } else {
-                    path.expand_records(
-                        vb,
-                        vb.len() - n * vrb,
-                        n,
-                        vrb,
-                        vl.bitmap_bytes(),
-                        vl.group_size,
-                        vl.kept_dims,
-                        vl.r,
-                        gm.dpv,
-                        vt,
-                    );
-                    online_update(path, st, g, gm.dpv, lg, n, vt);
+                    // values expanded to a tile, then the softmax and the accumulation of
+                    // `online_update`
+                    if vl.dtype.is_quantized() {
+                        path.expand_records_q(vb, n, vl, gm.dpv, vt);
+                    } else {
+                        path.expand_records(
+                            vb,
+                            vb.len() - n * vrb,
+                            n,
+                            vrb,
+                            vl.bitmap_bytes(),
+                            vl.group_size,
+                            vl.kept_dims,
+                            vl.r,
+                            gm.dpv,
+                            vt,
+                        );
+                    }
+                    lap.lap(Stage::Values);
+                    let (m, rest) = st.split_at_mut(g);
+                    let (l, acc) = rest.split_at_mut(g);
+                    path.online_softmax(m, l, acc, g, gm.dpv, lg, n, None);
+                    lap.lap(Stage::Softmax);
+                    path.tile_accumulate(lg, g, gm.dpv, vt, n, acc);
                 }
+                lap.lap(Stage::Values);
                 t += n;
             }
         }

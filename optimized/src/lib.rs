@@ -53,6 +53,7 @@ pub mod loss;
 pub mod meta;
 pub mod mosaic;
 pub mod packed;
+pub mod profile;
 pub mod rotation;
 pub mod round;
 pub mod select;

@@ -7,6 +7,7 @@
 //! first block ([`SegGeom::first`]) plus its index in the segment. Selections are kept as
 //! ascending global indices, one list per KV head.
 
+use crate::profile::{Lap, Stage, StageClocks};
 use crate::simd::{pad8, rank_key, Path};
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
 use rayon::prelude::*;
@@ -71,7 +72,7 @@ pub(crate) struct SelectBuffers<'a> {
 /// SPEC 8 for every KV head of `cache`, queries `[q_heads][d]`: the rotated queries of every
 /// segment (8.1) into `bufs.qrot`, and, when `score` is set, the block scores (8.2) and the
 /// selected blocks under `cache`'s token budget (8.3) into `bufs.sel`. The heads run in
-/// parallel.
+/// parallel. With `clocks`, each step's thread time is charged to its [`Stage`].
 pub(crate) fn rotate_and_select(
     path: Path,
     cache: &CompressedCache,
@@ -79,6 +80,7 @@ pub(crate) fn rotate_and_select(
     geom: &[SegGeom],
     score: bool,
     bufs: SelectBuffers<'_>,
+    clocks: Option<&StageClocks>,
 ) {
     let (kv, nseg) = (cache.shape.kv_heads, cache.segments.len());
     let (g, d) = (cache.shape.group(), cache.shape.head_dim);
@@ -90,6 +92,7 @@ pub(crate) fn rotate_and_select(
         .zip(bufs.sel.par_iter_mut().zip(bufs.keys.par_iter_mut()))
         .enumerate()
         .for_each(|(h, ((qr, scores), (sel, keys)))| {
+            let mut lap = Lap::new(clocks);
             let gh = &geom[h * nseg..(h + 1) * nseg];
             let qh = &queries[h * g * d..(h + 1) * g * d];
             // the f16 rotations widened to f32 (exact), one segment at a time
@@ -102,6 +105,7 @@ pub(crate) fn rotate_and_select(
                 for k in 0..g {
                     q[k * gm.dpk + gm.dtk..(k + 1) * gm.dpk].fill(0.0);
                 }
+                lap.lap(Stage::Rotate);
                 if score {
                     path.score_blocks(
                         q,
@@ -113,10 +117,12 @@ pub(crate) fn rotate_and_select(
                         &hs.meta.scale,
                         &mut scores[gm.first..gm.first + gm.blocks],
                     );
+                    lap.lap(Stage::Score);
                 }
             }
             if score {
                 select_head(path, cache, gh, budget, scores, keys, sel);
+                lap.lap(Stage::TopK);
             }
         });
 }

@@ -656,3 +656,38 @@ fn set_q_heads_changes_only_the_group() {
     moved.attend(q.view(), b.view_mut()).unwrap();
     assert_eq!(a, b);
 }
+
+/// The profiled step (issue 38's stage profile) computes the plain step's output bit for bit,
+/// on every path this CPU runs, with quantized and f16 records (the default's loss threshold
+/// picks a mix); it counts one step and charges time to the stages a step runs.
+#[test]
+fn profiled_step_equals_the_plain_step() {
+    use mosaickv_optimized::attention::{
+        packed_attention, packed_attention_profiled, MosaicScratch, SelectionSource,
+    };
+    use mosaickv_optimized::profile::{Stage, StepProfile};
+    let shape = KvShape::new(2, 8, 64).unwrap();
+    let (k, v) = kv(3000, 2, 64, 11);
+    for config in [CompressConfig::default(), CompressConfig::paper_fixed()] {
+        let mut c = OptimizedMosaicCache::new(shape, config).unwrap();
+        c.prefill(k.view(), v.view()).unwrap();
+        let q = queries(8, 64, 12);
+        let qs = q.as_slice().unwrap();
+        for path in Path::ALL.into_iter().filter(|p| p.runs_here()) {
+            let mut sc = MosaicScratch::default();
+            let (mut want, mut got) = (vec![0f32; 8 * 64], vec![0f32; 8 * 64]);
+            let src = SelectionSource::Compute;
+            packed_attention(path, c.compressed(), qs, src, false, Some(&mut want), &mut sc)
+                .unwrap();
+            let mut p = StepProfile::default();
+            packed_attention_profiled(path, c.compressed(), qs, &mut got, &mut sc, &mut p).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&want), bits(&got), "{path:?}");
+            assert_eq!(p.steps, 1);
+            assert!(p.units_wall > std::time::Duration::ZERO, "{path:?}: {p:?}");
+            for stage in [Stage::Rotate, Stage::Score, Stage::KeyLogits, Stage::Values] {
+                assert!(p.thread_time(stage) > std::time::Duration::ZERO, "{stage:?}: {p:?}");
+            }
+        }
+    }
+}
