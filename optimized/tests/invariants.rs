@@ -677,8 +677,16 @@ fn profiled_step_equals_the_plain_step() {
             let mut sc = MosaicScratch::default();
             let (mut want, mut got) = (vec![0f32; 8 * 64], vec![0f32; 8 * 64]);
             let src = SelectionSource::Compute;
-            packed_attention(path, c.compressed(), qs, src, false, Some(&mut want), &mut sc)
-                .unwrap();
+            packed_attention(
+                path,
+                c.compressed(),
+                qs,
+                src,
+                false,
+                Some(&mut want),
+                &mut sc,
+            )
+            .unwrap();
             let mut p = StepProfile::default();
             packed_attention_profiled(path, c.compressed(), qs, &mut got, &mut sc, &mut p).unwrap();
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -686,7 +694,10 @@ fn profiled_step_equals_the_plain_step() {
             assert_eq!(p.steps, 1);
             assert!(p.units_wall > std::time::Duration::ZERO, "{path:?}: {p:?}");
             for stage in [Stage::Rotate, Stage::Score, Stage::KeyLogits, Stage::Values] {
-                assert!(p.thread_time(stage) > std::time::Duration::ZERO, "{stage:?}: {p:?}");
+                assert!(
+                    p.thread_time(stage) > std::time::Duration::ZERO,
+                    "{stage:?}: {p:?}"
+                );
             }
         }
     }

@@ -32,17 +32,24 @@ use std::time::Instant;
 #[command(about = "A MosaicKV decode step's time by stage, beside its bytes and arithmetic")]
 struct Args {
     /// Tokens in the cache.
-    #[arg(long, default_value_t = 131072)]
+    #[arg(long, default_value_t = 131072, value_parser = at_least_one)]
     context: usize,
     /// Configuration: a name of the compare tool (default, paper, ...) or a JSON file.
     #[arg(long, default_value = "default")]
     config: String,
     /// Rounds of one plain and one profiled step (after 5 warm-up rounds).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 40, value_parser = at_least_one)]
     steps: usize,
     /// Also print the numbers as one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
 }
 
 /// Bytes read and arithmetic of one stage of one step.
