@@ -1,7 +1,8 @@
 //! Shared helpers of the benchmarks: memory bandwidth, exact f64 attention, statistics, and
 //! the configurations the compare tool runs.
 
-use mosaickv_spec::{CompressConfig, MosaicError, ValueDtype};
+use mosaickv_optimized::profile::Stage;
+use mosaickv_spec::{CompressConfig, CompressedCache, MosaicError, Selection, ValueDtype};
 use ndarray::{Array2, ArrayView2, ArrayView3};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -265,4 +266,84 @@ mod tests {
         assert_eq!(r[1].config, CompressConfig::paper_fixed());
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// What one stage of a MosaicKV decode step reads and computes (`profile_stages`, and the
+/// bytes `compare` reports).
+#[derive(Debug, Clone, Copy)]
+pub struct StageWork {
+    pub name: &'static str,
+    /// The stage the profiled step times it under (`None`: timed only as part of a phase).
+    pub stage: Option<Stage>,
+    /// Bytes read.
+    pub bytes: usize,
+    /// Whether those bytes are the cache's (false: the step's own scratch).
+    pub from_cache: bool,
+    /// Multiply-adds: f32 FMAs, int8 products for the block scores, exps for the softmax,
+    /// one per score for the top blocks. Key logits and values count what the tile kernels
+    /// do (`n * g * pad8(Dt)`), not the `r` kept elements.
+    pub multiply_adds: usize,
+}
+
+/// The work of each stage of one MosaicKV decode step over cache `c` with selection `sel`:
+/// all block metadata and every segment's K rotation (queries are rotated per segment), the
+/// selected K and V records (bitmap, scale, values, padding), the V rotations of segments
+/// with a selected block, the dense sink + buffer rows, and the top blocks' scratch.
+pub fn step_work(c: &CompressedCache, sel: &Selection) -> [StageWork; 8] {
+    let s = &c.shape;
+    let (g, d) = (s.group(), s.head_dim);
+    let pad8 = |x: usize| x.div_ceil(8) * 8;
+    let work = |name, stage, from_cache| StageWork {
+        name,
+        stage,
+        bytes: 0,
+        from_cache,
+        multiply_adds: 0,
+    };
+    let mut rot = work("SPEC 8.1 rotate queries", Some(Stage::Rotate), true);
+    let mut score = work("SPEC 8.2 block scores", Some(Stage::Score), true);
+    let mut topk = work("SPEC 8.3 top blocks", Some(Stage::TopK), false);
+    let mut keys = work("SPEC 9 key logits", Some(Stage::KeyLogits), true);
+    let mut soft = work("SPEC 9 softmax (exps)", Some(Stage::Softmax), true);
+    let mut vals = work("SPEC 9 values", Some(Stage::Values), true);
+    let mut dense = work("SPEC 9 dense rows (sink, buffer)", None, true);
+    let mut merge = work("SPEC 9 merge + back-rotation", None, true);
+    for (h, blocks) in sel.per_head.iter().enumerate() {
+        let mut touched = vec![false; c.segments.len()];
+        for &(si, b) in blocks {
+            let seg = &c.segments[si as usize];
+            let hs = &seg.heads[h];
+            let bs = hs.strategy.block_size;
+            let n = (seg.len - b as usize * bs).min(bs);
+            let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
+            keys.bytes += n * kl.record_bytes();
+            keys.multiply_adds += n * g * pad8(kl.kept_dims);
+            soft.multiply_adds += n * g;
+            vals.bytes += n * vl.record_bytes();
+            vals.multiply_adds += n * g * pad8(vl.kept_dims);
+            touched[si as usize] = true;
+        }
+        for (si, seg) in c.segments.iter().enumerate() {
+            let hs = &seg.heads[h];
+            let (dtk, dtv) = (
+                hs.strategy.key.layout.kept_dims,
+                hs.strategy.value.layout.kept_dims,
+            );
+            let blocks = seg.len.div_ceil(hs.strategy.block_size.max(1));
+            // the stored rotations, D x Dt f16 (SPEC.md section 3)
+            rot.bytes += std::mem::size_of_val(&hs.strategy.key.rotation[..]);
+            rot.multiply_adds += g * d * dtk;
+            score.bytes += hs.meta.bytes();
+            score.multiply_adds += 2 * blocks * g * dtk;
+            topk.bytes += 12 * blocks; // a score written and read, a rank key
+            topk.multiply_adds += blocks;
+            if touched[si] {
+                merge.bytes += std::mem::size_of_val(&hs.strategy.value.rotation[..]);
+                merge.multiply_adds += g * d * dtv;
+            }
+        }
+    }
+    dense.bytes = c.sink.bytes() + c.buffer.bytes();
+    dense.multiply_adds = 2 * (c.sink.tokens + c.buffer.tokens) * s.q_heads * d;
+    [rot, score, topk, keys, soft, vals, dense, merge]
 }

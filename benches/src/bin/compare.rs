@@ -32,7 +32,8 @@
 
 use clap::Parser;
 use mosaickv_benches::{
-    exact_full_attention, median, read_bandwidth_gbps, rel_l2, resolve_configs, LabeledConfig,
+    exact_full_attention, median, read_bandwidth_gbps, rel_l2, resolve_configs, step_work,
+    LabeledConfig,
 };
 use mosaickv_optimized::{CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
 use mosaickv_reference::{synthetic, ReferenceBackend};
@@ -178,34 +179,16 @@ fn time_steps(
     Ok((median(&samples), samples.len()))
 }
 
-/// Bytes a MosaicKV step reads: all block metadata, K rotations of every segment
-/// (queries are rotated per segment), V rotations of segments with a selected block,
-/// the selected K and V records (bitmap, scale, values, padding), and the dense sink +
-/// buffer rows.
+/// Bytes a MosaicKV step reads from the cache ([`step_work`]'s stages): all block metadata,
+/// K rotations of every segment, V rotations of segments with a selected block, the selected
+/// K and V records, and the dense sink + buffer rows.
 fn mosaic_bytes(c: &CompressedCache, q: &Array2<f32>) -> BoxResult<usize> {
     let sel = CpuBackend::new().select(c, q.view())?;
-    let mut bytes = c.sink.bytes() + c.buffer.bytes();
-    for (h, blocks) in sel.per_head.iter().enumerate() {
-        let mut touched = vec![false; c.segments.len()];
-        for &(s, b) in blocks {
-            let seg = &c.segments[s as usize];
-            let hs = &seg.heads[h];
-            let bs = hs.strategy.block_size;
-            let n = (seg.len - b as usize * bs).min(bs);
-            bytes += n
-                * (hs.strategy.key.layout.record_bytes() + hs.strategy.value.layout.record_bytes());
-            touched[s as usize] = true;
-        }
-        for (s, seg) in c.segments.iter().enumerate() {
-            let hs = &seg.heads[h];
-            // the stored rotations, D x Dt f16 (SPEC.md section 3)
-            bytes += hs.meta.bytes() + std::mem::size_of_val(&hs.strategy.key.rotation[..]);
-            if touched[s] {
-                bytes += std::mem::size_of_val(&hs.strategy.value.rotation[..]);
-            }
-        }
-    }
-    Ok(bytes)
+    Ok(step_work(c, &sel)
+        .iter()
+        .filter(|w| w.from_cache)
+        .map(|w| w.bytes)
+        .sum())
 }
 
 /// The strategy mix of compressed caches: per side, the share of (segment token, head)

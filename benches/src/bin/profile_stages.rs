@@ -14,14 +14,14 @@
 //! Bytes and arithmetic are counted on the first query set's selection.
 
 use clap::Parser;
-use mosaickv_benches::{read_bandwidth_gbps, resolve_config};
+use mosaickv_benches::{median, read_bandwidth_gbps, resolve_config, step_work};
 use mosaickv_optimized::attention::{
     packed_attention, packed_attention_profiled, MosaicScratch, SelectionSource,
 };
-use mosaickv_optimized::profile::{Stage, StepProfile};
+use mosaickv_optimized::profile::StepProfile;
 use mosaickv_optimized::{OptimizedMosaicCache, Path};
 use mosaickv_reference::synthetic;
-use mosaickv_spec::{CompressedCache, KvCache, KvShape, Selection};
+use mosaickv_spec::{KvCache, KvShape};
 use ndarray::Array2;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -50,77 +50,6 @@ fn at_least_one(s: &str) -> Result<usize, String> {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("{s:?} is not a whole number of at least 1")),
     }
-}
-
-/// Bytes read and arithmetic of one stage of one step.
-#[derive(Default, Clone, Copy)]
-struct Work {
-    bytes: f64,
-    /// Multiply-adds (f32 FMAs, or int8 products for the block scores).
-    fmas: f64,
-}
-
-/// What each stage of the step reads and computes, for the selection `sel`.
-fn work(c: &CompressedCache, sel: &Selection) -> [(&'static str, Work); 8] {
-    let s = &c.shape;
-    let (g, d) = (s.group() as f64, s.head_dim as f64);
-    let pad8 = |x: usize| x.div_ceil(8) as f64 * 8.0;
-    let mut rot = Work::default();
-    let mut score = Work::default();
-    let mut topk = Work::default();
-    let mut keys = Work::default();
-    let mut soft = Work::default();
-    let mut vals = Work::default();
-    let mut merge = Work::default();
-    for (h, blocks) in sel.per_head.iter().enumerate() {
-        let mut touched = vec![false; c.segments.len()];
-        for &(si, b) in blocks {
-            let seg = &c.segments[si as usize];
-            let hs = &seg.heads[h];
-            let bs = hs.strategy.block_size;
-            let n = (seg.len - b as usize * bs).min(bs) as f64;
-            let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
-            keys.bytes += n * kl.record_bytes() as f64;
-            keys.fmas += n * g * pad8(kl.kept_dims);
-            soft.fmas += n * g; // one exp each
-            vals.bytes += n * vl.record_bytes() as f64;
-            vals.fmas += n * g * pad8(vl.kept_dims);
-            touched[si as usize] = true;
-        }
-        for (si, seg) in c.segments.iter().enumerate() {
-            let hs = &seg.heads[h];
-            let (dtk, dtv) = (
-                hs.strategy.key.layout.kept_dims as f64,
-                hs.strategy.value.layout.kept_dims as f64,
-            );
-            let nb = seg.len.div_ceil(hs.strategy.block_size.max(1)) as f64;
-            rot.bytes += 2.0 * d * dtk;
-            rot.fmas += g * d * dtk;
-            score.bytes += hs.meta.bytes() as f64;
-            score.fmas += 2.0 * nb * g * dtk;
-            topk.bytes += 12.0 * nb; // a score written and read, a rank key
-            topk.fmas += nb;
-            if touched[si] {
-                merge.bytes += 2.0 * d * dtv;
-                merge.fmas += g * d * dtv;
-            }
-        }
-    }
-    let dense = (c.sink.tokens + c.buffer.tokens) as f64;
-    let dense_work = Work {
-        bytes: (c.sink.bytes() + c.buffer.bytes()) as f64,
-        fmas: 2.0 * dense * s.q_heads as f64 * d,
-    };
-    [
-        ("SPEC 8.1 rotate queries", rot),
-        ("SPEC 8.2 block scores", score),
-        ("SPEC 8.3 top blocks", topk),
-        ("SPEC 9 key logits", keys),
-        ("SPEC 9 softmax (exps)", soft),
-        ("SPEC 9 values", vals),
-        ("SPEC 9 dense rows (sink, buffer)", dense_work),
-        ("SPEC 9 merge + back-rotation", merge),
-    ]
 }
 
 fn main() {
@@ -164,7 +93,7 @@ fn run(a: Args) -> Result<(), Box<dyn Error>> {
         &mut sc,
     )?
     .expect("a computed selection");
-    let stages = work(&c, &sel);
+    let stages = step_work(&c, &sel);
 
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let mut q = base[0].clone();
@@ -205,11 +134,10 @@ fn run(a: Args) -> Result<(), Box<dyn Error>> {
             }
         }
     }
-    plain.sort_by(f64::total_cmp);
-    let plain_ms = plain[plain.len() / 2] * 1e3;
+    let plain_ms = median(&plain) * 1e3;
     let n = prof.steps as f64;
     let ms = |x: std::time::Duration| x.as_secs_f64() * 1e3 / n;
-    let total_bytes: f64 = stages.iter().map(|s| s.1.bytes).sum();
+    let total_bytes: f64 = stages.iter().map(|w| w.bytes as f64).sum();
     let at_bw = |bytes: f64| bytes / (gbps * 1e9) * 1e3;
 
     println!(
@@ -254,33 +182,23 @@ fn run(a: Args) -> Result<(), Box<dyn Error>> {
         "| stage | thread ms per step | MB read | M multiply-adds | ms at {gbps:.1} GB/s | GB/s reached | G multiply-adds/s |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    let thread_of = |name: &str| -> Option<f64> {
-        let stage = match name {
-            "SPEC 8.1 rotate queries" => Stage::Rotate,
-            "SPEC 8.2 block scores" => Stage::Score,
-            "SPEC 8.3 top blocks" => Stage::TopK,
-            "SPEC 9 key logits" => Stage::KeyLogits,
-            "SPEC 9 softmax (exps)" => Stage::Softmax,
-            "SPEC 9 values" => Stage::Values,
-            _ => return None,
-        };
-        Some(ms(prof.thread_time(stage)))
-    };
     let mut rows = Vec::new();
-    for (name, w) in stages {
-        let t = thread_of(name);
-        let cell = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map_or("-".into(), f);
+    for w in stages {
+        let t = w.stage.map(|stage| ms(prof.thread_time(stage)));
+        let (bytes, fmas) = (w.bytes as f64, w.multiply_adds as f64);
+        let cell = |f: &dyn Fn(f64) -> String| t.map_or("-".into(), f);
         println!(
-            "| {name} | {} | {:.2} | {:.1} | {:.2} | {} | {} |",
-            cell(t, &|t| format!("{t:.2}")),
-            w.bytes / 1e6,
-            w.fmas / 1e6,
-            at_bw(w.bytes),
-            cell(t, &|t| format!("{:.1}", w.bytes / (t * 1e-3) / 1e9)),
-            cell(t, &|t| format!("{:.1}", w.fmas / (t * 1e-3) / 1e9)),
+            "| {} | {} | {:.2} | {:.1} | {:.2} | {} | {} |",
+            w.name,
+            cell(&|t| format!("{t:.2}")),
+            bytes / 1e6,
+            fmas / 1e6,
+            at_bw(bytes),
+            cell(&|t| format!("{:.1}", bytes / (t * 1e-3) / 1e9)),
+            cell(&|t| format!("{:.1}", fmas / (t * 1e-3) / 1e9)),
         );
         rows.push(serde_json::json!({
-            "stage": name, "thread_ms": t, "bytes": w.bytes, "multiply_adds": w.fmas,
+            "stage": w.name, "thread_ms": t, "bytes": bytes, "multiply_adds": fmas,
         }));
     }
     if a.json {

@@ -121,3 +121,20 @@ pub fn exp_shifted_in_place(xs: &mut [f32], shift: f32) {
         *x = e * f32::from_bits(bits);
     }
 }
+
+/// The softmax numerators of a span's scores, `[group][m]` in place (`exp(score - max)` per
+/// query head), with each head's max and sum: the part the portable and AVX2 span kernels of
+/// the engine's dense attention share (inlined, so the AVX2 kernel compiles it for AVX2).
+#[inline(always)]
+pub(crate) fn span_softmax(scores: &mut [f32], group: usize, m: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut mx = vec![0f32; group];
+    let mut sum = vec![0f32; group];
+    for g in 0..group {
+        let s = &mut scores[g * m..(g + 1) * m];
+        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        exp_shifted_in_place(s, mg);
+        mx[g] = mg;
+        sum[g] = s.iter().sum();
+    }
+    (mx, sum)
+}

@@ -5,7 +5,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
-use super::common::exp_shifted_in_place;
+use super::common::span_softmax;
 use super::Path;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -58,15 +58,7 @@ fn span_partial_portable(
             scores[g * m + i] = dot(&qg[g * d..(g + 1) * d], krow);
         }
     }
-    let mut mx = vec![0f32; group];
-    let mut sum = vec![0f32; group];
-    for g in 0..group {
-        let s = &mut scores[g * m..(g + 1) * m];
-        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        exp_shifted_in_place(s, mg);
-        mx[g] = mg;
-        sum[g] = s.iter().sum();
-    }
+    let (mx, sum) = span_softmax(&mut scores, group, m);
     values.convert_to_f32_slice(&mut buf);
     let mut acc = vec![0f32; group * d];
     for (i, vrow) in buf.chunks_exact(d).enumerate() {

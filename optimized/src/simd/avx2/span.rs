@@ -1,7 +1,7 @@
 //! The AVX2/FMA/F16C kernel of the engine's dense attention over one token span
 //! (`simd/span.rs`).
 
-use crate::simd::common::exp_shifted_in_place;
+use crate::simd::common::span_softmax;
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -54,15 +54,7 @@ pub(crate) unsafe fn span_partial(
             *scores.get_unchecked_mut(g * m + t) = _mm_cvtss_f32(h);
         }
     }
-    let mut mx = vec![0f32; group];
-    let mut sum = vec![0f32; group];
-    for g in 0..group {
-        let s = &mut scores[g * m..(g + 1) * m];
-        let mg = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        exp_shifted_in_place(s, mg);
-        mx[g] = mg;
-        sum[g] = s.iter().sum();
-    }
+    let (mx, sum) = span_softmax(&mut scores, group, m);
     let mut acc = vec![0f32; group * d];
     let ap = acc.as_mut_ptr();
     for t in 0..m {
