@@ -433,9 +433,11 @@ pub(crate) fn plan_units(sel: &[Vec<u32>], geom: &[SegGeom], nseg: usize, units:
 }
 
 /// SPEC 9 key logits of one tile: `n` key records of layout `kl` (record 0 at `kb[0]`) against
-/// the rotated queries `q` (`[g][dpk]`), scaled, into `lg` (`[g][TILE]`). The records are
-/// expanded into the key tile `kt` first: to f16 where `half_keys` (read by the f16 logits
-/// kernel), to decoded f32 for int8/int4, to f32 otherwise.
+/// the rotated queries `q` (`[g][dpk]`), scaled, into `lg` (`[g][TILE]`). On the AVX2 path
+/// int8/int4 records are decoded in registers by the logits kernel itself
+/// ([`Path::tile_logits_q`]); otherwise the records are expanded into the key tile `kt` first:
+/// to f16 where `half_keys` (read by the f16 logits kernel), to decoded f32 for int8/int4, to
+/// f32 otherwise. Every route gives the logits the tile route gives on the same path.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub(crate) fn tile_key_logits(
@@ -459,6 +461,9 @@ pub(crate) fn tile_key_logits(
         let kr = (kb, krb, kl.bitmap_bytes());
         path.expand_records_h(kr, n, kl.kept_dims, kl.r, dpk, kh);
         path.tile_logits_h(q, g, dpk, kh, n, scale, lg);
+    } else if path.fused_keys_q(kl) {
+        // int8/int4 records decoded in registers (AVX2), no tile
+        path.tile_logits_q(q, g, dpk, kb, kl, n, scale, lg);
     } else if kl.dtype.is_quantized() {
         path.expand_records_q(kb, n, kl, dpk, kt);
         path.tile_logits(q, g, dpk, kt, n, scale, lg);
@@ -483,8 +488,9 @@ pub(crate) fn tile_key_logits(
 /// head `u.head`, geometry `gm`, tile by tile: key logits ([`tile_key_logits`]), the online
 /// softmax, and the values accumulated in the segment's rotated space, into the partial `st`.
 /// The values take the fastest kernel the path has for their layout: accumulated straight
-/// from f16 records, from int8/int4 records at their kept dims only (sparse), or expanded to
-/// a tile first. With `clocks`, each step's thread time is charged to its [`Stage`].
+/// from f16 records, from int8/int4 records at their kept dims only (AVX-512: into a
+/// head-minor accumulator, [`Path::sparse_accumulate_q`]; AVX2: into the dense one,
+/// [`Path::kept_accumulate_q`]), or expanded to a tile first. With `clocks`, each step's thread time is charged to its [`Stage`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_unit(
     path: Path,
@@ -519,6 +525,8 @@ pub(crate) fn attend_unit(
     } else {
         None
     };
+    // AVX2: int8/int4 values that keep at most half their dims are added at those dims only.
+    let kept_v = sparse.is_none() && !fused_v && path.kept_values_q(vl);
     let half_keys =
         !kl.dtype.is_quantized() && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
     with_tiles(dpmax, g, |kt, vt, lg| {
@@ -577,6 +585,14 @@ pub(crate) fn attend_unit(
                             acc,
                         );
                     }
+                } else if kept_v {
+                    // int8/int4 values added at their kept dims only, into the dense
+                    // accumulator the softmax step has rescaled
+                    let (m, rest) = st.split_at_mut(g);
+                    let (l, acc) = rest.split_at_mut(g);
+                    path.online_softmax(m, l, acc, g, gm.dpv, lg, n, None);
+                    lap.lap(Stage::Softmax);
+                    path.kept_accumulate_q(lg, g, gm.dpv, vb, vl, n, acc);
                 } else {
                     // values expanded to a tile, then the softmax and the accumulation of
                     // `online_update`

@@ -143,6 +143,7 @@ fn main() {
             black_box(&acc);
         });
     }
+    quantized_records(path, &mut rnd);
     // Dense f16 rows, d = 128 (full attention's inner loop).
     let d = 128;
     let rows: Vec<f16> = (0..TILE * d)
@@ -178,4 +179,82 @@ fn main() {
         );
         black_box(&sel);
     });
+}
+
+/// int8 records of the shipped default at 131,072 tokens (`profile_stages`: keys Dt 128, g 1,
+/// r 80; values Dt 128, g 4, r 16; 4 query heads per KV head): the tile kernels (expand, then
+/// logits or accumulation) beside the kernels that read the records directly where the path
+/// has them (AVX2: `tile_logits_q`, `kept_accumulate_q`).
+fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
+    use mosaickv_optimized::packed::pack_rotated;
+    use mosaickv_spec::{RecordLayout, ValueDtype};
+    let (g, d) = (4usize, 128usize);
+    let rows: Vec<f64> = (0..TILE * d)
+        .map(|_| (rnd() % 10_000) as f64 / 1250.0 - 4.0)
+        .collect();
+    let layout = |group_size, r| RecordLayout {
+        head_dim: d,
+        kept_dims: d,
+        r,
+        group_size,
+        dtype: ValueDtype::Int8,
+    };
+    let (kl, vl) = (layout(1, 80), layout(4, 16));
+    let keys = pack_rotated(&rows, d, &kl).expect("valid key layout").bytes;
+    let values = pack_rotated(&rows, d, &vl)
+        .expect("valid value layout")
+        .bytes;
+    let q: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();
+    let (mut tile, mut lg) = (vec![0f32; TILE * d], vec![0f32; g * TILE]);
+    time("int8 keys r=80: expand_records_q", TILE, 100_000, || {
+        path.expand_records_q(&keys, TILE, &kl, d, &mut tile);
+        black_box(&tile);
+    });
+    time("tile_logits (per token, g=4, 128)", TILE, 100_000, || {
+        path.tile_logits(&q, g, d, &tile, TILE, 0.1, &mut lg);
+        black_box(&lg);
+    });
+    time(
+        "int8 keys r=80: expand + tile_logits",
+        TILE,
+        100_000,
+        || {
+            path.expand_records_q(&keys, TILE, &kl, d, &mut tile);
+            path.tile_logits(&q, g, d, &tile, TILE, 0.1, &mut lg);
+            black_box(&lg);
+        },
+    );
+    if path.fused_keys_q(&kl) {
+        time("int8 keys r=80: tile_logits_q", TILE, 100_000, || {
+            path.tile_logits_q(&q, g, d, &keys, &kl, TILE, 0.1, &mut lg);
+            black_box(&lg);
+        });
+        time("int8 keys r=80: tile_logits_q g=1", TILE, 100_000, || {
+            path.tile_logits_q(&q, 1, d, &keys, &kl, TILE, 0.1, &mut lg);
+            black_box(&lg);
+        });
+    }
+    let p: Vec<f32> = (0..g * TILE).map(|i| 1e-3 * i as f32).collect();
+    let mut acc = vec![0f32; g * d];
+    time(
+        "int8 values g=4 r=16: expand + accumulate",
+        TILE,
+        100_000,
+        || {
+            path.expand_records_q(&values, TILE, &vl, d, &mut tile);
+            path.tile_accumulate(&p, g, d, &tile, TILE, &mut acc);
+            black_box(&acc);
+        },
+    );
+    if path.kept_values_q(&vl) {
+        time(
+            "int8 values g=4 r=16: kept_accumulate_q",
+            TILE,
+            100_000,
+            || {
+                path.kept_accumulate_q(&p, g, d, &values, &vl, TILE, &mut acc);
+                black_box(&acc);
+            },
+        );
+    }
 }

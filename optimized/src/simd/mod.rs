@@ -23,7 +23,7 @@
 //! | path choice and CPU detection | `path.rs` | | |
 //! | tile size, `pad8`, shared scalar arithmetic (f16 widening, `exp`, SPEC 8.2's combination) | `common.rs` | | |
 //! | SPEC 6 bitmap expansion | `expand.rs` | `avx2/expand.rs` | `avx512/expand.rs` |
-//! | SPEC 6 int8/int4 expansion (code unpacking) | `quant.rs` | `avx2/quant.rs` | `avx512/quant.rs` |
+//! | SPEC 6 int8/int4 expansion (code unpacking); SPEC 9 straight from int8/int4 records (key logits, values at the kept dims) | `quant.rs` | `avx2/quant.rs` | `avx512/quant.rs` |
 //! | int8/int4 kernel limits, scalar code unpacking, the sparse-values plan | `codes.rs` | | |
 //! | SPEC 8.1 query rotation | `rotate.rs` | `avx2/rotate.rs` | `avx512/rotate.rs` |
 //! | SPEC 8.2 block scores | `score.rs` | `avx2/score.rs` | `avx512/score.rs` |

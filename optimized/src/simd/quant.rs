@@ -133,6 +133,97 @@ impl Path {
     }
 }
 
+impl Path {
+    /// Whether [`Path::tile_logits_q`] takes key records of `layout`: the AVX2 path, int8/int4
+    /// records within the SIMD kernels' limits. (The AVX-512 path expands a tile and runs its
+    /// 16-lane logits kernel.)
+    #[inline]
+    pub fn fused_keys_q(self, layout: &RecordLayout) -> bool {
+        cfg!(target_arch = "x86_64")
+            && self == Path::Avx2
+            && layout.dtype.is_quantized()
+            && layout.r <= QUANT_SIMD_MAX_R
+            && layout.kept_dims <= QUANT_SIMD_MAX_R
+    }
+
+    /// SPEC.md section 9, key side, on packed int8/int4 records: `out[h * TILE + t] = scale *
+    /// (q_h . k^_t)` for the `n` records in `bytes` and `g` heads (`q` `[g][dp]`), each record
+    /// decoded in registers: the same bits as [`Path::expand_records_q`] then
+    /// [`Path::tile_logits`]. Only where [`Path::fused_keys_q`] holds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn tile_logits_q(
+        self,
+        q: &[f32],
+        g: usize,
+        dp: usize,
+        bytes: &[u8],
+        layout: &RecordLayout,
+        n: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        assert!(
+            self.fused_keys_q(layout)
+                && n <= TILE
+                && bytes.len() >= n * layout.record_bytes()
+                && q.len() >= g * dp
+                && out.len() >= g * TILE
+                && dp >= layout.kept_dims
+                && dp % 8 == 0
+        );
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `fused_keys_q` holds (AVX2 detected, the kernel's limits) and the sizes are
+        // asserted above; the kernel reads inside the records and writes `g * TILE` logits.
+        unsafe {
+            avx2::quant::tile_logits_q(q, g, dp, bytes, layout, n, scale, out)
+        }
+    }
+
+    /// Whether [`Path::kept_accumulate_q`] takes value records of `layout`: the AVX2 path
+    /// (AVX-512 has [`Path::sparse_accumulate_q`]), int8/int4 records that keep at most half of
+    /// their `Dt` dims, within the SIMD kernels' limits.
+    #[inline]
+    pub fn kept_values_q(self, layout: &RecordLayout) -> bool {
+        cfg!(target_arch = "x86_64")
+            && self == Path::Avx2
+            && layout.dtype.is_quantized()
+            && layout.r <= QUANT_SIMD_MAX_R
+            && 2 * layout.r <= layout.kept_dims
+    }
+
+    /// SPEC.md section 9, value side, on packed int8/int4 records, at their kept dims only:
+    /// `acc[h * dp + j] += p[h * TILE + t] * v^_t[j]` (tokens in order, one FMA each) into the
+    /// dense accumulator `[g][dp]`. The same bits as [`Path::expand_records_q`] then
+    /// [`Path::tile_accumulate`]. Only where [`Path::kept_values_q`] holds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kept_accumulate_q(
+        self,
+        p: &[f32],
+        g: usize,
+        dp: usize,
+        bytes: &[u8],
+        layout: &RecordLayout,
+        n: usize,
+        acc: &mut [f32],
+    ) {
+        assert!(
+            self.kept_values_q(layout)
+                && n <= TILE
+                && bytes.len() >= n * layout.record_bytes()
+                && p.len() >= g * TILE
+                && acc.len() >= g * dp
+                && dp >= layout.kept_dims
+        );
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `kept_values_q` holds (AVX2 detected, the kernel's limits) and the sizes are
+        // asserted above; the kernel adds at most r / g groups, each below group Dt / g, so it
+        // writes inside `acc`.
+        unsafe {
+            avx2::quant::kept_accumulate_q(p, g, dp, bytes, layout, n, acc)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,5 +381,152 @@ mod tests {
             }
         }
         assert_eq!(cases, 18);
+    }
+
+    /// The layouts the fused AVX2 kernels are checked on: every group size the default
+    /// policy uses and g = 8, `Dt` not a multiple of 8 (60) and truncated, `r` from 4 to
+    /// `Dt`, int8 and int4.
+    fn fused_layouts() -> Vec<RecordLayout> {
+        let mut v = Vec::new();
+        for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+            for &(d, g, dt, r) in &[
+                (128usize, 1usize, 128usize, 80usize),
+                (128, 1, 128, 96),
+                (128, 4, 128, 16),
+                (128, 2, 96, 32),
+                (128, 8, 128, 64),
+                (64, 1, 64, 7),
+                (64, 4, 48, 4),
+                (64, 1, 64, 64),
+                (80, 4, 60, 28),
+                (80, 1, 60, 9),
+                (32, 2, 32, 4),
+            ] {
+                let layout = RecordLayout {
+                    head_dim: d,
+                    kept_dims: dt,
+                    r,
+                    group_size: g,
+                    dtype,
+                };
+                layout.validate().unwrap();
+                v.push(layout);
+            }
+        }
+        v
+    }
+
+    /// The fused AVX2 key logits give the bits of expanding the records and running the
+    /// tile logits kernel, for 1 to 9 heads (head groups of four and a remainder), odd and
+    /// even record counts, and a query wider than the records (zero chunks past `Dt`).
+    #[test]
+    fn fused_key_logits_equal_expand_then_logits() {
+        if !Path::Avx2.runs_here() {
+            eprintln!("no AVX2 here: nothing to compare");
+            return;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(13);
+        for layout in fused_layouts() {
+            assert!(Path::Avx2.fused_keys_q(&layout));
+            let d = layout.head_dim;
+            let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
+            let packed = pack_rotated(&rows, d, &layout).unwrap();
+            for (g, n, wider) in [(1, 16, 0), (3, 15, 0), (4, 16, 8), (6, 1, 0), (9, 7, 16)] {
+                let dp = crate::simd::pad8(layout.kept_dims) + wider;
+                let q: Vec<f32> = (0..g * dp).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let mut tile = vec![0f32; TILE * dp];
+                Path::Avx2.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
+                let mut want = vec![0f32; g * TILE];
+                Path::Avx2.tile_logits(&q, g, dp, &tile, n, 0.125, &mut want);
+                let mut got = vec![7f32; g * TILE];
+                Path::Avx2.tile_logits_q(&q, g, dp, &packed.bytes, &layout, n, 0.125, &mut got);
+                for h in 0..g {
+                    for t in 0..n {
+                        let (a, b) = (got[h * TILE + t], want[h * TILE + t]);
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{layout:?} g {g} h {h} t {t}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 value accumulation at the kept dims gives the bits of expanding the records
+    /// and accumulating the tile, over several tiles with a nonzero starting accumulator.
+    #[test]
+    fn kept_accumulate_equals_expand_then_accumulate() {
+        if !Path::Avx2.runs_here() {
+            eprintln!("no AVX2 here: nothing to compare");
+            return;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(14);
+        let mut cases = 0;
+        for layout in fused_layouts() {
+            if !Path::Avx2.kept_values_q(&layout) {
+                assert!(2 * layout.r > layout.kept_dims, "{layout:?}");
+                continue;
+            }
+            let d = layout.head_dim;
+            for (g, n) in [(1, 16), (3, 13), (4, 16), (7, 1)] {
+                let dp = crate::simd::pad8(layout.kept_dims);
+                let start: Vec<f32> = (0..g * dp).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let (mut dense, mut kept) = (start.clone(), start);
+                for _tile in 0..3 {
+                    let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
+                    let packed = pack_rotated(&rows, d, &layout).unwrap();
+                    let p: Vec<f32> = (0..g * TILE).map(|_| rng.gen_range(0.0..1.0)).collect();
+                    let mut tile = vec![0f32; TILE * dp];
+                    Path::Avx2.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
+                    Path::Avx2.tile_accumulate(&p, g, dp, &tile, n, &mut dense);
+                    Path::Avx2.kept_accumulate_q(&p, g, dp, &packed.bytes, &layout, n, &mut kept);
+                }
+                for (i, (a, b)) in kept.iter().zip(&dense).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{layout:?} g {g} at {i}: {a} vs {b}"
+                    );
+                }
+                cases += 1;
+            }
+        }
+        assert_eq!(cases, 4 * 16);
+    }
+
+    /// A record whose bitmap keeps more groups than `r` allows (corrupt: `validate` refuses
+    /// it) neither crashes the fused kernels nor makes them read or write past their buffers:
+    /// they stop at `r` codes.
+    #[test]
+    fn fused_kernels_stop_at_r_on_an_overfull_bitmap() {
+        if !Path::Avx2.runs_here() {
+            return;
+        }
+        for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+            let layout = RecordLayout {
+                head_dim: 64,
+                kept_dims: 64,
+                r: 8,
+                group_size: 1,
+                dtype,
+            };
+            let mut rec = vec![0u8; layout.record_bytes() * 2];
+            let rb = layout.record_bytes();
+            for t in 0..2 {
+                rec[t * rb..t * rb + 8].fill(0xff); // 64 bits set, r = 8
+                rec[t * rb + 8..t * rb + 12].copy_from_slice(&[0, 0x3c, 0, 0x3c]);
+                // m = s = 1
+            }
+            let q = vec![1f32; 64];
+            let mut out = vec![0f32; TILE];
+            Path::Avx2.tile_logits_q(&q, 1, 64, &rec, &layout, 2, 1.0, &mut out);
+            assert!(out[..2].iter().all(|x| x.is_finite()), "{out:?}");
+            let p = vec![1f32; TILE];
+            let mut acc = vec![0f32; 64];
+            Path::Avx2.kept_accumulate_q(&p, 1, 64, &rec, &layout, 2, &mut acc);
+            assert_eq!(acc.iter().filter(|&&x| x != 0.0).count(), 8, "{acc:?}");
+        }
     }
 }

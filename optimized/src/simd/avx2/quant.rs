@@ -2,7 +2,9 @@
 //! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
 //! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
 
+use super::hsum;
 use crate::simd::codes::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
+use crate::simd::common::TILE;
 use crate::simd::path::Path;
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
@@ -202,4 +204,349 @@ unsafe fn expand_q_bits(bits: &[u8], rec: &[u8], layout: &RecordLayout, row: &mu
         off = (off + byte.count_ones() as usize).min(r);
     }
     row[8 * chunks..].fill(0.0);
+}
+
+/// One int8/int4 record ready to be decoded eight dims at a time in registers (SPEC 6's
+/// `m + code * s` at the kept dims, 0 elsewhere): its kept dims as one bit per dim, its
+/// minimum and scale broadcast, and where its codes are read. int8 codes are read from the
+/// records' bytes (8 at a time, which may run past the record but not past the slice; the
+/// slice's last record copies its codes, zero-padded), int4 codes are unpacked one byte each.
+struct Decoder {
+    /// The record's bitmap (g = 1, `Dt` a multiple of 8) or `spread`.
+    bits: *const u8,
+    spread: [u8; QUANT_SIMD_MAX_R / 8],
+    min: __m256,
+    scale: __m256,
+    /// Code `i` is the byte at `at + i`: in the records' bytes, or in `codes`.
+    at: *const u8,
+    r: usize,
+    codes: [u8; QUANT_SIMD_MAX_R + CODE_SLACK],
+}
+
+impl Decoder {
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    unsafe fn new() -> Self {
+        Decoder {
+            bits: std::ptr::null(),
+            spread: [0; QUANT_SIMD_MAX_R / 8],
+            min: _mm256_setzero_ps(),
+            scale: _mm256_setzero_ps(),
+            at: std::ptr::null(),
+            r: 0,
+            codes: [0; QUANT_SIMD_MAX_R + CODE_SLACK],
+        }
+    }
+
+    /// Points the decoder at the record of `layout` at `bytes[at..]` (a whole record, `r` and
+    /// `kept_dims` at most `QUANT_SIMD_MAX_R`).
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    unsafe fn load(&mut self, bytes: &[u8], at: usize, layout: &RecordLayout) {
+        let rec = &bytes[at..at + layout.record_bytes()];
+        let (dt, r) = (layout.kept_dims, layout.r);
+        if layout.group_size == 1 && dt % 8 == 0 {
+            self.bits = rec.as_ptr();
+        } else {
+            let nb = dt.div_ceil(8);
+            if layout.group_size == 1 {
+                self.spread[..nb].copy_from_slice(&rec[..nb]);
+            } else {
+                self.spread[..nb].fill(0);
+                spread_groups(rec, layout, &mut self.spread);
+            }
+            // Bits past Dt (in the last bitmap byte) are never set in a valid record;
+            // cleared anyway so that no lane past Dt is decoded.
+            if dt % 8 != 0 {
+                self.spread[nb - 1] &= (1u8 << (dt % 8)) - 1;
+            }
+            self.bits = self.spread.as_ptr();
+        }
+        let vo = layout.values_offset();
+        self.r = r;
+        if layout.dtype == ValueDtype::Int8 && at + vo + r + 8 <= bytes.len() {
+            // an 8-byte load at any offset up to r stays inside the slice
+            self.at = rec[vo..].as_ptr();
+        } else {
+            if layout.dtype == ValueDtype::Int8 {
+                self.codes[..r].copy_from_slice(&rec[vo..vo + r]);
+                self.codes[r..r + 8].fill(0);
+            } else {
+                unpack_codes(layout.dtype, &rec[vo..], r, &mut self.codes);
+            }
+            self.at = self.codes.as_ptr();
+        }
+        let o = layout.bitmap_bytes();
+        let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+        self.min = _mm256_broadcastss_ps(ms);
+        self.scale = _mm256_broadcastss_ps(_mm_movehdup_ps(ms));
+    }
+
+    /// Dims `8c .. 8c + 8` decoded, `off` being the number of kept dims before them (at most
+    /// `r`); returns them and the offset of the next chunk.
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[inline]
+    unsafe fn chunk(&self, c: usize, off: usize) -> (__m256, usize) {
+        let byte = *self.bits.add(c) as usize;
+        let v = _mm_loadl_epi64(self.at.add(off) as *const __m128i);
+        let m = _mm_loadl_epi64(EXPAND_LUT8[byte].as_ptr() as *const __m128i);
+        let e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, m));
+        // the same fused multiply-add and mask as `expand_q_bits`: the same floats
+        let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), self.scale, self.min);
+        let kept = _mm256_loadu_si256(LANE_MASK[byte].as_ptr() as *const __m256i);
+        let next = (off + byte.count_ones() as usize).min(self.r);
+        (_mm256_and_ps(x, _mm256_castsi256_ps(kept)), next)
+    }
+}
+
+/// SPEC 9 key logits straight from `n` int8/int4 records (`layout`, record 0 at `bytes[0]`):
+/// `out[h * TILE + t] = scale * (q_h . k^_t)` for `g` heads (`q` `[g][dp]`, `dp` a multiple of
+/// 8 and at least `kept_dims`). Each record is decoded in registers as `expand_q` writes it
+/// and multiplied as `tiles::tile_logits` multiplies the expanded tile (per head and token one
+/// FMA chain over the dims in order, then the same horizontal sum), so the logits are the same
+/// bits, without the tile's store and reload. Heads four at a time, two records per pass.
+///
+/// # Safety
+/// AVX2, FMA, F16C and POPCNT available; `layout` is int8/int4 with `r` and `kept_dims` at
+/// most `QUANT_SIMD_MAX_R`; `bytes` holds `n` records; `n <= TILE`; `q.len() >= g * dp`;
+/// `out.len() >= g * TILE`; `dp >= kept_dims`, a multiple of 8.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+pub unsafe fn tile_logits_q(
+    q: &[f32],
+    g: usize,
+    dp: usize,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    Path::Avx2.ran();
+    let mut dec = [Decoder::new(), Decoder::new()];
+    let mut h0 = 0;
+    while h0 < g {
+        let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE));
+        match g - h0 {
+            1 => logits_q_n::<1>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+            2 => logits_q_n::<2>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+            3 => logits_q_n::<3>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+            _ => logits_q_n::<4>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+        }
+        h0 += 4;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+unsafe fn logits_q_n<const N: usize>(
+    q: *const f32,
+    dp: usize,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    scale: f32,
+    out: *mut f32,
+    dec: &mut [Decoder; 2],
+) {
+    let rb = layout.record_bytes();
+    let chunks = layout.kept_dims.div_ceil(8);
+    let mut t = 0;
+    while t + 2 <= n {
+        dec[0].load(bytes, t * rb, layout);
+        dec[1].load(bytes, (t + 1) * rb, layout);
+        let mut a0 = [_mm256_setzero_ps(); N];
+        let mut a1 = [_mm256_setzero_ps(); N];
+        let (mut o0, mut o1) = (0, 0);
+        for c in 0..chunks {
+            let (k0, n0) = dec[0].chunk(c, o0);
+            let (k1, n1) = dec[1].chunk(c, o1);
+            (o0, o1) = (n0, n1);
+            for h in 0..N {
+                let qv = _mm256_loadu_ps(q.add(h * dp + 8 * c));
+                a0[h] = _mm256_fmadd_ps(qv, k0, a0[h]);
+                a1[h] = _mm256_fmadd_ps(qv, k1, a1[h]);
+            }
+        }
+        // the expanded tile's zero chunks past Dt, multiplied as `tile_logits` does
+        let zero = _mm256_setzero_ps();
+        for c in chunks..dp / 8 {
+            for h in 0..N {
+                let qv = _mm256_loadu_ps(q.add(h * dp + 8 * c));
+                a0[h] = _mm256_fmadd_ps(qv, zero, a0[h]);
+                a1[h] = _mm256_fmadd_ps(qv, zero, a1[h]);
+            }
+        }
+        for h in 0..N {
+            *out.add(h * TILE + t) = scale * hsum(a0[h]);
+            *out.add(h * TILE + t + 1) = scale * hsum(a1[h]);
+        }
+        t += 2;
+    }
+    if t < n {
+        dec[0].load(bytes, t * rb, layout);
+        let mut a = [_mm256_setzero_ps(); N];
+        let mut o = 0;
+        for c in 0..chunks {
+            let (k, next) = dec[0].chunk(c, o);
+            o = next;
+            for h in 0..N {
+                a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * dp + 8 * c)), k, a[h]);
+            }
+        }
+        let zero = _mm256_setzero_ps();
+        for c in chunks..dp / 8 {
+            for h in 0..N {
+                a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * dp + 8 * c)), zero, a[h]);
+            }
+        }
+        for h in 0..N {
+            *out.add(h * TILE + t) = scale * hsum(a[h]);
+        }
+    }
+}
+
+/// SPEC 9 values straight from `n` int8/int4 records (`layout`, record 0 at `bytes[0]`),
+/// at their kept dims only: `acc[h * dp + j] += p[h * TILE + t] * v^_t[j]` for the kept dims
+/// `j` of each record, tokens in order, one FMA each. A dim a record does not keep adds
+/// `p * 0` in the dense accumulation, which leaves the (never `-0`) sum as it is, so `acc`
+/// gets the same bits as expanding the tile and accumulating it (`tiles::tile_accumulate`).
+/// Each record's `r` values are decoded once (`m + code * s`), then added group by group.
+///
+/// # Safety
+/// AVX2, FMA, F16C and POPCNT available; `layout` is int8/int4 with `r` at most
+/// `QUANT_SIMD_MAX_R`; `bytes` holds `n` records; `n <= TILE`; `p.len() >= g * TILE`;
+/// `acc.len() >= g * dp`, `dp >= kept_dims`.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+pub unsafe fn kept_accumulate_q(
+    p: &[f32],
+    g: usize,
+    dp: usize,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    acc: &mut [f32],
+) {
+    Path::Avx2.ran();
+    match layout.group_size {
+        1 => kept_accumulate_g::<1>(p, g, dp, bytes, layout, n, acc),
+        2 => kept_accumulate_g::<2>(p, g, dp, bytes, layout, n, acc),
+        4 => kept_accumulate_g::<4>(p, g, dp, bytes, layout, n, acc),
+        8 => kept_accumulate_g::<8>(p, g, dp, bytes, layout, n, acc),
+        _ => kept_accumulate_g::<0>(p, g, dp, bytes, layout, n, acc),
+    }
+}
+
+/// [`kept_accumulate_q`] for group size `G` (0: any, read from the layout).
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+unsafe fn kept_accumulate_g<const G: usize>(
+    p: &[f32],
+    g: usize,
+    dp: usize,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    acc: &mut [f32],
+) {
+    let gs = if G == 0 { layout.group_size } else { G };
+    let (r, rb, bb) = (layout.r, layout.record_bytes(), layout.bitmap_bytes());
+    let (words, groups, vo) = (bb / 4, layout.kept_dims / gs, layout.values_offset());
+    let int8 = layout.dtype == ValueDtype::Int8;
+    let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    // the decoded values, whole registers
+    let mut dv = [0f32; QUANT_SIMD_MAX_R + 8];
+    let ap = acc.as_mut_ptr();
+    for t in 0..n {
+        let rec = &bytes[t * rb..(t + 1) * rb];
+        // int8 codes read in place while an 8-byte load past the last one stays in the slice
+        let src = if int8 && t * rb + vo + r + 8 <= bytes.len() {
+            rec[vo..].as_ptr()
+        } else {
+            if int8 {
+                codes[..r].copy_from_slice(&rec[vo..vo + r]);
+                codes[r..r + 8].fill(0);
+            } else {
+                unpack_codes(layout.dtype, &rec[vo..], r, &mut codes);
+            }
+            codes.as_ptr()
+        };
+        let ms = u32::from_le_bytes([rec[bb], rec[bb + 1], rec[bb + 2], rec[bb + 3]]);
+        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+        let min = _mm256_broadcastss_ps(ms);
+        let scale = _mm256_broadcastss_ps(_mm_movehdup_ps(ms));
+        let mut i = 0;
+        while i < r {
+            let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src.add(i) as *const __m128i));
+            let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), scale, min);
+            _mm256_storeu_ps(dv.as_mut_ptr().add(i), x);
+            i += 8;
+        }
+        let pt = p.as_ptr().add(t);
+        let mut off = 0usize;
+        for w in 0..words {
+            let mut bits =
+                u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
+            // Bits past the last group are not read, nor more than r / g groups: a record
+            // that broke the layout's invariants cannot make the kernel write out of bounds.
+            if groups < 32 * (w + 1) {
+                bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
+            }
+            while bits != 0 && off + gs <= r {
+                let a0 = ap.add((32 * w + bits.trailing_zeros() as usize) * gs);
+                bits &= bits - 1;
+                let v = dv.as_ptr().add(off);
+                match G {
+                    4 => {
+                        let v = _mm_loadu_ps(v);
+                        for h in 0..g {
+                            let (a, ph) = (a0.add(h * dp), _mm_broadcast_ss(&*pt.add(h * TILE)));
+                            _mm_storeu_ps(a, _mm_fmadd_ps(ph, v, _mm_loadu_ps(a)));
+                        }
+                    }
+                    8 => {
+                        let v = _mm256_loadu_ps(v);
+                        for h in 0..g {
+                            let (a, ph) = (a0.add(h * dp), _mm256_broadcast_ss(&*pt.add(h * TILE)));
+                            _mm256_storeu_ps(a, _mm256_fmadd_ps(ph, v, _mm256_loadu_ps(a)));
+                        }
+                    }
+                    _ => {
+                        for h in 0..g {
+                            add_scaled(a0.add(h * dp), *pt.add(h * TILE), v, gs);
+                        }
+                    }
+                }
+                off += gs;
+            }
+        }
+    }
+}
+
+/// `a[i] += p * v[i]` for `i < len`, one FMA each (eight, four, then one lane at a time).
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn add_scaled(a: *mut f32, p: f32, v: *const f32, len: usize) {
+    let mut i = 0;
+    while i + 8 <= len {
+        let x = _mm256_fmadd_ps(
+            _mm256_set1_ps(p),
+            _mm256_loadu_ps(v.add(i)),
+            _mm256_loadu_ps(a.add(i)),
+        );
+        _mm256_storeu_ps(a.add(i), x);
+        i += 8;
+    }
+    if i + 4 <= len {
+        let x = _mm_fmadd_ps(
+            _mm_set1_ps(p),
+            _mm_loadu_ps(v.add(i)),
+            _mm_loadu_ps(a.add(i)),
+        );
+        _mm_storeu_ps(a.add(i), x);
+        i += 4;
+    }
+    while i < len {
+        let x = _mm_fmadd_ss(_mm_set_ss(p), _mm_load_ss(v.add(i)), _mm_load_ss(a.add(i)));
+        _mm_store_ss(a.add(i), x);
+        i += 1;
+    }
 }
