@@ -88,11 +88,19 @@ fn prompt_tokens(model: &Model, n: usize) -> BoxResult<Vec<u32>> {
     let filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. \
         Rivers run to the sea, and the sea does not fill up. Clouds drift over the quiet hills. \
         A farmer counted his sheep at dusk, then went inside to light the fire and read a book. ";
-    let per = model.encode_raw(filler)?.len();
-    let text = filler.repeat(n / per + 2);
-    let mut ids = model.encode_raw(&text)?;
-    ids.truncate(n);
-    Ok(ids)
+    let per = model.encode_raw(filler)?.len().max(1);
+    // Repeated, the filler takes a few tokens fewer per copy than alone (merges across the
+    // joins), so more copies are added until there are n tokens; the first try is the text
+    // every earlier run used.
+    let mut copies = n / per + 2;
+    loop {
+        let mut ids = model.encode_raw(&filler.repeat(copies))?;
+        if ids.len() >= n {
+            ids.truncate(n);
+            return Ok(ids);
+        }
+        copies += copies / 8 + 1;
+    }
 }
 
 fn main() -> BoxResult<()> {

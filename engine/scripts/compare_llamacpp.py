@@ -11,7 +11,7 @@ The prompts are the first N tokens of a fixed filler text, tokenized by our engi
 (`bench --tokens-only`; the golden test checks that our tokenizer agrees with llama.cpp's), so
 both engines see exactly the same token ids. For each length:
 
-* llama.cpp (llama-cpp-python, n_ctx 8192, n_threads and n_threads_batch = --threads,
+* llama.cpp (llama-cpp-python, n_ctx 8192 or the longest prompt plus --steps, n_threads and n_threads_batch = --threads,
   n_batch 512): `eval(prompt)` timed as prefill, then --steps greedy `eval([token])` steps timed
   as decode, with each KV-cache type of --llama-kv (default f16, llama.cpp's default; q8_0 and
   q4_0 run with flash attention on, which llama.cpp needs for a quantized V cache).
@@ -108,9 +108,17 @@ def run_bench(bench, args, extra, lengths=None):
 KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
 
 
+def llama_n_ctx(args):
+    """llama.cpp's context: 8,192 tokens as in every earlier run, or the longest prompt plus its
+    decode steps when that is more (16K and 32K runs, issue 38)."""
+    return max(8192, max(args.lengths) + args.steps + 16)
+
+
 def load_llama(args, kv="f16"):
     """llama.cpp with its default f16 KV cache, or a quantized one (type_k = type_v; llama.cpp
-    needs flash attention for a quantized V cache, so it is on for those)."""
+    needs flash attention for a quantized V cache, so it is on for those). Quantized K/V are
+    stored Hadamard-rotated by llama.cpp itself since 2026-04 unless LLAMA_ATTN_ROT_DISABLE is
+    set; the script records which (`attn_rot` in each record)."""
     from llama_cpp import Llama
 
     extra = {}
@@ -118,7 +126,7 @@ def load_llama(args, kv="f16"):
         extra = {"type_k": KV_TYPES[kv][0], "type_v": KV_TYPES[kv][0], "flash_attn": True}
     return Llama(
         model_path=args.model,
-        n_ctx=8192,
+        n_ctx=llama_n_ctx(args),
         n_batch=512,
         n_threads=args.threads,
         n_threads_batch=args.threads,
@@ -161,6 +169,9 @@ def llama_cpp(llm, args, n, toks, kv="f16"):
         "kv": kv,
         "kv_bytes": n * kv_elems_per_token(llm) * KV_TYPES[kv][1],
         "version": __version__,
+        "n_ctx": llm.n_ctx(),
+        "attn_rot": "off (LLAMA_ATTN_ROT_DISABLE set)" if os.environ.get("LLAMA_ATTN_ROT_DISABLE")
+        else ("on (llama.cpp's default for a quantized K/V cache)" if kv != "f16" else "n/a (f16 cache)"),
         "system_info": llama_print_system_info().decode(errors="replace").strip(),
         "length": n,
         "prefill_s": prefill_s,

@@ -240,6 +240,7 @@ impl Decoder {
     /// Points the decoder at the record of `layout` at `bytes[at..]` (a whole record, `r` and
     /// `kept_dims` at most `QUANT_SIMD_MAX_R`).
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    #[inline]
     unsafe fn load(&mut self, bytes: &[u8], at: usize, layout: &RecordLayout) {
         let rec = &bytes[at..at + layout.record_bytes()];
         let (dt, r) = (layout.kept_dims, layout.r);
