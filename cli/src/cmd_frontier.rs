@@ -21,11 +21,12 @@ pub struct Args {
     /// --oracle-baselines).
     #[arg(long, value_delimiter = ',', default_value = "0.25,0.375,0.5,0.625")]
     pub retentions: Vec<f64>,
-    /// Loss thresholds `key_loss/value_loss` swept for mosaic's default (loss-threshold) policy.
+    /// Loss thresholds `key_loss/value_loss` swept for mosaic's default (loss-threshold) policy
+    /// (the key loss against the keys' spread, SPEC.md section 11.1; the default is 0.01/0.02).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "0.0025/0.01,0.005/0.02,0.01/0.03,0.02/0.05"
+        default_value = "0.005/0.01,0.01/0.02,0.02/0.03,0.04/0.05"
     )]
     pub thresholds: Vec<String>,
     /// More methods on the same prompts (comma-separated `Method` names, e.g.

@@ -790,7 +790,7 @@ pub fn check_loss_at_threshold(cand: &dyn Backend, head_dim: usize, n: usize, se
                 ),
                 fit_loss: 0.0,
             };
-            let loss = mosaickv_reference::side_loss(rows.view(), &strategy);
+            let loss = mosaickv_reference::side_loss(rows.view(), &strategy, side);
             if let mosaickv_spec::ChannelPolicy::LossThreshold {
                 key_loss,
                 value_loss,

@@ -19,7 +19,8 @@ fn hex(bytes: &[u8], record: usize) -> String {
 fn packed_records_fixed_seed() {
     let mut out = String::new();
     // f16 records (the default before int4/int8 joined it, SPEC.md section 2): these bytes
-    // are pinned since format version 6 (f16 rotations; version 3 for the layout).
+    // are pinned since format version 7 (keys chosen by their loss against their spread;
+    // version 6 for the f16 rotations, version 3 for the layout).
     let f16_default = CompressConfig {
         value_dtypes: vec![ValueDtype::F16],
         ..CompressConfig::default()

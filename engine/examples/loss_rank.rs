@@ -18,7 +18,7 @@ use mosaickv_reference::loss::{errors, key_loss, quadratic, value_loss};
 use mosaickv_reference::rotation::fit_rotation;
 use mosaickv_reference::side_loss;
 use mosaickv_spec::layout::trim_rotation;
-use mosaickv_spec::{rules, CompressConfig, KvShape, QueryStats, SideStrategy};
+use mosaickv_spec::{rules, CompressConfig, KvShape, QueryStats, Side, SideStrategy};
 use mosaickv_tasks::Task;
 use ndarray::{s, Array2};
 use std::path::PathBuf;
@@ -271,7 +271,7 @@ fn main() -> BoxResult<()> {
                         group,
                         bytes: layout.record_bytes(),
                         losses: vec![
-                            side_loss(k.view(), &side),
+                            side_loss(k.view(), &side, Side::Key),
                             key_loss(&e, m, &w),
                             relative(k.view(), &e, m),
                             key_loss(&e, m, &ones),
@@ -301,7 +301,7 @@ fn main() -> BoxResult<()> {
                         group,
                         bytes: layout.record_bytes(),
                         losses: vec![
-                            side_loss(v.view(), &side),
+                            side_loss(v.view(), &side, Side::Value),
                             value_loss(&e, &w, o2),
                             num / den,
                             e.iter()

@@ -225,6 +225,27 @@ fn write(path: &Path, key: &str, model: &Model, p: &Prefill, stats: bool) -> Res
     pending.commit().map_err(io(path))
 }
 
+/// A stored prefill read by its path alone (for measurements on a stored prompt): the key,
+/// token count and statistics flag come from the file's own header, the shape is checked
+/// against `model` and the checksum as for any read.
+pub fn read_stored(path: &Path, model: &Model) -> Result<Prefill> {
+    let bad = |m: &str| EngineError::Format(format!("{}: {m}", path.display()));
+    let mut r = std::io::BufReader::new(std::fs::File::open(path).map_err(io(path))?);
+    let mut head = [0u8; 16];
+    r.read_exact(&mut head).map_err(io(path))?;
+    if &head[..8] != MAGIC {
+        return Err(bad("not a stored prefill"));
+    }
+    let hl = u64::from_le_bytes(head[8..].try_into().expect("8"));
+    if hl > 1 << 16 {
+        return Err(bad("header too long"));
+    }
+    let mut json = vec![0u8; hl as usize];
+    r.read_exact(&mut json).map_err(io(path))?;
+    let h: Header = serde_json::from_slice(&json).map_err(|_| bad("bad header"))?;
+    read(path, &h.key, model, h.tokens, h.stats)
+}
+
 struct CrcRead<R> {
     inner: R,
     crc: crc32fast::Hasher,

@@ -116,9 +116,9 @@ pub struct OptimizedMosaicCache {
     /// f32 rows of the open segment, `[tokens][kv][d]`.
     open_k: Vec<f32>,
     open_v: Vec<f32>,
-    /// Running SPEC 11.1 loss sums (dropped, total) of the open rows under the
-    /// temporary strategy, per head and side (K then V).
-    open_loss: Vec<[(f64, f64); 2]>,
+    /// Running SPEC 11.1 loss sums of the open rows under the temporary strategy, per head
+    /// and side (K then V).
+    open_loss: Vec<[strategy::LossSums; 2]>,
     scratch: MosaicScratch,
     out_tmp: Vec<f32>,
     /// The layer's query statistics for the attention loss (SPEC.md section 11.1), if given.
@@ -216,7 +216,7 @@ impl OptimizedMosaicCache {
             mosaickv_spec::PackedRows,
             mosaickv_spec::PackedRows,
             Vec<f32>,
-            [(f64, f64); 2],
+            [strategy::LossSums; 2],
         );
         let parts: Vec<Part> = first_error_in_order(
             strategies
@@ -244,12 +244,11 @@ impl OptimizedMosaicCache {
         let mut open_loss = if open.is_some() {
             self.open_loss.clone()
         } else {
-            vec![[(0.0, 0.0); 2]; kv]
+            vec![Default::default(); kv]
         };
         for (h, p) in parts.iter().enumerate() {
             for s in 0..2 {
-                open_loss[h][s].0 += p.3[s].0;
-                open_loss[h][s].1 += p.3[s].1;
+                open_loss[h][s].add(&p.3[s]);
             }
         }
         // 3. The close rule (SPEC 10.3); closing fits and encodes the segment's own strategy.
@@ -257,8 +256,8 @@ impl OptimizedMosaicCache {
         let margin = config.segment_loss_margin;
         let drifted = new_len >= config.min_segment_len
             && strategies.iter().zip(&open_loss).any(|(st, sums)| {
-                strategy::loss_of(sums[0]) > st.key.fit_loss + margin
-                    || strategy::loss_of(sums[1]) > st.value.fit_loss + margin
+                sums[0].loss(Side::Key) > st.key.fit_loss + margin
+                    || sums[1].loss(Side::Value) > st.value.fit_loss + margin
             });
         let closed: Option<Vec<HeadSegment>> = if new_len >= config.max_segment_len || drifted {
             let (ok, ov) = (&self.open_k, &self.open_v);

@@ -49,6 +49,85 @@ pub fn row_loss_terms(
     (dropped, total)
 }
 
+/// SPEC 11.1's key denominator sums: `Q = sum_i ||x_i||^2` (per row ascending j, then rows in
+/// order) and `m = sum_i x_i` (per model dim, rows in order), f64 of the f32 rows, and the row
+/// count; the spread is `Q - ||m||^2 / n` (as the reference's `LossSums`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpreadSums {
+    pub sq: f64,
+    pub sum: Vec<f64>,
+    pub rows: usize,
+}
+
+impl SpreadSums {
+    /// The sums of rows `[n][d]`.
+    pub fn of_rows(rows: &[f32], d: usize) -> Self {
+        let mut s = Self::default();
+        s.add_rows(rows, d);
+        s
+    }
+
+    /// Adds rows `[n][d]` in order.
+    pub fn add_rows(&mut self, rows: &[f32], d: usize) {
+        if self.sum.is_empty() {
+            self.sum = vec![0.0; d];
+        }
+        for x in rows.chunks_exact(d) {
+            let mut q = 0f64;
+            for (m, &v) in self.sum.iter_mut().zip(x) {
+                let v = f64::from(v);
+                q += v * v;
+                *m += v;
+            }
+            self.sq += q;
+            self.rows += 1;
+        }
+    }
+
+    /// Adds another run of rows' sums (a flush's, onto the open segment's).
+    pub fn add(&mut self, other: &Self) {
+        if self.sum.is_empty() {
+            self.sum = vec![0.0; other.sum.len()];
+        }
+        for (m, o) in self.sum.iter_mut().zip(&other.sum) {
+            *m += o;
+        }
+        self.sq += other.sq;
+        self.rows += other.rows;
+    }
+
+    /// `Q - ||m||^2 / n` (0 without rows).
+    pub fn spread(&self) -> f64 {
+        if self.rows == 0 {
+            return 0.0;
+        }
+        let m2: f64 = self.sum.iter().map(|m| m * m).sum();
+        self.sq - m2 / self.rows as f64
+    }
+}
+
+/// Running SPEC 11.1 sums of one side: `(dropped, total)` and the spread sums.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LossSums {
+    pub dropped: f64,
+    pub total: f64,
+    pub spread: SpreadSums,
+}
+
+impl LossSums {
+    /// Adds another run of rows' sums.
+    pub fn add(&mut self, other: &Self) {
+        self.dropped += other.dropped;
+        self.total += other.total;
+        self.spread.add(&other.spread);
+    }
+
+    /// The side's loss (`spec::rules::side_loss`).
+    pub fn loss(&self, side: Side) -> f64 {
+        rules::side_loss(side, self.dropped, self.total, self.spread.spread())
+    }
+}
+
 /// SPEC 11.1 sums `(dropped, total)` of rows `[n][d]` given their rotated coordinates
 /// (`[n][w]` f64, `w >= Dt`) under `(Dt, r, g)`: kept groups chosen by SPEC 5 from the
 /// f16-rounded values. The per-row terms are computed in parallel and added in row order,
@@ -336,9 +415,10 @@ pub fn candidate_losses(
     rot_rows: &[f64],
     w: usize,
     cands: &[RecordLayout],
+    side: Side,
 ) -> Vec<f64> {
     let avx2 = crate::simd::Path::detect().runs_avx2();
-    candidate_losses_on(avx2, rows, rot_rows, w, cands)
+    candidate_losses_on(avx2, rows, rot_rows, w, cands, side)
 }
 
 /// [`candidate_losses`] with the lane loops compiled for AVX2 (`avx2`, detected by the
@@ -349,6 +429,7 @@ fn candidate_losses_on(
     rot_rows: &[f64],
     w: usize,
     cands: &[RecordLayout],
+    side: Side,
 ) -> Vec<f64> {
     let Some(d) = cands.first().map(|l| l.head_dim) else {
         return Vec::new();
@@ -472,22 +553,24 @@ fn candidate_losses_on(
             s.1 += t.1;
         }
     }
-    sums.into_iter().map(loss_of).collect()
+    let spread = SpreadSums::of_rows(rows, d).spread();
+    sums.into_iter()
+        .map(|(dropped, total)| rules::side_loss(side, dropped, total, spread))
+        .collect()
 }
 
-/// SPEC 11.1: `dropped / total`, 0 when the denominator is 0.
-pub fn loss_of(sums: (f64, f64)) -> f64 {
-    if sums.1 == 0.0 {
-        0.0
-    } else {
-        sums.0 / sums.1
-    }
-}
-
-/// SPEC 11.1: relative dropped energy of rows `[n][d]` given their rotated coordinates
-/// (see [`loss_sums_rotated`]).
-pub fn loss_rotated(rows: &[f32], rot_rows: &[f64], w: usize, layout: &RecordLayout) -> f64 {
-    loss_of(loss_sums_rotated(rows, rot_rows, w, layout))
+/// SPEC 11.1: the loss of rows `[n][d]` given their rotated coordinates (see
+/// [`loss_sums_rotated`]): keys against their spread, values against their energy.
+pub fn loss_rotated(
+    rows: &[f32],
+    rot_rows: &[f64],
+    w: usize,
+    layout: &RecordLayout,
+    side: Side,
+) -> f64 {
+    let (dropped, total) = loss_sums_rotated(rows, rot_rows, w, layout);
+    let spread = SpreadSums::of_rows(rows, layout.head_dim).spread();
+    rules::side_loss(side, dropped, total, spread)
 }
 
 /// SPEC 3, 4, 11: fits one side from rows `[n][d]`; also returns the rows' full rotated coordinates
@@ -524,7 +607,7 @@ pub fn fit_side_rotated_with(
     for l in &cands {
         l.validate()?;
     }
-    let losses = candidate_losses(rows, &xr, d, &cands);
+    let losses = candidate_losses(rows, &xr, d, &cands, side);
     let k = match (mosaickv_spec::query::attention_config(config, ctx), ctx) {
         (Some(att), Some(ctx)) => {
             let attn = crate::loss::attention_losses(rows, &xr, &rotation, &cands, side, ctx)?;
@@ -542,9 +625,9 @@ pub fn fit_side_rotated_with(
     ))
 }
 
-/// SPEC 11.1 sums `(dropped, total)` for rows `[n][d]` under an existing strategy
-/// (`total = K + T` per row, rows added in order).
-pub fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
+/// SPEC 11.1 sums for rows `[n][d]` under an existing strategy (`total = K + T` per row, rows
+/// added in order).
+pub fn loss_sums(rows: &[f32], side: &SideStrategy) -> LossSums {
     let (d, dt) = (side.layout.head_dim, side.layout.kept_dims);
     let n = rows.len() / d;
     let mut xr = vec![0f64; n * dt];
@@ -552,12 +635,17 @@ pub fn loss_sums(rows: &[f32], side: &SideStrategy) -> (f64, f64) {
     xr.par_chunks_mut(dt * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .for_each(|(o, x)| rotate_rows_f64(&rot, d, x, dt, o));
-    loss_sums_rotated(rows, &xr, dt, &side.layout)
+    let (dropped, total) = loss_sums_rotated(rows, &xr, dt, &side.layout);
+    LossSums {
+        dropped,
+        total,
+        spread: SpreadSums::of_rows(rows, d),
+    }
 }
 
-/// SPEC 11.1 for rows `[n][d]` under an existing strategy.
-pub fn loss_rows(rows: &[f32], side: &SideStrategy) -> f64 {
-    loss_of(loss_sums(rows, side))
+/// SPEC 11.1 for rows `[n][d]` under an existing strategy of side `which`.
+pub fn loss_rows(rows: &[f32], side: &SideStrategy, which: Side) -> f64 {
+    loss_sums(rows, side).loss(which)
 }
 
 /// SPEC 11.3: the block size from dense decoded keys `[n][dt]`:
@@ -642,7 +730,7 @@ mod tests {
                     _ => rng.gen_range(-3.0f32..3.0),
                 })
                 .collect();
-            for trunc in [0.0, 0.25] {
+            for (trunc, side) in [(0.0, Side::Key), (0.25, Side::Key), (0.0, Side::Value), (0.25, Side::Value)] {
                 let config = CompressConfig {
                     value_dtypes: vec![ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4],
                     truncate_fraction: trunc,
@@ -656,10 +744,10 @@ mod tests {
                 assert!(cands.len() > 20);
                 let slow: Vec<f64> = cands
                     .iter()
-                    .map(|l| loss_rotated(&rows, &xr, d, l))
+                    .map(|l| loss_rotated(&rows, &xr, d, l, side))
                     .collect();
                 for path in [false, avx2] {
-                    let fast = candidate_losses_on(path, &rows, &xr, d, &cands);
+                    let fast = candidate_losses_on(path, &rows, &xr, d, &cands, side);
                     for ((l, f), s) in cands.iter().zip(&fast).zip(&slow) {
                         assert_eq!(f.to_bits(), s.to_bits(), "avx2 {path}, {l:?}: {f} vs {s}");
                     }

@@ -12,7 +12,7 @@ use mosaickv_spec::rules::{rows_storable, ROW_KEY, ROW_KEYS, ROW_VALUE, ROW_VALU
 use mosaickv_spec::validate::{finite, prompt_kv, token_kv};
 use mosaickv_spec::{
     CompressConfig, CompressedCache, HeadSegment, KvCache, KvShape, MemoryReport, MosaicError,
-    Result, Segment, SegmentState, Strategy,
+    Result, Segment, SegmentState, Side, Strategy,
 };
 use ndarray::{s, Array2, ArrayView2, ArrayView3, ArrayViewMut2};
 
@@ -230,7 +230,7 @@ impl MosaicCache {
         let shape = self.compressed.shape;
         let mut out = Vec::with_capacity(shape.kv_heads);
         for (h, st) in strategies.iter().enumerate() {
-            let mut sums = base.get(h).copied().unwrap_or_default();
+            let mut sums = base.get(h).cloned().unwrap_or_default();
             let keys = Self::host_head_rows(&self.host_keys, &shape, first, n, h);
             let values = Self::host_head_rows(&self.host_values, &shape, first, n, h);
             for t in 0..n {
@@ -291,8 +291,8 @@ impl MosaicCache {
         let new_len = open_len + cap;
         let drifted = new_len >= cfg.min_segment_len
             && strategies.iter().zip(&sums).any(|(st, s)| {
-                s[0].loss() > st.key.fit_loss + cfg.segment_loss_margin
-                    || s[1].loss() > st.value.fit_loss + cfg.segment_loss_margin
+                s[0].loss(Side::Key) > st.key.fit_loss + cfg.segment_loss_margin
+                    || s[1].loss(Side::Value) > st.value.fit_loss + cfg.segment_loss_margin
             });
         let close = new_len >= cfg.max_segment_len || drifted;
         let closed_heads = if close {

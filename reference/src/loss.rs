@@ -182,10 +182,17 @@ mod tests {
             start: 0,
             len: n,
         };
-        // f16 values: the query weighting alone decides (quantization error would enter both)
+        // f16 values: the query weighting alone decides (quantization error would enter both);
+        // a strict energy threshold, so that the energy rule needs every dim it can keep
         let mut cfg = CompressConfig {
             block_sizes: vec![16],
             value_dtypes: vec![mosaickv_spec::ValueDtype::F16],
+            channels: mosaickv_spec::ChannelPolicy::LossThreshold {
+                key_loss: 1e-4,
+                value_loss: 1e-4,
+                retentions: vec![0.125, 0.25, 0.375, 0.5, 0.625, 0.75],
+                group_sizes: vec![1, 2, 4],
+            },
             ..CompressConfig::default()
         };
         let energy = fit_side_with(rows.view(), Side::Key, &cfg, Some(ctx)).unwrap();
@@ -207,7 +214,7 @@ mod tests {
         // fit_loss stays the energy loss (section 10.3 compares energy losses).
         assert_eq!(
             attention.fit_loss,
-            crate::side_loss(rows.view(), &attention)
+            crate::side_loss(rows.view(), &attention, Side::Key)
         );
     }
 }

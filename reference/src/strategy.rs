@@ -12,12 +12,17 @@ use mosaickv_spec::{CompressConfig, RecordLayout, Result, Side, SideStrategy, St
 use ndarray::ArrayView2;
 
 /// Running sums of SPEC.md section 11.1's loss: `dropped = sum_i sum_{j not
-/// kept} x'_ij^2` and `total = sum_i ||x'_i||^2`, rows added in order.
-/// Adding rows one at a time gives bit-for-bit the sums of [`side_loss`].
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// kept} x'_ij^2` and `total = sum_i ||x'_i||^2`, and for the key side's
+/// denominator `Q = sum_i ||x_i||^2` and `m = sum_i x_i` (model basis, f32 rows),
+/// rows added in order. Adding rows one at a time gives bit-for-bit the sums of
+/// [`side_loss`].
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct LossSums {
     pub dropped: f64,
     pub total: f64,
+    pub sq: f64,
+    pub sum: Vec<f64>,
+    pub rows: usize,
 }
 
 impl LossSums {
@@ -26,6 +31,17 @@ impl LossSums {
         let (dropped, total) = row_loss_terms(row, rotated, layout);
         self.dropped += dropped;
         self.total += total;
+        if self.sum.is_empty() {
+            self.sum = vec![0.0; row.len()];
+        }
+        let mut sq = 0.0;
+        for (m, &x) in self.sum.iter_mut().zip(row) {
+            let x = f64::from(x);
+            sq += x * x;
+            *m += x;
+        }
+        self.sq += sq;
+        self.rows += 1;
     }
 
     /// Adds one original row, rotated with `side`'s R.
@@ -33,13 +49,19 @@ impl LossSums {
         self.add_rotated(row, &rotate_row_f64(row, &side.rotation), &side.layout);
     }
 
-    /// `dropped / total`, 0 when the denominator is 0.
-    pub fn loss(&self) -> f64 {
-        if self.total == 0.0 {
-            0.0
-        } else {
-            self.dropped / self.total
+    /// The rows' spread about their mean, `Q - ||m||^2 / n` (0 without rows).
+    pub fn spread(&self) -> f64 {
+        if self.rows == 0 {
+            return 0.0;
         }
+        let m2: f64 = self.sum.iter().map(|m| m * m).sum();
+        self.sq - m2 / self.rows as f64
+    }
+
+    /// The side's loss (`spec::rules::side_loss`): keys against their spread, values
+    /// against their energy.
+    pub fn loss(&self, side: Side) -> f64 {
+        rules::side_loss(side, self.dropped, self.total, self.spread())
     }
 }
 
@@ -83,15 +105,16 @@ pub fn row_loss_terms(row: &[f32], rotated: &[f64], layout: &RecordLayout) -> (f
     (dropped, total)
 }
 
-/// SPEC.md section 11.1: `loss = sum_i sum_{j not kept} x'_ij^2 / sum_i ||x'_i||^2`
-/// for rows `[n, D]` under `side` (0 when the denominator is 0).
-pub fn side_loss(rows: ArrayView2<f32>, side: &SideStrategy) -> f64 {
+/// SPEC.md section 11.1: `loss = sum_i (dropped energy of row i) / D`, `D` the key rows'
+/// spread about their mean or the value rows' energy `sum_i ||x'_i||^2`, for rows `[n, D]`
+/// under `strategy` (0 when the denominator is 0).
+pub fn side_loss(rows: ArrayView2<f32>, strategy: &SideStrategy, side: Side) -> f64 {
     let mut sums = LossSums::default();
     for row in rows.rows() {
         let row: Vec<f32> = row.iter().copied().collect();
-        sums.add_row(&row, side);
+        sums.add_row(&row, strategy);
     }
-    sums.loss()
+    sums.loss(side)
 }
 
 /// SPEC.md section 11.2: chooses `(r, g)` among the candidates
@@ -108,15 +131,16 @@ pub fn choose_layout(
     head_dim: usize,
 ) -> (RecordLayout, f64) {
     let candidates = rules::candidates(config, head_dim);
-    let losses = energy_losses(rows, rotated, &candidates);
+    let losses = energy_losses(rows, rotated, side, &candidates);
     let k = rules::choose_candidate(&candidates, &losses, side, config);
     (candidates[k], losses[k])
 }
 
-/// Section 11.1's energy loss of each candidate, rows added in order.
+/// Section 11.1's loss of each candidate (keys against their spread), rows added in order.
 fn energy_losses(
     rows: ArrayView2<f32>,
     rotated: &[Vec<f64>],
+    side: Side,
     candidates: &[RecordLayout],
 ) -> Vec<f64> {
     candidates
@@ -127,7 +151,7 @@ fn energy_losses(
                 let row: Vec<f32> = row.iter().copied().collect();
                 sums.add_rotated(&row, rot, layout);
             }
-            sums.loss()
+            sums.loss(side)
         })
         .collect()
 }
@@ -185,7 +209,7 @@ pub fn fit_side_with(
         })
         .collect();
     let candidates = rules::candidates(config, d);
-    let energy = energy_losses(rows, &rotated, &candidates);
+    let energy = energy_losses(rows, &rotated, side, &candidates);
     let k = match (attention_config(config, ctx), ctx) {
         (Some(att), Some(ctx)) => {
             let mut losses = Vec::with_capacity(candidates.len());

@@ -71,7 +71,7 @@ pub enum ChannelPolicy {
 impl Default for ChannelPolicy {
     fn default() -> Self {
         ChannelPolicy::LossThreshold {
-            key_loss: 0.005,
+            key_loss: 0.01,
             value_loss: 0.02,
             retentions: vec![0.125, 0.25, 0.375, 0.5, 0.625, 0.75],
             group_sizes: vec![1, 2, 4],

@@ -24,6 +24,10 @@ use std::path::Path;
 /// The file's first eight bytes.
 pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// The format version this build writes and reads.
+/// Version 7 (SPEC.md section 11.1): a key side's `fit_loss` is its loss against the keys'
+/// spread about their mean (was against their energy); the drift rule of section 10.3
+/// compares it with the open rows' loss of the same form, so a version-6 file, whose key
+/// `fit_loss` is of the other form, is refused rather than continued with a mismatched rule.
 /// Version 6 (SPEC.md sections 3, 15): rotations stored as f16 (2 bytes per element, was f32);
 /// a version-5 file's f32 rotation would be misread as twice as many f16 values, so it is
 /// refused.
@@ -35,7 +39,7 @@ pub const MAGIC: [u8; 8] = *b"MOSAICKV";
 /// Version 3: record bitmaps in whole u32 words, records padded to 4 bytes. Version 2 added
 /// int8 block bounds with an f32 scale per block (section 7). Files of versions 1 to 4 are
 /// refused (a version-3 reader would misread a quantized record as f16 values).
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 
 /// File header (SPEC.md section 15.1), 24 bytes at offset 0.
 ///

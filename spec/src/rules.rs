@@ -21,6 +21,22 @@ pub const F16_OVERFLOW: f64 = 65520.0;
 /// overflow f16 (SPEC.md sections 5 and 14); every backend uses this text.
 pub const ROTATED_OVERFLOW: &str = "rotated value (f16 overflow)";
 
+/// SPEC.md section 11.1: one side's loss from its sums. `dropped` and `total` are the energy
+/// loss's numerator and denominator; `spread` is the rows' spread about their mean (`Q -
+/// ||m||^2 / n`, computed by each backend). Keys divide by the spread when it is positive,
+/// values (and keys without spread) by the energy; 0 when that denominator is 0.
+pub fn side_loss(side: Side, dropped: f64, total: f64, spread: f64) -> f64 {
+    let den = match side {
+        Side::Key if spread > 0.0 => spread,
+        _ => total,
+    };
+    if den == 0.0 {
+        0.0
+    } else {
+        dropped / den
+    }
+}
+
 /// The rate rule (SPEC.md section 2): a token rate or a channel retention is a fraction in
 /// (0, 1]. Every cache, configuration and front end checks it here; the message names `what`.
 pub fn fraction(what: &str, x: f64) -> Result<()> {

@@ -373,14 +373,16 @@ fn sample_covers_every_dtype() {
 fn other_version_is_named() {
     let (cache, hk, hv) = sample();
     let mut b = save(&cache, &hk, &hv);
-    assert_eq!(FORMAT_VERSION, 6);
+    assert_eq!(FORMAT_VERSION, 7);
     // Each is refused by name, never misread:
+    // - version 6 (key fit_loss against the keys' energy): a continued generation would compare
+    //   it with open-row losses against the keys' spread;
     // - version 5 (f32 rotations): each rotation would be taken as twice as many f16 values;
     // - version 4 (no budget floor in the manifest's configuration): its caches would attend
     //   a larger budget than they were written for;
     // - version 3 (no quantized dtypes): the file today's f16 caches would have been with the
     //   old code differs only in the version field.
-    for version in [5u32, 4, 3] {
+    for version in [6u32, 5, 4, 3] {
         b[8..12].copy_from_slice(&version.to_le_bytes());
         resign(&mut b);
         let e = read_cache(&b).unwrap_err();

@@ -28,7 +28,7 @@ fn fit_side_from_cov(
     for l in &cands {
         l.validate()?;
     }
-    let losses = strategy::candidate_losses(rows, &xr, d, &cands);
+    let losses = strategy::candidate_losses(rows, &xr, d, &cands, side);
     let k = rules::choose_candidate(&cands, &losses, side, config);
     Ok((
         SideStrategy {

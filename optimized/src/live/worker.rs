@@ -8,32 +8,16 @@ use super::close::finalize_head;
 use super::covariance::covariance_update;
 use super::gather;
 use super::protocol::{Done, FlushJob, HostRows, Job, Part, Tag, Timing, Update};
+use crate::strategy::LossSums;
 use crate::{meta, packed, rotation, strategy};
 use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::{
-    CompressConfig, KvShape, MosaicError, PackedRows, RecordLayout, Result, Strategy,
+    CompressConfig, KvShape, MosaicError, PackedRows, RecordLayout, Result, Side, Strategy,
 };
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
-
-/// Running SPEC 11.1 sums, rows added in token order (as the reference's `LossSums`).
-#[derive(Debug, Clone, Copy, Default)]
-struct LossSums {
-    dropped: f64,
-    total: f64,
-}
-
-impl LossSums {
-    fn loss(&self) -> f64 {
-        if self.total == 0.0 {
-            0.0
-        } else {
-            self.dropped / self.total
-        }
-    }
-}
 
 /// One head and side of the worker's open segment.
 struct OpenSide {
@@ -89,6 +73,7 @@ fn add_loss_terms(
         sums.dropped += dropped;
         sums.total += total;
     }
+    sums.spread.add_rows(rows, d);
 }
 
 impl WorkerState {
@@ -218,8 +203,8 @@ impl WorkerState {
         let margin = cfg.segment_loss_margin;
         let drifted = open.len >= cfg.min_segment_len
             && open.temp.iter().zip(&open.sides).any(|(st, s)| {
-                s[0].loss.loss() > st.key.fit_loss + margin
-                    || s[1].loss.loss() > st.value.fit_loss + margin
+                s[0].loss.loss(Side::Key) > st.key.fit_loss + margin
+                    || s[1].loss.loss(Side::Value) > st.value.fit_loss + margin
             });
         if open.len >= cfg.max_segment_len || drifted {
             let t_close = std::time::Instant::now();
