@@ -68,6 +68,11 @@ pub struct Args {
     /// resuming from them.
     #[arg(long)]
     pub fresh: bool,
+    /// Run nothing: report (tables, --json) the results an earlier or still running run with
+    /// the same arguments and code has put in its run log; prompts not wholly in it are left
+    /// out and named.
+    #[arg(long, conflicts_with = "fresh")]
+    pub report_only: bool,
 }
 
 impl Args {
@@ -123,7 +128,13 @@ pub fn run(a: Args) -> Result<(), CliError> {
     let home = mosaickv_engine::default_home();
     let store = PrefillStore::new(&home, &model_path)?;
     let mut log = RunLog::open(&run_log_path(&home, &store, suite.seed), a.fresh)?;
-    if !log.is_empty() {
+    if a.report_only {
+        eprintln!(
+            "eval: report only: {} results in {}",
+            log.len(),
+            log.path().display()
+        );
+    } else if !log.is_empty() {
         eprintln!(
             "eval: resuming: {} results of an earlier run with the same arguments and code in {} (--fresh ignores them)",
             log.len(),
@@ -135,10 +146,11 @@ pub fn run(a: Args) -> Result<(), CliError> {
             log.path().display()
         );
     }
-    let keep = a.store_prefills.keep(&store, Some(&mut log));
+    let mut keep = a.store_prefills.keep(&store, Some(&mut log));
+    keep.report_only = a.report_only;
     let records = run_suite(&model, &suite, &mut pb, keep)?;
     pb.finish();
-    let forced = if kl_length > 0 {
+    let forced = if kl_length > 0 && !a.report_only {
         let (text, source) = fidelity::natural_text(None)?;
         let tokens = fidelity::text_tokens(&model, &text, kl_length)?;
         eprintln!("eval: teacher-forced KL over the last {kl_positions} of {kl_length} tokens of {source}");

@@ -22,6 +22,57 @@ fn mosaickv(args: &[&str]) -> Out {
     }
 }
 
+/// `--report-only` reports what the run log of the same arguments and code holds and runs
+/// nothing: a prompt missing from the log is named and left out, for every method.
+#[test]
+fn eval_report_only_reports_the_run_log_and_runs_nothing() {
+    // a seed no other test uses: its own run log (the log is keyed by model, code and seed)
+    let base = [
+        "eval",
+        "--tasks",
+        "niah_single_noise",
+        "--lengths",
+        "512",
+        "--methods",
+        "full,kvq8",
+        "--kl-length",
+        "0",
+        "--seed",
+        "7123",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        mosaickv(&a)
+    };
+    // one sample measured (seed 7123)
+    let o = with(&["--samples", "1", "--fresh"]);
+    assert_eq!(o.code, 0, "stderr: {}", o.stderr);
+    // two asked for: the second (seed 7124) is not in the log and is not run
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let o = with(&["--samples", "2", "--report-only", "--json", json.to_str().unwrap()]);
+    assert_eq!(o.code, 0, "stderr: {}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("niah_single_noise 512 #1: not (wholly) in the run log, left out"),
+        "{}",
+        o.stderr
+    );
+    assert!(!o.stderr.contains("prompt 2/2 done"), "{}", o.stderr);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let recs = v["records"].as_array().unwrap();
+    assert_eq!(recs.len(), 2, "{recs:?}");
+    for (r, method) in recs.iter().zip(["full", "kvq8"]) {
+        assert_eq!(r["method"], method);
+        assert_eq!(r["samples"], 1, "only the measured prompt");
+    }
+    // --report-only runs nothing, so --fresh (which would discard the log) is refused
+    let o = with(&["--samples", "1", "--report-only", "--fresh"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+}
+
 #[test]
 fn eval_writes_json_records() {
     let dir = tempfile::tempdir().unwrap();

@@ -44,6 +44,7 @@ impl StorePrefills {
                 _ => 0,
             },
             log,
+            report_only: false,
         }
     }
 }
@@ -118,6 +119,10 @@ pub struct Keep<'a> {
     pub store_from: usize,
     /// The run log: results are appended to it and read back from it.
     pub log: Option<&'a mut RunLog>,
+    /// Report only what the run log holds: a prompt with any method missing from it is left
+    /// out (for every method, so the pairing with `full` stays on the same prompts) and
+    /// named, not run.
+    pub report_only: bool,
 }
 
 /// What [`run_suite`] reports while it runs (a progress bar, plain lines, nothing: `()`).
@@ -182,6 +187,10 @@ pub fn run_suite(
                     .filter(|&mi| known(&keep.log, &names[mi]).is_none())
                     .collect();
                 let mut ran = false;
+                if keep.report_only && !todo.is_empty() {
+                    pb.say(format!("{what}: not (wholly) in the run log, left out"));
+                    continue;
+                }
                 if !todo.is_empty() {
                     ran = true;
                     pb.set_message(format!("{what}: prompt"));
@@ -248,9 +257,12 @@ pub fn run_suite(
     let mut out = Vec::new();
     for (ti, &task) in s.tasks.iter().enumerate() {
         for (li, &length) in s.lengths.iter().enumerate() {
-            let full_scores = full.map(|f| acc[&(ti, li, f)].scores.clone());
+            let full_scores = full.and_then(|f| acc.get(&(ti, li, f)).map(|a| a.scores.clone()));
             for (mi, m) in s.methods.iter().enumerate() {
-                let a = &acc[&(ti, li, mi)];
+                // no prompt of this cell measured (only with `report_only`)
+                let Some(a) = acc.get(&(ti, li, mi)) else {
+                    continue;
+                };
                 let acc_ci = Accuracy::of(&a.scores);
                 let accuracy = acc_ci.mean;
                 let full_acc = full_scores.as_ref().map(|f| Accuracy::of(f).mean);
