@@ -51,7 +51,13 @@ fn eval_report_only_reports_the_run_log_and_runs_nothing() {
     // two asked for: the second (seed 7124) is not in the log and is not run
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("report.json");
-    let o = with(&["--samples", "2", "--report-only", "--json", json.to_str().unwrap()]);
+    let o = with(&[
+        "--samples",
+        "2",
+        "--report-only",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
     assert_eq!(o.code, 0, "stderr: {}", o.stderr);
     assert!(
         o.stderr

@@ -8,7 +8,8 @@ use mosaickv_conformance::structured_kv;
 use mosaickv_optimized::{LiveCache, Mode, OptimizedMosaicCache};
 use mosaickv_reference::{side_loss, MosaicCache};
 use mosaickv_spec::{
-    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, SegmentState, Side, ValueDtype,
+    ChannelPolicy, CompressConfig, CompressedCache, KvCache, KvShape, SegmentState, Side,
+    ValueDtype,
 };
 use ndarray::{s, Array2, Array3, Axis};
 
@@ -131,8 +132,16 @@ fn close_exactly_at_the_rule() {
                 let mut sides = Vec::new();
                 for h in 0..2 {
                     let st = &seg.heads[h].strategy;
-                    let lk = side_loss(head_rows(&k, h, PROMPT, PROMPT + BUFFER).view(), &st.key, Side::Key);
-                    let lv = side_loss(head_rows(&v, h, PROMPT, PROMPT + BUFFER).view(), &st.value, Side::Value);
+                    let lk = side_loss(
+                        head_rows(&k, h, PROMPT, PROMPT + BUFFER).view(),
+                        &st.key,
+                        Side::Key,
+                    );
+                    let lv = side_loss(
+                        head_rows(&v, h, PROMPT, PROMPT + BUFFER).view(),
+                        &st.value,
+                        Side::Value,
+                    );
                     sides.push((st.key.fit_loss, lk));
                     sides.push((st.value.fit_loss, lv));
                 }

@@ -51,7 +51,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Model::load(&resolve_model(Some(std::path::Path::new(&args.model)))?)?;
     let pre = read_stored(&args.prefill, &model)?;
     let (n, kvh, d) = pre.keys[0].dim();
-    println!("prefill: {n} tokens, {} layers, {kvh} KV heads, head_dim {d}", pre.keys.len());
+    println!(
+        "prefill: {n} tokens, {} layers, {kvh} KV heads, head_dim {d}",
+        pre.keys.len()
+    );
     let layers: Vec<usize> = if args.layers.is_empty() {
         (0..pre.keys.len()).collect()
     } else {
@@ -166,9 +169,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let mut line = format!("{l:>5} {h:>4} {side:>4} | {:>6.3}", mean_sq / energy);
                 // the rule as shipped, f16 only, and keys measured against their spread
                 let rules: Vec<(bool, f64, f64)> = if side == "K" {
-                    vec![(false, energy, thr), (true, energy, thr), (false, centred, thr), (false, centred, 2.0 * thr)]
+                    vec![
+                        (false, energy, thr),
+                        (true, energy, thr),
+                        (false, centred, thr),
+                        (false, centred, 2.0 * thr),
+                    ]
                 } else {
-                    vec![(false, energy, thr), (true, energy, thr), (false, energy, thr), (false, energy, thr)]
+                    vec![
+                        (false, energy, thr),
+                        (true, energy, thr),
+                        (false, energy, thr),
+                        (false, energy, thr),
+                    ]
                 };
                 for (f16_only, den, t) in rules {
                     let (text, bytes) = choose(f16_only, den, t);

@@ -730,7 +730,12 @@ mod tests {
                     _ => rng.gen_range(-3.0f32..3.0),
                 })
                 .collect();
-            for (trunc, side) in [(0.0, Side::Key), (0.25, Side::Key), (0.0, Side::Value), (0.25, Side::Value)] {
+            for (trunc, side) in [
+                (0.0, Side::Key),
+                (0.25, Side::Key),
+                (0.0, Side::Value),
+                (0.25, Side::Value),
+            ] {
                 let config = CompressConfig {
                     value_dtypes: vec![ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4],
                     truncate_fraction: trunc,

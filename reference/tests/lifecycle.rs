@@ -195,8 +195,16 @@ fn check_drift_close(min_segment_len: usize) -> (usize, usize) {
     let mut expected = None;
     for f in 1..=(total - prompt_n) / 16 {
         let end = prompt_n + 16 * f;
-        let lk = side_loss(rows_k.slice(s![prompt_n..end, ..]), &strategy.key, Side::Key);
-        let lv = side_loss(rows_v.slice(s![prompt_n..end, ..]), &strategy.value, Side::Value);
+        let lk = side_loss(
+            rows_k.slice(s![prompt_n..end, ..]),
+            &strategy.key,
+            Side::Key,
+        );
+        let lv = side_loss(
+            rows_v.slice(s![prompt_n..end, ..]),
+            &strategy.value,
+            Side::Value,
+        );
         if lk > strategy.key.fit_loss + cfg.segment_loss_margin
             || lv > strategy.value.fit_loss + cfg.segment_loss_margin
         {
