@@ -553,7 +553,7 @@ fn candidate_losses_on(
             s.1 += t.1;
         }
     }
-    let spread = SpreadSums::of_rows(rows, d).spread();
+    let spread = key_spread(rows, d, side);
     sums.into_iter()
         .map(|(dropped, total)| rules::side_loss(side, dropped, total, spread))
         .collect()
@@ -569,8 +569,17 @@ pub fn loss_rotated(
     side: Side,
 ) -> f64 {
     let (dropped, total) = loss_sums_rotated(rows, rot_rows, w, layout);
-    let spread = SpreadSums::of_rows(rows, layout.head_dim).spread();
+    let spread = key_spread(rows, layout.head_dim, side);
     rules::side_loss(side, dropped, total, spread)
+}
+
+/// The rows' spread where `side` uses it (keys); values divide by their energy, so it is not
+/// computed for them.
+fn key_spread(rows: &[f32], d: usize, side: Side) -> f64 {
+    match side {
+        Side::Key => SpreadSums::of_rows(rows, d).spread(),
+        Side::Value => 0.0,
+    }
 }
 
 /// SPEC 3, 4, 11: fits one side from rows `[n][d]`; also returns the rows' full rotated coordinates
