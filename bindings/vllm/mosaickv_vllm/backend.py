@@ -1,0 +1,172 @@
+"""The attention backend: vLLM's CPU backend with decode attention on a MosaicKV cache.
+
+Phase 1 of docs/VLLM.md ("vLLM's pages as dense staging, compressed segments in a side
+store"): vLLM keeps writing every token's K/V into its paged cache, and computes prefill
+attention on it as always. Per layer and running sequence, this backend also holds one MosaicKV
+cache (the ``mosaickv`` package, Rust): the prompt's K/V go in as its prefill (SPEC 10.1), each
+generated token is appended (SPEC 10.2) and its query attended on the compressed cache (SPEC
+8-9); that output replaces vLLM's for the decode token.
+
+A sequence is known by the first physical block of its block table (vLLM's attention metadata
+carries no request ids; a live sequence owns its first block). Whenever the cache held for that
+block does not have exactly the tokens before this step (a new request that reuses the block, a
+prefix-cache hit, a chunked or resumed prefill, a preempted sequence), it is rebuilt from vLLM's
+pages, which hold every token: the pages are the source of truth, the MosaicKV caches a derived
+store. Sequences not scheduled in a step are dropped (rebuilt from the pages if they return).
+
+What vLLM's memory accounting sees is unchanged in this phase: its pages stay dense, and the
+MosaicKV caches come on top (docs/VLLM.md, section 2 (a)).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+)
+
+import mosaickv
+
+from . import method as configured_method
+
+
+class MosaicKVBackend(CPUAttentionBackend):
+    """vLLM's CPU backend (same name, metadata builder and page layout), MosaicKV's decode."""
+
+    @staticmethod
+    def get_impl_cls() -> type["MosaicKVImpl"]:
+        return MosaicKVImpl
+
+
+@functools.lru_cache(maxsize=None)
+def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> torch.Tensor:
+    """Where vLLM's page write puts each token's K and V inside one block and head.
+
+    vLLM's CPU kernels keep their own layout inside a page (keys transposed for the "vec" ISA,
+    other orders for AMX and bf16), so it is measured, not assumed: two writes of known rows
+    through vLLM's own `cpu_attn_reshape_and_cache` (first each element's token index, then its
+    dim index; both exact in bf16 for sizes up to 256). Returns, for keys then values, the
+    flat position inside the block-and-head region of element (token, dim): a
+    `[2, block_size * head_size]` index tensor."""
+    from vllm import _custom_ops as ops
+
+    bs, d = block_size, head_size
+    if bs > 256 or d > 256:
+        raise ValueError(f"page_layout: block_size {bs} and head_size {d} must be at most 256")
+    pages = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)
+    view = pages.view(1, 1, 2 * bs, d)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    tok = torch.arange(bs, dtype=torch.float32)[:, None, None].expand(bs, 1, d) + 1
+    dim = torch.arange(d, dtype=torch.float32)[None, None, :].expand(bs, 1, d) + 1
+    seen = []
+    for rows in (tok, dim):
+        pages.zero_()
+        rows = rows.to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(rows, rows, key_cache, value_cache,
+                                       torch.arange(bs, dtype=torch.int64), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        seen.append(view[0, 0].reshape(2, bs * d).to(torch.float32).round().long() - 1)
+    t, j = seen
+    if (t < 0).any() or (j < 0).any():
+        raise RuntimeError("page_layout: vLLM's page write left positions unwritten")
+    where = torch.empty(2, bs * d, dtype=torch.long)
+    for side in range(2):
+        where[side, t[side] * d + j[side]] = torch.arange(bs * d)
+    return where
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).contiguous().numpy()
+
+
+class MosaicKVImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.method = configured_method() or "full"
+        self.caches: dict[int, object] = {}
+        if self.attn_type != AttentionType.DECODER:
+            return  # encoder attention keeps vLLM's path
+        refused = []
+        if self.alibi_slopes is not None:
+            refused.append("ALiBi slopes")
+        if self.sliding_window != -1:
+            refused.append(f"a sliding window ({self.sliding_window})")
+        if self.logits_soft_cap:
+            refused.append(f"a logits soft cap ({self.logits_soft_cap})")
+        if self.sinks is not None:
+            refused.append("attention sinks")
+        if self.kv_cache_dtype != "auto":
+            refused.append(f"kv_cache_dtype {self.kv_cache_dtype!r}")
+        if self.kv_sharing_target_layer_name is not None:
+            refused.append("KV sharing between layers")
+        if abs(self.scale - self.head_size**-0.5) > 1e-6 * self.head_size**-0.5:
+            refused.append(f"softmax scale {self.scale} (MosaicKV attends with 1/sqrt(head_size))")
+        if refused:
+            raise ValueError(
+                "mosaickv_vllm cannot run this model's attention: " + ", ".join(refused)
+                + "; set MOSAICKV_VLLM=off to serve it with vLLM's own cache"
+            )
+
+    def _new_cache(self):
+        return mosaickv.from_method(self.method, self.num_kv_heads, self.head_size)
+
+    def _from_pages(self, layer, kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int):
+        """A fresh cache prefilled with the sequence's first ``tokens`` tokens, read from
+        vLLM's pages: per block and head a region of block_size keys, then block_size values,
+        each in the kernel's own order (`page_layout`)."""
+        nb, h, bs, _ = kv_cache.size()
+        d = self.head_size
+        where = page_layout(layer.isa, kv_cache.dtype, bs, d)
+        used = (tokens + bs - 1) // bs
+        rows = kv_cache.view(nb, h, 2, bs * d)[blocks[:used].long()]  # [used, h, 2, bs D]
+        keys = rows[:, :, 0, where[0]].view(used, h, bs, d)
+        values = rows[:, :, 1, where[1]].view(used, h, bs, d)
+        keys = keys.permute(0, 2, 1, 3).reshape(used * bs, h, d)[:tokens]
+        values = values.permute(0, 2, 1, 3).reshape(used * bs, h, d)[:tokens]
+        cache = self._new_cache()
+        cache.prefill(_f32(keys), _f32(values))
+        return cache
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                              output_scale, output_block_scale)
+        if (attn_metadata is None or self.attn_type != AttentionType.DECODER
+                or kv_cache.numel() == 0):
+            return out
+        starts = attn_metadata.query_start_loc.tolist()
+        lens = attn_metadata.seq_lens.tolist()
+        table = attn_metadata.block_table
+        n = attn_metadata.num_actual_tokens
+        heads = output[:n].view(n, self.num_heads, self.head_size)
+        live = set()
+        for i, total in enumerate(lens):
+            a, b = starts[i], starts[i + 1]
+            if b <= a:
+                continue
+            seq = int(table[i, 0])
+            live.add(seq)
+            cache = self.caches.get(seq)
+            if b - a > 1:
+                # prompt tokens: vLLM's dense attention stands; the cache takes them all
+                self.caches[seq] = self._from_pages(layer, kv_cache, table[i], total)
+                continue
+            if cache is None or len(cache) != total - 1:
+                cache = self._from_pages(layer, kv_cache, table[i], total - 1) if total > 1 else None
+            if cache is None:
+                cache = self._new_cache()
+                cache.prefill(_f32(key[a:b]), _f32(value[a:b]))
+            else:
+                cache.append(_f32(key[a]), _f32(value[a]))
+            self.caches[seq] = cache
+            o = cache.attend(_f32(query[a]))
+            heads[a].copy_(torch.from_numpy(o).to(heads.dtype))
+        for seq in [s for s in self.caches if s not in live]:
+            del self.caches[seq]
+        return out
