@@ -135,12 +135,16 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                              output_scale, output_block_scale)
         if (attn_metadata is None or self.attn_type != AttentionType.DECODER
                 or kv_cache.numel() == 0):
-            return out
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         starts = attn_metadata.query_start_loc.tolist()
+        # vLLM's dense kernel runs only for a step with prompt tokens (their attention is
+        # vLLM's); a step of decode tokens alone is attended by MosaicKV alone.
+        if any(b - a > 1 for a, b in zip(starts, starts[1:])):
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                            output_scale, output_block_scale)
         lens = attn_metadata.seq_lens.tolist()
         table = attn_metadata.block_table
         n = attn_metadata.num_actual_tokens
@@ -169,4 +173,4 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
             heads[a].copy_(torch.from_numpy(o).to(heads.dtype))
         for seq in [s for s in self.caches if s not in live]:
             del self.caches[seq]
-        return out
+        return output
