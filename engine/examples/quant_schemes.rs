@@ -25,6 +25,8 @@
 //!   range over the segment (0 bits: the dim decodes to its mid-range; at most 8 bits, where the
 //!   dim's step grows to range/255). No per-record header and no bitmap: the record is the codes
 //!   bit-packed, `ceil(sum_j b_j / 8)` bytes. `delta` is the largest (bisection) that passes.
+//! - `alloc-p2`: the same with every width rounded up to 1, 2, 4 or 8 bits (codes a SIMD kernel
+//!   unpacks without shifts across bytes), each dim's step shrunk to use the levels it gains.
 
 use clap::Parser;
 use mosaickv_engine::{resolve_model, store::read_stored, Model};
@@ -117,8 +119,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         args.layers.clone()
     };
-    let names = ["bitmap", "bitmap-c", "prefix", "prefix-c", "alloc"];
-    let mut totals = [[0f64; 5]; 2];
+    let names = [
+        "bitmap", "bitmap-c", "prefix", "prefix-c", "alloc", "alloc-p2",
+    ];
+    let mut totals = [[0f64; 6]; 2];
     for &l in &layers {
         for h in 0..kvh {
             for (si, (side, x)) in [("K", &pre.keys[l]), ("V", &pre.values[l])]
@@ -164,7 +168,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     energy
                 };
                 let mut codes = Vec::new();
-                let mut chosen = [None; 5];
+                let mut chosen = [None; 6];
 
                 // bitmap: SPEC 6 as shipped, and bitmap-c on the centred rows
                 for (k, centred) in [(0usize, false), (1, true)] {
@@ -241,7 +245,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
 
                 // alloc: one step for every dim, bits per dim from the dim's range
-                let alloc = |delta: f64| -> Setting {
+                let alloc = |delta: f64, pow2: bool| -> Setting {
                     let mut bits = 0usize;
                     let mut err = 0.0;
                     let plan: Vec<(usize, f64)> = (0..d)
@@ -253,8 +257,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             } else {
                                 (levels.log2().ceil() as usize).min(8)
                             };
+                            // alloc-p2: widths 1, 2, 4 or 8 only (SIMD-friendly unpacking),
+                            // the step shrunk to use the extra levels
+                            let b = if pow2 && b > 0 {
+                                b.next_power_of_two()
+                            } else {
+                                b
+                            };
                             let step = if b == 8 && levels > 256.0 {
                                 range / 255.0
+                            } else if pow2 && b > 0 {
+                                delta.min(range / ((1usize << b) - 1) as f64)
                             } else {
                                 delta
                             };
@@ -284,20 +297,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         what: ("alloc", bits, 0),
                     }
                 };
-                let span = (0..d).map(|j| hi[j] - lo[j]).fold(0.0, f64::max).max(1e-30);
-                let (mut a, mut b) = (span * 1e-6, span * 2.0);
-                let mut best = alloc(a);
-                for _ in 0..40 {
-                    let m = (a * b).sqrt();
-                    let s = alloc(m);
-                    if s.err / den <= thr {
-                        best = s;
-                        a = m;
-                    } else {
-                        b = m;
+                for (k, pow2) in [(4usize, false), (5, true)] {
+                    let span = (0..d).map(|j| hi[j] - lo[j]).fold(0.0, f64::max).max(1e-30);
+                    let (mut a, mut b) = (span * 1e-6, span * 2.0);
+                    let mut best = alloc(a, pow2);
+                    for _ in 0..40 {
+                        let m = (a * b).sqrt();
+                        let s = alloc(m, pow2);
+                        if s.err / den <= thr {
+                            best = s;
+                            a = m;
+                        } else {
+                            b = m;
+                        }
                     }
+                    chosen[k] = Some(best);
                 }
-                chosen[4] = Some(best);
 
                 let mut line = format!("{l:>3} {h} {side} |");
                 for (k, c) in chosen.iter().enumerate() {
@@ -323,7 +338,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "scheme     | K B/token/layer | V B/token/layer | records B/token/layer (all {kvh} heads)"
     );
-    for k in 0..5 {
+    for k in 0..6 {
         println!(
             "{:<10} | {:>15.1} | {:>15.1} | {:>8.1}",
             names[k],
