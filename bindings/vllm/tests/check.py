@@ -8,6 +8,9 @@ attention; =full: the plugin with MosaicKV's dense cache; =mosaic: the shipped d
 same prompts with greedy decoding, and checks:
 1. the plugin is active (vLLM's log names the MosaicKV backend) and every setting answers;
 2. lossless: `full` through the plugin gives vLLM's own greedy tokens on every prompt;
+   a fourth request repeats the needle prompt's haystack after the first three finished, so
+   vLLM's prefix cache serves its first blocks and the plugin rebuilds the sequence's cache
+   from vLLM's pages (the lossless check covers it);
 3. the default: reports, per prompt, whether `mosaic` gives vLLM's own greedy tokens, and the
    needle prompt's answer;
 4. with --mosaickv BIN (the project's CLI) and the GGUF the model was converted from:
@@ -45,6 +48,11 @@ def prompts() -> list[tuple[str, str | None]]:
     ]
 
 
+def followup() -> str:
+    """The needle prompt's haystack with another question (a prefix-cache hit)."""
+    return prompts()[2][0].rsplit("\n", 1)[0] + "\nWhich number is given for quiet-lake? Reply with the number."
+
+
 def worker(model: str, dtype: str, max_tokens: int) -> None:
     from vllm import LLM, SamplingParams
 
@@ -59,6 +67,11 @@ def worker(model: str, dtype: str, max_tokens: int) -> None:
         [[{"role": "user", "content": p}] for p, _ in prompts()],
         SamplingParams(temperature=0, max_tokens=max_tokens),
     )
+    # A second request sharing the needle prompt's haystack: vLLM's prefix cache serves its
+    # first blocks, so the plugin rebuilds that sequence's cache from vLLM's pages.
+    again = llm.chat([{"role": "user", "content": followup()}],
+                     SamplingParams(temperature=0, max_tokens=max_tokens))
+    outs = list(outs) + list(again)
     print("RESULT " + json.dumps({
         "load_s": load,
         "cpu_attn_backend": backend,
@@ -114,7 +127,7 @@ def main() -> int:
     report["checks"] = {"full_equals_vllm": same_full, "mosaic_equals_vllm": same_mosaic}
     print(f"full (lossless) == vLLM's own greedy tokens: {same_full}")
     print(f"mosaic (default) == vLLM's own greedy tokens: {same_mosaic}")
-    for (p, ans), i in zip(prompts(), range(3)):
+    for (p, ans), i in zip(prompts() + [(followup(), "4718093")], range(4)):
         for s in ("off", "full", "mosaic"):
             t = res[s]["texts"][i]
             hit = "" if ans is None else (" [answer found]" if ans in t else " [answer MISSING]")
