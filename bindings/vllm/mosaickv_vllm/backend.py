@@ -139,6 +139,10 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
                 or kv_cache.numel() == 0):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "fused output quantization is not supported by the MosaicKV backend"
+            )
         starts = attn_metadata.query_start_loc.tolist()
         # vLLM's dense kernel runs only for a step with prompt tokens (their attention is
         # vLLM's); a step of decode tokens alone is attended by MosaicKV alone.
