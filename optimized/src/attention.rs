@@ -433,8 +433,8 @@ pub(crate) fn plan_units(sel: &[Vec<u32>], geom: &[SegGeom], nseg: usize, units:
 }
 
 /// SPEC 9 key logits of one tile: `n` key records of layout `kl` (record 0 at `kb[0]`) against
-/// the rotated queries `q` (`[g][dpk]`), scaled, into `lg` (`[g][TILE]`). On the AVX2 path
-/// int8/int4 records are decoded in registers by the logits kernel itself
+/// the rotated queries `q` (`[g][dpk]`), scaled, into `lg` (`[g][TILE]`). On the AVX2 and
+/// AVX-512 paths int8/int4 records are decoded in registers by the logits kernel itself
 /// ([`Path::tile_logits_q`]); otherwise the records are expanded into the key tile `kt` first:
 /// to f16 where `half_keys` (read by the f16 logits kernel), to decoded f32 for int8/int4, to
 /// f32 otherwise. Every route gives the logits the tile route gives on the same path.
@@ -462,7 +462,7 @@ pub(crate) fn tile_key_logits(
         path.expand_records_h(kr, n, kl.kept_dims, kl.r, dpk, kh);
         path.tile_logits_h(q, g, dpk, kh, n, scale, lg);
     } else if path.fused_keys_q(kl) {
-        // int8/int4 records decoded in registers (AVX2), no tile
+        // int8/int4 records decoded in registers (AVX2, AVX-512), no tile
         path.tile_logits_q(q, g, dpk, kb, kl, n, scale, lg);
     } else if kl.dtype.is_quantized() {
         path.expand_records_q(kb, n, kl, dpk, kt);

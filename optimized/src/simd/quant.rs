@@ -134,13 +134,12 @@ impl Path {
 }
 
 impl Path {
-    /// Whether [`Path::tile_logits_q`] takes key records of `layout`: the AVX2 path, int8/int4
-    /// records within the SIMD kernels' limits. (The AVX-512 path expands a tile and runs its
-    /// 16-lane logits kernel.)
+    /// Whether [`Path::tile_logits_q`] takes key records of `layout`: the AVX2 and AVX-512
+    /// paths, int8/int4 records within the SIMD kernels' limits.
     #[inline]
     pub fn fused_keys_q(self, layout: &RecordLayout) -> bool {
         cfg!(target_arch = "x86_64")
-            && self == Path::Avx2
+            && matches!(self, Path::Avx2 | Path::Avx512)
             && layout.dtype.is_quantized()
             && layout.r <= QUANT_SIMD_MAX_R
             && layout.kept_dims <= QUANT_SIMD_MAX_R
@@ -149,7 +148,7 @@ impl Path {
     /// SPEC.md section 9, key side, on packed int8/int4 records: `out[h * TILE + t] = scale *
     /// (q_h . k^_t)` for the `n` records in `bytes` and `g` heads (`q` `[g][dp]`), each record
     /// decoded in registers: the same bits as [`Path::expand_records_q`] then
-    /// [`Path::tile_logits`]. Only where [`Path::fused_keys_q`] holds.
+    /// [`Path::tile_logits`] on the same path. Only where [`Path::fused_keys_q`] holds.
     #[allow(clippy::too_many_arguments)]
     pub fn tile_logits_q(
         self,
@@ -172,10 +171,15 @@ impl Path {
                 && dp % 8 == 0
         );
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `fused_keys_q` holds (AVX2 detected, the kernel's limits) and the sizes are
-        // asserted above; the kernel reads inside the records and writes `g * TILE` logits.
+        // SAFETY: `fused_keys_q` holds (the path's features detected, the kernels' limits)
+        // and the sizes are asserted above; the kernels read inside the records and write
+        // `g * TILE` logits.
         unsafe {
-            avx2::quant::tile_logits_q(q, g, dp, bytes, layout, n, scale, out)
+            if self == Path::Avx512 {
+                avx512::quant::tile_logits_q(q, g, dp, bytes, layout, n, scale, out)
+            } else {
+                avx2::quant::tile_logits_q(q, g, dp, bytes, layout, n, scale, out)
+            }
         }
     }
 
@@ -416,38 +420,44 @@ mod tests {
         v
     }
 
-    /// The fused AVX2 key logits give the bits of expanding the records and running the
-    /// tile logits kernel, for 1 to 9 heads (head groups of four and a remainder), odd and
+    /// The fused key logits (AVX2, and AVX-512 where the machine has it) give the bits of
+    /// expanding the records and running the same path's tile logits kernel, for 1 to 9 heads (head groups of four and a remainder), odd and
     /// even record counts, and a query wider than the records (zero chunks past `Dt`).
     #[test]
     fn fused_key_logits_equal_expand_then_logits() {
-        if !Path::Avx2.runs_here() {
+        let paths: Vec<Path> = [Path::Avx2, Path::Avx512]
+            .into_iter()
+            .filter(|p| p.runs_here())
+            .collect();
+        if paths.is_empty() {
             eprintln!("no AVX2 here: nothing to compare");
             return;
         }
         let mut rng = ChaCha8Rng::seed_from_u64(13);
-        for layout in fused_layouts() {
-            assert!(Path::Avx2.fused_keys_q(&layout));
-            let d = layout.head_dim;
-            let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
-            let packed = pack_rotated(&rows, d, &layout).unwrap();
-            for (g, n, wider) in [(1, 16, 0), (3, 15, 0), (4, 16, 8), (6, 1, 0), (9, 7, 16)] {
-                let dp = crate::simd::pad8(layout.kept_dims) + wider;
-                let q: Vec<f32> = (0..g * dp).map(|_| rng.gen_range(-1.0..1.0)).collect();
-                let mut tile = vec![0f32; TILE * dp];
-                Path::Avx2.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
-                let mut want = vec![0f32; g * TILE];
-                Path::Avx2.tile_logits(&q, g, dp, &tile, n, 0.125, &mut want);
-                let mut got = vec![7f32; g * TILE];
-                Path::Avx2.tile_logits_q(&q, g, dp, &packed.bytes, &layout, n, 0.125, &mut got);
-                for h in 0..g {
-                    for t in 0..n {
-                        let (a, b) = (got[h * TILE + t], want[h * TILE + t]);
-                        assert_eq!(
-                            a.to_bits(),
-                            b.to_bits(),
-                            "{layout:?} g {g} h {h} t {t}: {a} vs {b}"
-                        );
+        for path in paths {
+            for layout in fused_layouts() {
+                assert!(path.fused_keys_q(&layout));
+                let d = layout.head_dim;
+                let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
+                let packed = pack_rotated(&rows, d, &layout).unwrap();
+                for (g, n, wider) in [(1, 16, 0), (3, 15, 0), (4, 16, 8), (6, 1, 0), (9, 7, 16)] {
+                    let dp = crate::simd::pad8(layout.kept_dims) + wider;
+                    let q: Vec<f32> = (0..g * dp).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let mut tile = vec![0f32; TILE * dp];
+                    path.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
+                    let mut want = vec![0f32; g * TILE];
+                    path.tile_logits(&q, g, dp, &tile, n, 0.125, &mut want);
+                    let mut got = vec![7f32; g * TILE];
+                    path.tile_logits_q(&q, g, dp, &packed.bytes, &layout, n, 0.125, &mut got);
+                    for h in 0..g {
+                        for t in 0..n {
+                            let (a, b) = (got[h * TILE + t], want[h * TILE + t]);
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{path:?} {layout:?} g {g} h {h} t {t}: {a} vs {b}"
+                            );
+                        }
                     }
                 }
             }
@@ -523,6 +533,11 @@ mod tests {
             let mut out = vec![0f32; TILE];
             Path::Avx2.tile_logits_q(&q, 1, 64, &rec, &layout, 2, 1.0, &mut out);
             assert!(out[..2].iter().all(|x| x.is_finite()), "{out:?}");
+            if Path::Avx512.runs_here() {
+                let mut out = vec![0f32; TILE];
+                Path::Avx512.tile_logits_q(&q, 1, 64, &rec, &layout, 2, 1.0, &mut out);
+                assert!(out[..2].iter().all(|x| x.is_finite()), "{out:?}");
+            }
             let p = vec![1f32; TILE];
             let mut acc = vec![0f32; 64];
             Path::Avx2.kept_accumulate_q(&p, 1, 64, &rec, &layout, 2, &mut acc);
