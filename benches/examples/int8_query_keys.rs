@@ -148,7 +148,7 @@ fn accuracy(tokens: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,f16c")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn int8_query_logits(
+unsafe fn int8_query_logits<const EXACT: bool>(
     q8: &[i8],
     qscale: &[f32; 4],
     bytes: &[u8],
@@ -172,6 +172,14 @@ unsafe fn int8_query_logits(
         }
     }
     let ones = _mm512_set1_epi8(1);
+    let qs64 = _mm256_setr_pd(
+        f64::from(qscale[0]),
+        f64::from(qscale[1]),
+        f64::from(qscale[2]),
+        f64::from(qscale[3]),
+    );
+    let scale64 = _mm256_set1_pd(f64::from(scale));
+    let mut lanes4 = [0f32; 4];
     for t in 0..n {
         let rec = &bytes[t * rb..(t + 1) * rb];
         let codes = rec.as_ptr().add(layout.values_offset());
@@ -196,19 +204,56 @@ unsafe fn int8_query_logits(
         }
         let ms = u32::from_le_bytes([rec[bb], rec[bb + 1], rec[bb + 2], rec[bb + 3]]);
         let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
-        let (m, s) = (
-            _mm512_broadcastss_ps(ms),
-            _mm512_broadcastss_ps(_mm_movehdup_ps(ms)),
-        );
-        // Per lane s * codes-sum + m * kept-sum (exact i32 sums, one rounding each), then one
-        // float reduction per head.
-        for h in 0..4 {
-            let f = _mm512_fmadd_ps(
-                s,
-                _mm512_cvtepi32_ps(ac[h]),
-                _mm512_mul_ps(m, _mm512_cvtepi32_ps(ak[h])),
+        if EXACT {
+            // The proposal's epilogue: I_c and I_k as exact i32 sums (eight reductions by one
+            // transposition), then `s_q * (s * I_c + m * I_k) / sqrt(D)` in f64 per head.
+            let half = |v: __m512i| {
+                _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+            };
+            let g1 = _mm256_hadd_epi32(
+                _mm256_hadd_epi32(half(ac[0]), half(ac[1])),
+                _mm256_hadd_epi32(half(ac[2]), half(ac[3])),
             );
-            out[h * TILE + t] = scale * qscale[h] * _mm512_reduce_add_ps(f);
+            let g2 = _mm256_hadd_epi32(
+                _mm256_hadd_epi32(half(ak[0]), half(ak[1])),
+                _mm256_hadd_epi32(half(ak[2]), half(ak[3])),
+            );
+            let ic = _mm_add_epi32(
+                _mm256_castsi256_si128(g1),
+                _mm256_extracti128_si256::<1>(g1),
+            );
+            let ik = _mm_add_epi32(
+                _mm256_castsi256_si128(g2),
+                _mm256_extracti128_si256::<1>(g2),
+            );
+            // Four heads at once in f64: the products s * I_c and m * I_k are exact (an f16
+            // times an integer below 2^24), so their sum rounds once however it is formed.
+            let m64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(ms)));
+            let s64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(_mm_movehdup_ps(ms))));
+            let sum = _mm256_fmadd_pd(
+                s64,
+                _mm256_cvtepi32_pd(ic),
+                _mm256_mul_pd(m64, _mm256_cvtepi32_pd(ik)),
+            );
+            let z = _mm256_mul_pd(_mm256_mul_pd(qs64, sum), scale64);
+            _mm_storeu_ps(lanes4.as_mut_ptr(), _mm256_cvtpd_ps(z));
+            for h in 0..4 {
+                out[h * TILE + t] = lanes4[h];
+            }
+        } else {
+            // Per lane s * codes-sum + m * kept-sum in f32, then one float reduction per head.
+            let (m, s) = (
+                _mm512_broadcastss_ps(ms),
+                _mm512_broadcastss_ps(_mm_movehdup_ps(ms)),
+            );
+            for h in 0..4 {
+                let f = _mm512_fmadd_ps(
+                    s,
+                    _mm512_cvtepi32_ps(ac[h]),
+                    _mm512_mul_ps(m, _mm512_cvtepi32_ps(ak[h])),
+                );
+                out[h * TILE + t] = scale * qscale[h] * _mm512_reduce_add_ps(f);
+            }
         }
     }
 }
@@ -274,11 +319,33 @@ fn speed() {
             }
         }
         let mut lq = vec![0f32; 4 * TILE];
-        time("int8 query, `vpdpbusd` on the codes (probe)", &mut || {
-            // SAFETY: AVX-512 VNNI/VBMI2 detected above; 16 records of the layout.
-            unsafe { int8_query_logits(&q8, &qscale, &keys, &layout, TILE, 0.1, &mut lq) };
-            black_box(&lq);
-        });
+        time(
+            "int8 query, `vpdpbusd` on the codes, f32 epilogue (probe)",
+            &mut || {
+                // SAFETY: AVX-512 VNNI/VBMI2 detected above; 16 records of the layout.
+                unsafe {
+                    int8_query_logits::<false>(&q8, &qscale, &keys, &layout, TILE, 0.1, &mut lq)
+                };
+                black_box(&lq);
+            },
+        );
+        let mut lx = vec![0f32; 4 * TILE];
+        time(
+            "int8 query, `vpdpbusd` on the codes, exact i32 sums + f64 epilogue (probe)",
+            &mut || {
+                // SAFETY: as above.
+                unsafe {
+                    int8_query_logits::<true>(&q8, &qscale, &keys, &layout, TILE, 0.1, &mut lx)
+                };
+                black_box(&lx);
+            },
+        );
+        let apart = lq
+            .iter()
+            .zip(&lx)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!("the two epilogues: max |difference| {apart:.2e}");
         // The two agree to the query's quantization (a check of the probe kernel itself).
         let worst = lg
             .iter()
