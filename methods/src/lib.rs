@@ -9,7 +9,7 @@
 //! Implementations: the optimized CPU backend (`mosaickv-optimized`) serves every method it
 //! has; the f64 oracle (`mosaickv-reference`) serves the methods asked for by name
 //! (`mosaic-ref`, [`Implementation::Reference`]) and the baselines that exist only there
-//! (`naive2d`, `quest-sink`, `turboquant`). The oracle is compiled in by the `oracle` feature; without it
+//! (`naive2d`, `quest-sink`). The oracle is compiled in by the `oracle` feature; without it
 //! those methods are `BackendUnavailable`, never silently replaced.
 
 use mosaickv_optimized::baselines::KvqCache;
@@ -73,8 +73,7 @@ pub fn implementation_of(method: &Method, options: &Options) -> Implementation {
             ..
         }
         | Method::Naive2d { .. }
-        | Method::QuestSink { .. }
-        | Method::TurboQuant { .. } => Implementation::Reference,
+        | Method::QuestSink { .. } => Implementation::Reference,
         _ => options.implementation,
     }
 }
@@ -127,15 +126,17 @@ fn build(method: &Method, shape: KvShape, options: &Options) -> Result<Box<dyn K
             let c = KvqCache::new(shape, *format)?;
             Box::new(if *rotated { c.with_rotation() } else { c })
         }
+        (Method::TurboQuant { preset, .. }, Implementation::Optimized) => Box::new(
+            mosaickv_optimized::turboquant::TurboQuantCache::new(shape, *preset)?,
+        ),
         (Method::Mosaic { config, .. }, Implementation::Optimized) => match options.mosaic {
             MosaicRun::Live(mode) => Box::new(LiveCache::new(shape, config.clone(), mode)?),
             MosaicRun::Whole => Box::new(OptimizedMosaicCache::new(shape, config.clone())?),
         },
         (_, Implementation::Reference) => oracle::build(method, shape)?,
-        (
-            Method::Naive2d { .. } | Method::QuestSink { .. } | Method::TurboQuant { .. },
-            Implementation::Optimized,
-        ) => unreachable!("implementation_of runs them on the reference"),
+        (Method::Naive2d { .. } | Method::QuestSink { .. }, Implementation::Optimized) => {
+            unreachable!("implementation_of runs them on the reference")
+        }
     })
 }
 

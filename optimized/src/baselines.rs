@@ -581,7 +581,7 @@ pub use mosaickv_spec::kvq::{KvqFormat, KVQ_BLOCK};
 /// Walsh-Hadamard transform computes it (f32: scale by `1 / sqrtf(n)`, then butterflies of
 /// length 1, 2, 4, ...); the same operations in the same order as the reference's
 /// `hadamard_rotate`, so the same bits.
-fn hadamard_rotate(row: &mut [f32], n: usize) {
+pub(crate) fn hadamard_rotate(row: &mut [f32], n: usize) {
     let scale = 1.0f32 / (n as f32).sqrt();
     for block in row.chunks_exact_mut(n) {
         block.iter_mut().for_each(|x| *x *= scale);

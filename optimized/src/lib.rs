@@ -33,6 +33,7 @@
 //! | [`strategy`] | 11 ((r, g, dtype) search, block size) |
 //! | [`loss`] | 11.1 (attention loss) |
 //! | [`baselines`] | 12 (Full, Quest, kvq) |
+//! | [`turboquant`] | 12 (TurboQuant, vLLM's `turboquant_<preset>` cache) |
 //! | [`backend`] | the `Backend` trait over the steps above |
 
 // Index loops mirror the SPEC's formulas; kernels take many scalar geometry arguments.
@@ -60,6 +61,7 @@ pub mod select;
 pub mod simd;
 pub mod strategy;
 pub mod topr;
+pub mod turboquant;
 
 pub use backend::CpuBackend;
 pub use baselines::{DenseF16Cache, QuestF16Cache, QUEST_PAGE};

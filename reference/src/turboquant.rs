@@ -141,6 +141,11 @@ impl TurboQuantCache {
         self.preset
     }
 
+    /// The stored slots, `[tokens][kv_heads][slot bytes]` (vLLM's layout).
+    pub fn slots(&self) -> &[u8] {
+        &self.slots
+    }
+
     pub fn set_q_heads(&mut self, q_heads: usize) -> Result<()> {
         let s = self.shape;
         self.shape = KvShape::new(s.kv_heads, q_heads, s.head_dim)?;

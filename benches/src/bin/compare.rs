@@ -35,8 +35,10 @@ use mosaickv_benches::{
     exact_full_attention, median, read_bandwidth_gbps, rel_l2, resolve_configs, step_work,
     LabeledConfig,
 };
+use mosaickv_optimized::turboquant::TurboQuantCache;
 use mosaickv_optimized::{CpuBackend, DenseF16Cache, OptimizedMosaicCache, QuestF16Cache};
 use mosaickv_reference::{synthetic, ReferenceBackend};
+use mosaickv_spec::turboquant::TurboQuantPreset;
 use mosaickv_spec::{
     Backend, CompressedCache, KvCache, KvShape, LossPolicy, QueryStats, SegmentState,
 };
@@ -100,7 +102,8 @@ struct Args {
     /// Query samples used for the error against exact f64 full attention.
     #[arg(long, default_value_t = 3)]
     error_samples: usize,
-    /// Methods to run: full, quest, mosaic (quest and mosaic once per --config); the speedup
+    /// Methods to run: full, quest, mosaic (quest and mosaic once per --config), turboquant
+    /// (vLLM's `turboquant_4bit_nc`, every token attended, the optimized cache); the speedup
     /// columns need full and quest. (The former mosaic-vblocks / mosaic-int8 / mosaic-int4
     /// are now --config paper-vblocks / paper-int8 / paper-int4.)
     #[arg(long, value_delimiter = ',', default_value = "full,quest,mosaic")]
@@ -371,7 +374,7 @@ fn main() {
 fn run(args: Args) -> BoxResult<()> {
     for m in &args.methods {
         match m.as_str() {
-            "full" | "quest" | "mosaic" => {}
+            "full" | "quest" | "mosaic" | "turboquant" => {}
             "mosaic-vblocks" | "mosaic-int8" | "mosaic-int4" => {
                 return Err(format!(
                     "--methods {m} is now --config {}",
@@ -379,7 +382,11 @@ fn run(args: Args) -> BoxResult<()> {
                 )
                 .into())
             }
-            _ => return Err(format!("unknown method {m:?} (full, quest, mosaic)").into()),
+            _ => {
+                return Err(
+                    format!("unknown method {m:?} (full, quest, mosaic, turboquant)").into(),
+                )
+            }
         }
     }
     let want = |m: &str| args.methods.iter().any(|x| x == m);
@@ -508,6 +515,22 @@ fn run(args: Args) -> BoxResult<()> {
                 caches.push(Box::new(c));
             }
             let mut r = row("full", None);
+            r.prefill_s = t.elapsed().as_secs_f64();
+            r.bytes_read = bytes;
+            rows.push(measure(&mut caches, r)?);
+        }
+        if want("turboquant") {
+            // vLLM's 4bit_nc slots; a step reads every slot once
+            let t = Instant::now();
+            let mut caches: Vec<Box<dyn KvCache>> = Vec::new();
+            let mut bytes = 0;
+            for (k, v) in &data.layers {
+                let mut c = TurboQuantCache::new(shape, TurboQuantPreset::Bit4Nc)?;
+                c.prefill(k.view(), v.view())?;
+                bytes += c.slots().len();
+                caches.push(Box::new(c));
+            }
+            let mut r = row("turboquant:4bit_nc", None);
             r.prefill_s = t.elapsed().as_secs_f64();
             r.bytes_read = bytes;
             rows.push(measure(&mut caches, r)?);

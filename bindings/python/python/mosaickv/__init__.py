@@ -510,9 +510,10 @@ class TurboQuantCache(_Baseline):
     """Baseline: vLLM's TurboQuant KV cache (SPEC section 12, ``--kv-cache-dtype
     turboquant_<preset>``): keys normalized, Hadamard-rotated and rounded to a Lloyd-Max
     codebook of N(0, 1/head_dim) (3 or 4 bits, the norm in f16; ``k8v4``: FP8 keys), values
-    uniform per vector (3 or 4 bits, f16 scale and minimum), in vLLM's slot layout. Only the
-    reference implementation exists (``backend`` says ``"reference"``). Built by
-    :func:`from_method` (``"turboquant:4bit_nc"``, ``"turboquant:k8v4"``, ...); no file format."""
+    uniform per vector (3 or 4 bits, f16 scale and minimum), in vLLM's slot layout. On
+    ``backend="cpu"`` the optimized cache, on ``"reference"`` the reference's (the same slots
+    and the same output bits). Built by :func:`from_method` (``"turboquant:4bit_nc"``,
+    ``"turboquant:k8v4"``, ...); no file format."""
 
     _method = "turboquant"
 
