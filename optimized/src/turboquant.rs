@@ -247,9 +247,29 @@ impl TurboQuantCache {
         Ok(())
     }
 
+    /// [`Self::attend_head_body`], compiled for AVX2 where the CPU path has it (wider lanes
+    /// for the same operations: Rust never fuses a multiply and an add, so the bits are the
+    /// same on every path).
+    fn attend_head(&self, qs: &[f32], h: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::Path::detect() != crate::simd::Path::Portable {
+            // SAFETY: a SIMD path was detected, so the CPU has AVX2.
+            unsafe { self.attend_head_avx2(qs, h, out) };
+            return;
+        }
+        self.attend_head_body(qs, h, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn attend_head_avx2(&self, qs: &[f32], h: usize, out: &mut [f32]) {
+        self.attend_head_body(qs, h, out)
+    }
+
     /// KV head `h`'s query rows `qs` (`[g][D]`, Hadamard-rotated unless `k8v4`) attended over
     /// every token: `out` `[g][D]`.
-    fn attend_head(&self, qs: &[f32], h: usize, out: &mut [f32]) {
+    #[inline(always)]
+    fn attend_head_body(&self, qs: &[f32], h: usize, out: &mut [f32]) {
         let (d, p, slot) = (self.shape.head_dim, self.preset, self.slot());
         let g = qs.len() / d;
         let (kb, vb) = (p.key_bytes(d), p.value_bytes(d));
