@@ -89,3 +89,20 @@ def test_naive2d_and_quest_sink_say_they_run_on_the_reference():
     for word in ["naive2d", "quest-sink"]:
         assert mosaickv.from_method(word, 2, 64, backend="cpu").backend == "reference"
     assert mosaickv.from_method("quest", 2, 64).backend == "cpu"
+
+
+@pytest.mark.parametrize("preset", ["4bit_nc", "k8v4", "k3v4_nc", "3bit_nc"])
+def test_turboquant_runs_on_the_cpu_backend_with_the_references_bits(preset):
+    """Every TurboQuant preset has a CPU cache (issue 37): the same output bits as the
+    reference's, on the same prompt and generated tokens."""
+
+    caches = {b: mosaickv.from_method(f"turboquant:{preset}", 2, 64, backend=b) for b in ("cpu", "reference")}
+    assert caches["cpu"].backend == "cpu" and caches["reference"].backend == "reference"
+    k, v = low_rank_kv(3, 150, 2, 64)
+    for c in caches.values():
+        c.prefill(k[:140], v[:140])
+        for t in range(140, 150):
+            c.append(k[t], v[t])
+    q = queries(5, 6, 64)
+    assert caches["cpu"].memory() == caches["reference"].memory()
+    np.testing.assert_array_equal(caches["cpu"].attend(q), caches["reference"].attend(q))
