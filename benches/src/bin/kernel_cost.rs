@@ -233,6 +233,13 @@ fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
             path.tile_logits_q(&q, 1, d, &keys, &kl, TILE, 0.1, &mut lg);
             black_box(&lg);
         });
+        // Qwen2.5-Coder-1.5B's group: 6 query heads per KV head
+        let q6: Vec<f32> = (0..6 * d).map(|i| (i % 7) as f32 * 0.1).collect();
+        let mut lg6 = vec![0f32; 6 * TILE];
+        time("int8 keys r=80: tile_logits_q g=6", TILE, 100_000, || {
+            path.tile_logits_q(&q6, 6, d, &keys, &kl, TILE, 0.1, &mut lg6);
+            black_box(&lg6);
+        });
     }
     let p: Vec<f32> = (0..g * TILE).map(|i| 1e-3 * i as f32).collect();
     let mut acc = vec![0f32; g * d];

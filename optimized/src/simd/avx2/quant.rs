@@ -304,7 +304,7 @@ impl Decoder {
 /// 8 and at least `kept_dims`). Each record is decoded in registers as `expand_q` writes it
 /// and multiplied as `tiles::tile_logits` multiplies the expanded tile (per head and token one
 /// FMA chain over the dims in order, then the same horizontal sum), so the logits are the same
-/// bits, without the tile's store and reload. Heads four at a time, two records per pass.
+/// bits, without the tile's store and reload. Heads up to six at a time, two records per pass.
 ///
 /// # Safety
 /// AVX2, FMA, F16C and POPCNT available; `layout` is int8/int4 with `r` and `kept_dims` at
@@ -327,13 +327,18 @@ pub unsafe fn tile_logits_q(
     let mut h0 = 0;
     while h0 < g {
         let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE));
+        // Up to six heads per pass (12 accumulators, two decoded chunks and a query chunk fit
+        // the 16 registers), so a group of six (Qwen2.5's) decodes each record once; a head's
+        // sums do not depend on the heads beside it, so the bits are those of any grouping.
         match g - h0 {
             1 => logits_q_n::<1>(qp, dp, bytes, layout, n, scale, op, &mut dec),
             2 => logits_q_n::<2>(qp, dp, bytes, layout, n, scale, op, &mut dec),
             3 => logits_q_n::<3>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-            _ => logits_q_n::<4>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+            4 => logits_q_n::<4>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+            5 => logits_q_n::<5>(qp, dp, bytes, layout, n, scale, op, &mut dec),
+            _ => logits_q_n::<6>(qp, dp, bytes, layout, n, scale, op, &mut dec),
         }
-        h0 += 4;
+        h0 += 6;
     }
 }
 

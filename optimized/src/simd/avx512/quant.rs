@@ -272,10 +272,13 @@ struct KeyRecord<'a> {
     off: usize,
 }
 
+/// Query heads per pass of [`tile_logits_q`].
+const HEADS_PER_PASS: usize = 6;
+
 /// SPEC.md section 9, key side, on packed int8/int4 records of any group size, decoded in
 /// registers: `out[h * TILE + t] = scale * (q_h . k^_t)` for `g` heads (`q` `[g][dp]`) and
-/// the `n <= TILE` records in `bytes`. Four records x up to four heads per pass, as
-/// [`super::logits::tile_logits`] runs on an expanded tile; per 64 dims each record's codes
+/// the `n <= TILE` records in `bytes`. Four records x up to six heads per pass (the tile
+/// route, [`super::logits::tile_logits`], runs four x four); per 64 dims each record's codes
 /// are placed by one `vpexpandb` ([`expand_q`]'s decode), then 16 dims at a time widened,
 /// decoded (`m + code * s`, zero where not kept) and multiplied into the accumulators. The
 /// decoded values, the FMAs and their order, and the reductions are those of
@@ -354,13 +357,19 @@ pub unsafe fn tile_logits_q(
                     }
                 };
             }
+            // Up to six heads per pass (24 accumulators, the four records' decoded chunks and
+            // a query chunk fit the 32 registers), so a group of six (Qwen2.5's) decodes each
+            // record once; a head's sums do not depend on the heads beside it, so the bits are
+            // those of any grouping.
             match g - h0 {
                 1 => pass!(1),
                 2 => pass!(2),
                 3 => pass!(3),
-                _ => pass!(4),
+                4 => pass!(4),
+                5 => pass!(5),
+                _ => pass!(6),
             }
-            h0 += 4;
+            h0 += HEADS_PER_PASS;
         }
         t += 4;
     }
