@@ -15,6 +15,7 @@
 //! asserts equal bytes and equal outputs, as `tests/kvq.rs` does for kvq8 / kvq4.
 
 use crate::baselines::hadamard_rotate;
+use crate::simd::Path;
 use half::f16;
 use mosaickv_spec::rules::f16_storable;
 use mosaickv_spec::turboquant::{lloyd_max_centroids, midpoints, TurboQuantPreset};
@@ -37,6 +38,8 @@ pub struct TurboQuantCache {
     tokens: usize,
     /// Slots `[tokens][kv_heads][slot_bytes]`: key bytes, value bytes, padding to even.
     slots: Vec<u8>,
+    /// The kernel path, detected once (as the other optimized baselines do).
+    path: Path,
 }
 
 /// FP8 e4m3 (`float8e4nv`) of an f32: round to nearest even, saturated at +-448 (the
@@ -131,6 +134,22 @@ fn unstorable(
     }
 }
 
+/// One token's encoding buffers (the normalized, rotated key and the indices of a row),
+/// reused across the tokens of a prompt.
+struct EncodeBufs {
+    y: Vec<f32>,
+    idx: Vec<u8>,
+}
+
+impl EncodeBufs {
+    fn new(d: usize) -> Self {
+        Self {
+            y: vec![0.0; d],
+            idx: vec![0; d],
+        }
+    }
+}
+
 /// One KV head's attention state for its query heads: the running maximum, sum and
 /// unnormalized output of each (the reference's `m`, `l`, `o`), and the decode buffers.
 struct HeadWork {
@@ -163,6 +182,7 @@ impl TurboQuantCache {
             midpoints,
             tokens: 0,
             slots: Vec::new(),
+            path: Path::detect(),
         })
     }
 
@@ -188,10 +208,16 @@ impl TurboQuantCache {
     /// One token's slots `[kv_heads][slot]` from its key and value rows `[kv_heads * D]`,
     /// appended to `out`: the reference's `encode`, operation for operation.
     #[allow(clippy::neg_cmp_op_on_partial_ord)] // `!(s > 1e-8)` catches NaN too, as vLLM's max()
-    fn encode(&self, key: &[f32], value: &[f32], plural: bool, out: &mut Vec<u8>) -> Result<()> {
+    fn encode(
+        &self,
+        key: &[f32],
+        value: &[f32],
+        plural: bool,
+        bufs: &mut EncodeBufs,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
         let (d, p) = (self.shape.head_dim, self.preset);
-        let mut y = vec![0f32; d];
-        let mut idx = vec![0u8; d];
+        let EncodeBufs { y, idx } = bufs;
         for (h, (k, v)) in key.chunks(d).zip(value.chunks(d)).enumerate() {
             let start = out.len();
             if p.key_bits() == 8 {
@@ -201,12 +227,12 @@ impl TurboQuantCache {
                 for (yj, &x) in y.iter_mut().zip(k) {
                     *yj = x / (norm + 1e-8);
                 }
-                hadamard_rotate(&mut y, d);
+                hadamard_rotate(y, d);
                 let top = self.centroids.len() - 1;
-                for (i, &yj) in idx.iter_mut().zip(&y) {
+                for (i, &yj) in idx.iter_mut().zip(y.iter()) {
                     *i = self.midpoints.iter().filter(|&&m| yj >= m).count().min(top) as u8;
                 }
-                pack(&idx, p.key_bits(), out);
+                pack(idx, p.key_bits(), out);
                 if f16::from_f32(norm).is_infinite() {
                     return Err(unstorable(
                         plural,
@@ -229,7 +255,7 @@ impl TurboQuantCache {
             for (i, &x) in idx.iter_mut().zip(v) {
                 *i = (((x - lo) / s + 0.5) as u32).min(levels) as u8;
             }
-            pack(&idx, p.value_bits(), out);
+            pack(idx, p.value_bits(), out);
             if f16::from_f32(s).is_infinite() || f16::from_f32(lo).is_infinite() {
                 return Err(unstorable(
                     plural,
@@ -252,7 +278,7 @@ impl TurboQuantCache {
     /// same on every path).
     fn attend_head(&self, qs: &[f32], h: usize, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::Path::detect() != crate::simd::Path::Portable {
+        if self.path != Path::Portable {
             // SAFETY: a SIMD path was detected, so the CPU has AVX2.
             unsafe { self.attend_head_avx2(qs, h, out) };
             return;
@@ -407,21 +433,26 @@ impl KvCache for TurboQuantCache {
         let this = &*self;
         // Tokens encoded in parallel; the first failing token (in token order) reported, as
         // the reference reports it.
+        let d = self.shape.head_dim;
         let encoded: Vec<Result<Vec<u8>>> = (0..n)
             .into_par_iter()
-            .map(|t| {
-                let k: Vec<f32> = keys.index_axis(Axis(0), t).iter().copied().collect();
-                let v: Vec<f32> = values.index_axis(Axis(0), t).iter().copied().collect();
-                let mut out = Vec::with_capacity(per);
-                this.encode(&k, &v, true, &mut out).map_err(|e| match e {
-                    MosaicError::NonFinite { what, index } => MosaicError::NonFinite {
-                        what,
-                        index: t * row + index,
-                    },
-                    other => other,
-                })?;
-                Ok(out)
-            })
+            .map_init(
+                || EncodeBufs::new(d),
+                |bufs, t| {
+                    let k: Vec<f32> = keys.index_axis(Axis(0), t).iter().copied().collect();
+                    let v: Vec<f32> = values.index_axis(Axis(0), t).iter().copied().collect();
+                    let mut out = Vec::with_capacity(per);
+                    this.encode(&k, &v, true, bufs, &mut out)
+                        .map_err(|e| match e {
+                            MosaicError::NonFinite { what, index } => MosaicError::NonFinite {
+                                what,
+                                index: t * row + index,
+                            },
+                            other => other,
+                        })?;
+                    Ok(out)
+                },
+            )
             .collect();
         let mut slots = Vec::with_capacity(n * per);
         for e in encoded {
@@ -438,7 +469,8 @@ impl KvCache for TurboQuantCache {
         let k: Vec<f32> = key.iter().copied().collect();
         let v: Vec<f32> = value.iter().copied().collect();
         let mut out = Vec::with_capacity(self.shape.kv_heads * self.slot());
-        self.encode(&k, &v, false, &mut out)?;
+        let mut bufs = EncodeBufs::new(self.shape.head_dim);
+        self.encode(&k, &v, false, &mut bufs, &mut out)?;
         self.slots.extend(out);
         self.tokens += 1;
         Ok(())
