@@ -158,15 +158,53 @@ def kv_elems_per_token(llm):
     return 2 * layers * kv_heads * head_dim
 
 
-def llama_cpp(llm, args, n, toks, kv="f16"):
+def model_shape(llm):
+    """(layers, kv_heads, head_dim) from the GGUF header."""
+    md = llm.metadata
+    a = md["general.architecture"]
+    head_dim = int(md.get(f"{a}.attention.key_length") or
+                   int(md[f"{a}.embedding_length"]) // int(md[f"{a}.attention.head_count"]))
+    return int(md[f"{a}.block_count"]), int(md[f"{a}.attention.head_count_kv"]), head_dim
+
+
+def llama_cpp(llm, args, n, toks, kv="f16", from_ours=None, real_state=None):
+    """One llama.cpp run. `from_ours`: the path of our stored prefill of `toks`; llama.cpp's cache
+    is then written from it (engine/scripts/llama_kv_transplant.py) instead of llama.cpp
+    prefilling, and `prefill_s` is the time to load it plus llama.cpp's evaluation of the last
+    prompt token."""
     import numpy as np
     from llama_cpp import __version__, llama_print_system_info
+    import llama_kv_transplant as tp
 
     n_vocab = llm.n_vocab()
     llm.reset()
-    t = time.perf_counter()
-    llm.eval(toks)
-    prefill_s = time.perf_counter() - t
+    extra = {}
+    rotate = not os.environ.get("LLAMA_ATTN_ROT_DISABLE")
+    if from_ours:
+        layers, _, head_dim = model_shape(llm)
+        header, kvs = tp.read_prefill(from_ours)
+        if header["tokens"] != n or header["layers"] != layers:
+            raise SystemExit(f"{from_ours}: {header['tokens']} tokens x {header['layers']} layers, expected {n} x {layers}")
+        t = time.perf_counter()
+        blob = tp.build_state(llm.state_header, kv, kvs, head_dim, n - 1, rotate, v_trans=(kv == "f16-nofa"))
+        build_s = time.perf_counter() - t
+        t = time.perf_counter()
+        tp.load_state(llm, blob, n - 1, toks)
+        llm.eval(toks[n - 1:])
+        prefill_s = time.perf_counter() - t
+        extra = {"cache_from": f"ours: {os.path.basename(from_ours)} (n-1 positions), llama.cpp evaluated the last prompt token",
+                 "build_s": build_s}
+        if real_state is not None:
+            # the transplanted cache against llama.cpp's own, per layer (relative RMS difference)
+            diff = tp.compare_states(kv, blob, real_state)
+            extra["rel_rms_diff_vs_llama"] = {k: diff[k] for k in ("k0", "v0", f"k{layers - 1}", f"v{layers - 1}")}
+            extra["rel_rms_diff_vs_llama_max"] = max(diff.values())
+    else:
+        t = time.perf_counter()
+        llm.eval(toks)
+        prefill_s = time.perf_counter() - t
+        if args.llama_cache_from == "both":
+            extra["state"] = tp.seq_state(llm)
     gen = []
     t = time.perf_counter()
     for _ in range(args.steps):
@@ -192,8 +230,11 @@ def llama_cpp(llm, args, n, toks, kv="f16"):
         "decode_tok_s": args.steps / decode_s,
         "decode_ms": 1e3 * decode_s / args.steps,
         "generated": gen,
+        "cache_from": "llama.cpp's own prefill",
     }
-    print(f"llama.cpp/{kv} {n}: prefill {prefill_s:.2f} s, decode {args.steps / decode_s:.1f} tok/s", file=sys.stderr)
+    rec.update(extra)
+    print(f"llama.cpp/{kv} {n}{' (cache from ours)' if from_ours else ''}: prefill {prefill_s:.2f} s, "
+          f"decode {args.steps / decode_s:.1f} tok/s", file=sys.stderr)
     return rec
 
 
@@ -226,6 +267,11 @@ def main():
     ap.add_argument("--store-prefills", action="store_true",
                     help="our side reads each prompt's dense prefill from $MOSAICKV_HOME/prefills (computed and "
                          "stored by the first method that needs it): at 16K-32K a prefill is minutes")
+    ap.add_argument("--llama-cache-from", choices=["prefill", "ours", "both"], default="prefill",
+                    help="prefill: llama.cpp prefills each prompt itself; ours: its cache is written from our stored "
+                         "prefill of the same ids (rotated and quantized as llama.cpp does; llama_kv_transplant.py), "
+                         "for 16K-32K where its prefill over a quantized cache takes hours; both: each way, one after "
+                         "the other (a check of the transplant: same decode speed, layer-0 blocks)")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.model = model_file(args.model)
@@ -237,6 +283,8 @@ def main():
         sys.exit(f"{args.bench} not found: run cargo build --release -p mosaickv-engine --example bench")
     if args.bench_b and not os.path.exists(args.bench_b):
         sys.exit(f"--bench-b {args.bench_b} not found")
+    if args.llama_cache_from != "prefill" and not args.store_prefills:
+        sys.exit("--llama-cache-from ours|both needs --store-prefills (our stored prefill feeds llama.cpp's cache)")
     if not os.path.exists(args.model):
         sys.exit(f"{args.model} not found: run the engine once (it fetches the model) or pass --model")
 
@@ -249,55 +297,88 @@ def main():
         if kv not in KV_TYPES:
             sys.exit(f"--llama-kv {kv}: expected one of {sorted(KV_TYPES)}")
     llms = {kv: load_llama(args, kv) for kv in kvs}
+    sources = {"prefill": [False], "ours": [True], "both": [False, True]}[args.llama_cache_from]
+    if True in sources:
+        import llama_kv_transplant as tp
+        for llm in llms.values():
+            llm.state_header = tp.state_header(llm)
     ref, ours, raw = [], [], []
-    # interleaved: each length, each repeat runs llama.cpp (each KV type) then each of our methods
+    benches = [("ours", args.bench)] + ([(f"ours ({args.label_b})", args.bench_b)] if args.bench_b else [])
+
+    def run_ours(n, runs):
+        for m in args.methods.split(","):
+            for engine, bench in benches:
+                idle = wait_quiet(args.quiet_wait)
+                (o,) = run_bench(bench, args, ["--method", m] + (["--store-prefills"] if args.store_prefills else []), [n])
+                o["idle_before"] = idle
+                o["engine"] = engine
+                runs.setdefault(f"{engine} / {m}", []).append(o)
+                print(f"{engine}/{m} {n}: prefill {o['prefill_s']:.2f} s, decode {o['decode_tok_s']:.1f} tok/s",
+                      file=sys.stderr)
+
+    # interleaved: each length, each repeat runs llama.cpp (each KV type) then each of our methods;
+    # when llama.cpp's cache comes from our stored prefill, ours run first (they store it)
     for n in args.lengths:
         runs = {}
         for _ in range(args.repeat):
+            if True in sources:
+                run_ours(n, runs)
             for kv, llm in llms.items():
-                idle = wait_quiet(args.quiet_wait)
-                r = llama_cpp(llm, args, n, prompts[n], kv)
-                r["idle_before"] = idle
-                runs.setdefault(f"llama.cpp/{kv}", []).append(r)
-            benches = [("ours", args.bench)] + ([(f"ours ({args.label_b})", args.bench_b)] if args.bench_b else [])
-            for m in args.methods.split(","):
-                for engine, bench in benches:
+                real_state = None
+                for from_ours in sources:
+                    path = None
+                    if from_ours:
+                        layers, kv_heads, head_dim = model_shape(llm)
+                        path = next((o.get("prefill_file") for v in runs.values() for o in v
+                                     if o.get("prefill_file") and o["length"] == n), None) \
+                            or tp.find_prefill(n, layers, kv_heads, head_dim)
+                        if path is None:
+                            sys.exit(f"no stored prefill of {n} tokens: run with --store-prefills and a method of ours")
                     idle = wait_quiet(args.quiet_wait)
-                    (o,) = run_bench(bench, args, ["--method", m] + (["--store-prefills"] if args.store_prefills else []), [n])
-                    o["idle_before"] = idle
-                    o["engine"] = engine
-                    runs.setdefault(f"{engine} / {m}", []).append(o)
-                    print(f"{engine}/{m} {n}: prefill {o['prefill_s']:.2f} s, decode {o['decode_tok_s']:.1f} tok/s",
-                          file=sys.stderr)
+                    r = llama_cpp(llm, args, n, prompts[n], kv, from_ours=path, real_state=real_state)
+                    real_state = r.pop("state", None)
+                    r["idle_before"] = idle
+                    r["label"] = kv + (" (cache from ours)" if from_ours else "")
+                    runs.setdefault(f"llama.cpp/{r['label']}", []).append(r)
+            if True not in sources:
+                run_ours(n, runs)
         raw.append(runs)
-        ref.extend(best(runs.pop(f"llama.cpp/{kv}")) for kv in kvs)
-        ours.extend(best(v) for v in runs.values())
+        ref.extend(best(v) for k, v in list(runs.items()) if k.startswith("llama.cpp/"))
+        ours.extend(best(v) for k, v in runs.items() if not k.startswith("llama.cpp/"))
 
     # ratios are against llama.cpp's first KV type (f16 by default)
-    by_len = {r["length"]: r for r in ref if r["kv"] == kvs[0]}
+    by_len = {}
+    for r in ref:
+        by_len.setdefault(r["length"], r)  # llama.cpp's first KV type, first source
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}; "
           f"llama-cpp-python {ref[0]['version']}, n_threads {args.threads}; {args.steps} greedy decode steps; "
           f"fastest of {args.repeat} interleaved run(s); llama.cpp OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}")
     print()
-    print(f"| prompt tokens | engine / KV cache | prefill s | prefill vs llama.cpp/{kvs[0]} | decode tok/s | "
-          f"decode ms/token (KV part) | decode vs llama.cpp/{kvs[0]} | KV MiB | CPU idle before |")
+    first = ref[0]["label"]
+    print(f"| prompt tokens | engine / KV cache | prefill s | prefill vs llama.cpp/{first} | decode tok/s | "
+          f"decode ms/token (KV part) | decode vs llama.cpp/{first} | KV MiB | CPU idle before |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     idle = lambda r: "-" if r.get("idle_before") is None else f"{100 * r['idle_before']:.0f} %"
     # llama.cpp's KV part is not timed apart; with a short length in the run (<= 1024 tokens) it
     # is estimated as its decode ms at n minus its decode ms at the shortest length, same cache
     short = min(args.lengths)
-    short_ms = {q["kv"]: q["decode_ms"] for q in ref if q["length"] == short} if short <= 1024 else {}
+    short_ms = {q["label"]: q["decode_ms"] for q in ref if q["length"] == short} if short <= 1024 else {}
 
     def prefill(o):
         if o.get("prefill_origin") == "stored":
             return f"stored (read {o['prefill_s']:.1f} s)", "-"
+        if "build_s" in r:  # llama.cpp did not prefill: no ratio
+            return f"{o['prefill_s']:.2f}", "-"
         return f"{o['prefill_s']:.2f}", f"{o['prefill_s'] / r['prefill_s']:.2f}x"
 
     for n in args.lengths:
         r = by_len[n]
         for q in (q for q in ref if q["length"] == n):
-            est = (f" (~{q['decode_ms'] - short_ms[q['kv']]:.1f})" if q["kv"] in short_ms and n != short else "")
-            print(f"| {n} | llama.cpp / full {q['kv']} | {q['prefill_s']:.2f} | {q['prefill_s'] / r['prefill_s']:.2f}x | "
+            est = (f" (~{q['decode_ms'] - short_ms[q['label']]:.1f})" if q["label"] in short_ms and n != short else "")
+            pre = f"{q['prefill_s']:.2f}", f"{q['prefill_s'] / r['prefill_s']:.2f}x"
+            if "build_s" in q:
+                pre = f"from ours (load + last token {q['prefill_s']:.1f} s)", "-"
+            print(f"| {n} | llama.cpp / full {q['label']} | {pre[0]} | {pre[1]} | "
                   f"{q['decode_tok_s']:.1f} | {q['decode_ms']:.1f}{est} | {q['decode_tok_s'] / r['decode_tok_s']:.2f}x | "
                   f"{q['kv_bytes'] / 2**20:.1f} | {idle(q)} |")
         for o in (o for o in ours if o["length"] == n):
