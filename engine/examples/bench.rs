@@ -209,6 +209,7 @@ fn main() -> BoxResult<()> {
                 Origin::Computed => "computed",
             },
             "query_stats": stats,
+            "prefill_file": store.as_ref().map(|s| s.path(&s.key(&ids, stats))),
             "method": method.label(),
             "fill_s": fill_s,
             "kv_bytes": caches.iter().map(|c| c.bytes()).sum::<usize>(),

@@ -306,7 +306,7 @@ def main():
     benches = [("ours", args.bench)] + ([(f"ours ({args.label_b})", args.bench_b)] if args.bench_b else [])
 
     def run_ours(n, runs):
-        for m in args.methods.split(","):
+        for m in filter(None, args.methods.split(",")):  # --methods '': llama.cpp only
             for engine, bench in benches:
                 idle = wait_quiet(args.quiet_wait)
                 (o,) = run_bench(bench, args, ["--method", m] + (["--store-prefills"] if args.store_prefills else []), [n])

@@ -111,7 +111,8 @@ impl PrefillStore {
         d.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    fn path(&self, key: &str) -> PathBuf {
+    /// The file that holds (or would hold) the prefill of `key`.
+    pub fn path(&self, key: &str) -> PathBuf {
         self.dir.join(format!("{key}.mkvp"))
     }
 

@@ -2,7 +2,7 @@
 //! rows against Q8_1 activations, Q4_K and Q6_K rows against Q8_K ones.
 
 use crate::simd::ggml::{
-    check_k_activations, f16_at, q4_k_scales, QVec, Q4_K_BYTES, Q6_K_BYTES, Q8K, QK, QK_K,
+    check_k_activations, f16_at_f16c, q4_k_scales, QVec, Q4_K_BYTES, Q6_K_BYTES, Q8K, QK, QK_K,
 };
 use std::arch::x86_64::*;
 
@@ -99,8 +99,8 @@ pub(crate) unsafe fn dot_q8_0(qs: &[i8], d: &[f32], x: &QVec) -> f32 {
 /// into i32, then one float multiply-add per block; the mins term is a scalar sum over the 8
 /// sub-blocks. Each activation's result goes through the same operations in the same order
 /// whatever `N`, so it is the same bit for bit.
-/// Safety: the CPU has avx2 and fma.
-#[target_feature(enable = "avx2,fma")]
+/// Safety: the CPU has avx2, fma and f16c.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
     let nb = row.len() / Q4_K_BYTES;
     assert_eq!(row.len(), nb * Q4_K_BYTES);
@@ -110,7 +110,7 @@ pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32
     let mut mins = [0f32; N];
     for b in 0..nb {
         let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
-        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+        let (d, dmin) = (f16_at_f16c(blk, 0), f16_at_f16c(blk, 2));
         let (s, m) = q4_k_scales(&blk[4..16]);
         let mut isum = [_mm256_setzero_si256(); N];
         let qp = blk.as_ptr().add(16);
@@ -152,8 +152,8 @@ pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32
 /// masks (no bit crosses a byte after the mask), `maddubs` against each activation (u8 0..63
 /// x i8), `madd` by the two sub-block scales of the group into i32. The `-32` offset is
 /// taken out with the activation's block sums. The same bit for bit whatever `N`.
-/// Safety: the CPU has avx2 and fma.
-#[target_feature(enable = "avx2,fma")]
+/// Safety: the CPU has avx2, fma and f16c.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
     let nb = row.len() / Q6_K_BYTES;
     assert_eq!(row.len(), nb * Q6_K_BYTES);
@@ -163,7 +163,7 @@ pub(crate) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..nb {
         let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
-        let d = f16_at(blk, 208);
+        let d = f16_at_f16c(blk, 208);
         let sc = &blk[192..208];
         let mut isum = [_mm256_setzero_si256(); N];
         // SAFETY (loads): ql bytes 0..128, qh bytes 128..192 of the block; 8 x 32

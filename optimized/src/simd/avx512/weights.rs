@@ -2,7 +2,7 @@
 //! Q6_K rows against Q8_K activations (`vpdpbusd`).
 
 use crate::simd::ggml::{
-    check_k_activations, f16_at, q4_k_scales_words, Q4_K_BYTES, Q6_K_BYTES, Q8K, QK_K,
+    check_k_activations, f16_at_f16c, q4_k_scales_words, Q4_K_BYTES, Q6_K_BYTES, Q8K, QK_K,
 };
 use std::arch::x86_64::*;
 
@@ -48,8 +48,8 @@ unsafe fn load_lanes(lanes: &[i16; 32]) -> __m512i {
 /// and one `dpwssd` by the two sub-block scales; one float multiply-add per block. The mins
 /// term, `dmin * sum_j m_j * (sum of sub-block j's q_x)`, is a vector `madd` of the block
 /// sums by the mins, kept in float lanes. The same bit for bit whatever `N`.
-/// Safety: the CPU has avx512f, avx512bw and avx512vnni.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+/// Safety: the CPU has avx512f, avx512bw, avx512vnni, avx2 and f16c (the AVX-512 path requires them).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
     let nb = row.len() / Q4_K_BYTES;
     assert_eq!(row.len(), nb * Q4_K_BYTES);
@@ -64,7 +64,7 @@ pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32
     let mut mins = [_mm256_setzero_ps(); N];
     for b in 0..nb {
         let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
-        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+        let (d, dmin) = (f16_at_f16c(blk, 0), f16_at_f16c(blk, 2));
         let [w0, w1, w2, w3] = q4_k_scales_words(&blk[4..16]);
         let sm = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_setr_epi32(
             w0 as i32, w1 as i32, w2 as i32, w3 as i32,
@@ -106,8 +106,8 @@ pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32
 /// four sub-block scales (`permutexvar` of the block's 16 scales). The `-32` offset,
 /// `32 * sum_s sc_s * bsum_s`, is subtracted from the block's integer sum as a vector.
 /// The same bit for bit whatever `N`.
-/// Safety: the CPU has avx512f, avx512bw and avx512vnni.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+/// Safety: the CPU has avx512f, avx512bw, avx512vnni, avx2 and f16c (the AVX-512 path requires them).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(crate) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32; N] {
     let nb = row.len() / Q6_K_BYTES;
     assert_eq!(row.len(), nb * Q6_K_BYTES);
@@ -126,7 +126,7 @@ pub(crate) unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Q8K; N]) -> [f32
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..nb {
         let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
-        let d = f16_at(blk, 208);
+        let d = f16_at_f16c(blk, 208);
         // SAFETY (loads): ql bytes 0..128, qh bytes 128..192, scales 192..208 of the
         // block; 4 x 64 activation bytes and 16 block sums of block b, inside the asserted
         // lengths
