@@ -29,10 +29,13 @@ both engines see exactly the same token ids. For each length:
 Engines run one after the other, never at the same time, interleaved per length and repeat;
 the fastest of --repeat runs is reported. This machine is shared: before each run the script
 waits (up to --quiet-wait seconds) until the CPUs are at least 80 % idle, and records the idle
-fraction it saw. llama.cpp's OpenMP threads spin at barriers by default, which collapses its
-speed when other processes compete for the 2 cores (measured here at load ~5: decode 5 tok/s
-with the default policy, 18-23 tok/s with passive); the script therefore runs it with
-OMP_WAIT_POLICY=passive unless --omp-wait-policy says otherwise or the variable is already set.
+fraction it saw. llama.cpp's OpenMP threads spin at barriers by default. On an idle machine
+that is its fastest setting (Qwen at 16K, 2026-12-05: f16 cache without flash attention 143 ms
+per token with the default policy, 166 ms with OMP_WAIT_POLICY=passive), so the script leaves
+the variable unset (llama.cpp as users run it). When other processes compete for the 2 cores,
+spinning collapses its speed (measured at load ~5: decode 5 tok/s with the default policy,
+18-23 tok/s with passive): `--omp-wait-policy passive` is for such a machine, and every record
+says which policy ran (`args.omp_wait_policy`).
 With --bench-b, a second build of our `bench` (another commit, say) runs each method right
 after the first, in the same interleaving: rows `ours / METHOD` and `ours (NAME) / METHOD`,
 a before/after comparison that shares its llama.cpp runs and its machine state.
@@ -261,7 +264,9 @@ def main():
     ap.add_argument("--label-b", default="B", help="the name of --bench-b's rows")
     ap.add_argument("--repeat", type=int, default=1, help="runs per engine and length; the fastest is reported")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for idle CPUs before each run")
-    ap.add_argument("--omp-wait-policy", default="passive", help="OMP_WAIT_POLICY for llama.cpp ('' = leave unset)")
+    ap.add_argument("--omp-wait-policy", default="",
+                    help="OMP_WAIT_POLICY for llama.cpp ('' = leave unset, llama.cpp's own setting; `passive` on a "
+                         "shared machine, where spinning threads collapse its speed)")
     ap.add_argument("--llama-kv", default="f16",
                     help="llama.cpp KV-cache types to run, comma-separated (f16, q8_0, q4_0)")
     ap.add_argument("--store-prefills", action="store_true",
