@@ -61,7 +61,7 @@ def read_prefill(path):
     return h, [(mm[2 * l], mm[2 * l + 1]) for l in range(h["layers"])]
 
 
-def find_prefill(tokens, layers, kv_heads, head_dim, newest_after=0.0):
+def find_prefill(tokens, layers, kv_heads, head_dim):
     """The stored prefill of `tokens` tokens with this shape (the newest one when several are)."""
     hits = []
     for p in glob.glob(os.path.join(home(), "prefills", "*.mkvp")):
@@ -73,8 +73,7 @@ def find_prefill(tokens, layers, kv_heads, head_dim, newest_after=0.0):
         except (OSError, ValueError):
             continue
         if (h["tokens"], h["layers"], h["kv_heads"], h["head_dim"]) == (tokens, layers, kv_heads, head_dim):
-            if os.path.getmtime(p) >= newest_after:
-                hits.append((os.path.getmtime(p), p))
+            hits.append((os.path.getmtime(p), p))
     return max(hits)[1] if hits else None
 
 

@@ -15,6 +15,7 @@
 //! asserts equal bytes and equal outputs, as `tests/kvq.rs` does for kvq8 / kvq4.
 
 use crate::baselines::hadamard_rotate;
+use crate::simd::ggml::f16_at;
 use crate::simd::Path;
 use half::f16;
 use mosaickv_spec::rules::f16_storable;
@@ -22,6 +23,7 @@ use mosaickv_spec::turboquant::{lloyd_max_centroids, midpoints, TurboQuantPreset
 use mosaickv_spec::{validate, KvCache, KvShape, MemoryReport, MosaicError, Result};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2, Axis};
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 /// Tokens whose key logits are computed together (one f32 lane each).
@@ -115,10 +117,6 @@ fn unpack(bytes: &[u8], bits: usize, out: &mut [u8]) {
         let hi = bytes.get(bit / 8 + 1).copied().unwrap_or(0) as u16;
         *o = (((lo | hi << 8) >> (bit % 8)) & mask) as u8;
     }
-}
-
-fn f16_at(b: &[u8]) -> f32 {
-    f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
 
 /// `NonFinite` for a stored f16 that would overflow: `what` names a prompt's rows (`plural`)
@@ -330,7 +328,7 @@ impl TurboQuantCache {
                     for (j, &i) in w.idx.iter().enumerate() {
                         w.kt[j][lane] = self.centroids[i as usize];
                     }
-                    norm[lane] = f16_at(&bytes[kb - 2..kb]);
+                    norm[lane] = f16_at(bytes, kb - 2);
                 }
             }
             if p.key_bits() != 8 && p.norm_correction() {
@@ -368,7 +366,7 @@ impl TurboQuantCache {
             // The online softmax and the values, token by token.
             for lane in 0..n {
                 let vals = &slot_of(t0 + lane)[kb..kb + vb];
-                let (sv, lo) = (f16_at(&vals[vb - 4..vb - 2]), f16_at(&vals[vb - 2..]));
+                let (sv, lo) = (f16_at(vals, vb - 4), f16_at(vals, vb - 2));
                 unpack(&vals[..vb - 4], p.value_bits(), &mut w.idx);
                 for (x, &i) in w.vals.iter_mut().zip(&w.idx) {
                     *x = i as f32 * sv + lo;
@@ -439,8 +437,14 @@ impl KvCache for TurboQuantCache {
             .map_init(
                 || EncodeBufs::new(d),
                 |bufs, t| {
-                    let k: Vec<f32> = keys.index_axis(Axis(0), t).iter().copied().collect();
-                    let v: Vec<f32> = values.index_axis(Axis(0), t).iter().copied().collect();
+                    // a token's rows `[kv_heads * D]`, copied only when not contiguous
+                    let (k, v) = (keys.index_axis(Axis(0), t), values.index_axis(Axis(0), t));
+                    let (k, v) = (
+                        k.as_slice()
+                            .map_or_else(|| k.iter().copied().collect(), Cow::Borrowed),
+                        v.as_slice()
+                            .map_or_else(|| v.iter().copied().collect(), Cow::Borrowed),
+                    );
                     let mut out = Vec::with_capacity(per);
                     this.encode(&k, &v, true, bufs, &mut out)
                         .map_err(|e| match e {

@@ -132,7 +132,9 @@ pub fn f16_at(b: &[u8], at: usize) -> f32 {
 /// `target_feature` lists include `f16c`), where `half`'s `to_f32` checks the CPU and calls
 /// out of line on every block (15 % of a Qwen decode step's samples before, 2026-12-05). The
 /// same value: f16 -> f32 is exact either way.
-/// Safety: the CPU has F16C.
+///
+/// # Safety
+/// The CPU has F16C.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "f16c")]
