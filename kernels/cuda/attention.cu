@@ -13,9 +13,9 @@
 #define MKV_ATT_TILE 64
 #define MKV_HCHUNK 8
 
-// Dynamic shared memory of mkv_packed_attention: sq [G][D] + so [G][D] + p [G][TILE] + 3*G
+// Dynamic shared memory of mkv_packed_attention: sq [G][D] + so [G][D] + p [G][TILE] + 4*G
 // scalars + sv [TILE][D] (a tile's decoded value rows, expanded).
-// Host: (2 * G * D + G * MKV_ATT_TILE + 3 * G + MKV_ATT_TILE * D) * 4 bytes.
+// Host: (2 * G * D + G * MKV_ATT_TILE + 4 * G + MKV_ATT_TILE * D) * 4 bytes.
 //
 // grid: (1 + max_items, kv_heads, batch), block MKV_ATT_THREADS.
 // Part 0 = dense rows (sink then buffer) of sequence b: dense rows
@@ -38,7 +38,8 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
     float* sm = sp + G * MKV_ATT_TILE;           // [G] running max (log2 domain)
     float* sl = sm + G;                          // [G] running sum
     float* ss = sl + G;                          // [G] rescale factor of this tile
-    float* sv = ss + G;                          // [TILE][D] decoded value rows of a tile
+    float* sqm = ss + G;                         // [G] max_j |q'_j| of the int8 query (SPEC 8.2)
+    float* sv = sqm + G;                         // [TILE][D] decoded value rows of a tile
     const int part = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
     const int bj = b * kv_heads + j;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -117,6 +118,25 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
     const float* qb = qrot + ((i64)gseg * q_heads + (i64)j * G) * D;
     for (int i = tid; i < G * D; i += MKV_ATT_THREADS) sq[i] = qb[i];
     __syncthreads();
+    const bool qkeys = mkv_is_quantized(s.key_dtype);
+    if (qkeys) {
+        // SPEC 9 on int8/int4 key records multiplies SPEC 8.2's int8 query: per head (one
+        // warp) the max |q'_j| over j < Dt, then a_j = rint(q'_j / s_q) in [-127, 127] (0 for
+        // a zero query), kept as exact floats in sq.
+        for (int h = warp; h < G; h += nwarps) {
+            float m = 0.0f;
+            for (int d = lane; d < s.key_dt; d += 32) m = fmaxf(m, fabsf(sq[h * D + d]));
+            m = mkv_warp_max(m);
+            const double sqs = (double)m / 127.0;
+            for (int d = lane; d < s.key_dt; d += 32) {
+                int a = 0;
+                if (m > 0.0f) a = min(127, max(-127, (int)rint(__ddiv_rn((double)sq[h * D + d], sqs))));
+                sq[h * D + d] = (float)a;
+            }
+            if (lane == 0) sqm[h] = m;
+        }
+        __syncthreads();
+    }
 
     const int kw = (s.key_dt / s.key_g + 63) / 64, vw = (s.val_dt / s.val_g + 63) / 64;
     const int kbb = mkv_bitmap_bytes(s.key_dt / s.key_g), vbb = mkv_bitmap_bytes(s.val_dt / s.val_g);
@@ -144,7 +164,46 @@ mkv_packed_attention(const float* __restrict__ q, const float* __restrict__ qrot
                 const int off = (ts + t) % bs;
                 if (off < br.len) tok = br.start + off;
             }
-            for (int h0 = 0; h0 < G; h0 += MKV_HCHUNK) {
+            for (int h0 = 0; h0 < G && qkeys; h0 += MKV_HCHUNK) {
+                // int8/int4 keys: exact integer sums on the codes as stored (SPEC 9), the
+                // codes offset by -128 into signed bytes for the signed __dp4a:
+                // sum a c = sum a (c - 128) + 128 sum a.
+                int ic[MKV_HCHUNK], ik[MKV_HCHUNK];
+                #pragma unroll
+                for (int h = 0; h < MKV_HCHUNK; ++h) ic[h] = ik[h] = 0;
+                QuantParams qp = {0.0f, 0.0f};
+                if (tok >= 0) {
+                    const u8* rec = kseg + (i64)tok * s.key_rb;
+                    u64 bm[MKV_MAX_WORDS];
+                    mkv_load_bitmap(rec, s.key_dt / s.key_g, bm);
+                    qp = mkv_load_quant(rec, kbb, s.key_dtype);
+                    for (int c = sub; c < kchunks; c += kl) {
+                        const int codes = (int)(mkv_load_codes4(rec + kvo, c, s.key_dtype) ^ 0x80808080u);
+                        int dims[4];
+                        mkv_chunk_dims(bm, kw, s.key_r, s.key_g, c, dims);
+                        #pragma unroll
+                        for (int h = 0; h < MKV_HCHUNK; ++h) {
+                            if (h0 + h >= G) continue;
+                            u32 a4 = 0;
+                            #pragma unroll
+                            for (int i = 0; i < 4; ++i)
+                                if (dims[i] >= 0) a4 |= ((u32)(int)sq[(h0 + h) * D + dims[i]] & 0xffu) << (8 * i);
+                            ic[h] = __dp4a(codes, (int)a4, ic[h]);
+                            ik[h] = __dp4a(0x01010101, (int)a4, ik[h]);
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int h = 0; h < MKV_HCHUNK; ++h) {
+                    const int sk = mkv_group_sum_int(ik[h], kl);
+                    const int sc = mkv_group_sum_int(ic[h], kl) + 128 * sk;
+                    if (sub == 0 && t < T && h0 + h < G) {
+                        const float z = mkv_key_logit_q8(sqm[h0 + h], qp, sc, sk, D);
+                        sp[(h0 + h) * MKV_ATT_TILE + t] = tok >= 0 ? z * MKV_LOG2E : MKV_NEG_INF;
+                    }
+                }
+            }
+            for (int h0 = 0; h0 < G && !qkeys; h0 += MKV_HCHUNK) {
                 float acc[MKV_HCHUNK];
                 #pragma unroll
                 for (int h = 0; h < MKV_HCHUNK; ++h) acc[h] = 0.0f;

@@ -21,6 +21,8 @@ typedef long long i64;
 #define MKV_MAX_D 256
 #define MKV_MAX_WORDS 4
 #define MKV_FULL_MASK 0xffffffffu
+// log2(e) as an f32: natural-log logits (SPEC 9 on int8/int4 keys) into the log2 domain.
+#define MKV_LOG2E 1.44269504088896340736f
 
 #ifdef MKV_EMULATED
 // Host versions for the CPU emulation (kernels/emu/cuda_emu.h): the same roundings.
@@ -58,6 +60,12 @@ __device__ __forceinline__ bool mkv_h_is_finite(u16 h) { return (h & 0x7c00u) !=
 // Sum of an int over the 32 lanes of a warp (exact).
 __device__ __forceinline__ int mkv_warp_sum_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MKV_FULL_MASK, v, o);
+    return v;
+}
+
+// Sum over aligned groups of `width` lanes (width a power of two <= 32), integers (exact).
+__device__ __forceinline__ int mkv_group_sum_int(int v, int width) {
+    for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(MKV_FULL_MASK, v, o);
     return v;
 }
 
@@ -159,6 +167,26 @@ __device__ __forceinline__ void mkv_load_decoded4(const u8* vals, int c, int r, 
     }
     #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = mkv_dequant(p, (codes >> (8 * i)) & 0xffu);
+}
+
+// Codes 4c .. 4c + 4 of an int8/int4 record whose codes start at `vals` (4-byte aligned), one
+// byte each in a u32 (code 4c in the low byte), with the aligned loads of mkv_load_decoded4.
+// Entries past r - 1 are garbage; callers give them a zero query byte.
+__device__ __forceinline__ u32 mkv_load_codes4(const u8* vals, int c, int dtype) {
+    if (dtype == MKV_INT8) return __ldg(reinterpret_cast<const u32*>(vals) + c);
+    const u32 w = __ldg(reinterpret_cast<const u32*>(vals) + (c >> 1));
+    const u32 hw = (c & 1) ? (w >> 16) : (w & 0xffffu);
+    return (hw & 0xfu) | ((hw & 0xf0u) << 4) | ((hw & 0xf00u) << 8) | ((hw & 0xf000u) << 12);
+}
+
+// SPEC.md section 9, logits on int8/int4 key records: f32((s_q * (s * I_c + m * I_k)) / sqrt(D))
+// in f64, every operation rounded to nearest (the products are exact), so the float is the
+// host's (spec::layout::key_logit_q8). `qmax` is max_j |q'_j| (s_q = qmax / 127, f64).
+__device__ __forceinline__ float mkv_key_logit_q8(float qmax, QuantParams p, int ic, int ik, int D) {
+    const double sq = __ddiv_rn((double)qmax, 127.0);
+    const double inv = __ddiv_rn(1.0, sqrt((double)D));
+    const double sum = __dadd_rn(__dmul_rn((double)p.s, (double)ic), __dmul_rn((double)p.m, (double)ik));
+    return __double2float_rn(__dmul_rn(__dmul_rn(sq, sum), inv));
 }
 
 // Position (0..63) of the k-th (0-based) set bit of a 64-bit word; k < popcount(w).

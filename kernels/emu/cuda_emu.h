@@ -213,6 +213,11 @@ inline T atomicCAS(T* p, T cmp, T v) { T o = *p; if (o == cmp) *p = v; return o;
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// Four signed byte products of a and b added to c (PTX dp4a.s32.s32): exact integers.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)((unsigned)a >> (8 * i)) * (int)(signed char)((unsigned)b >> (8 * i));
+    return c;
+}
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }

@@ -91,10 +91,11 @@ pub const DTYPE_INT8: i32 = 2;
 pub const DTYPE_INT4: i32 = 3;
 
 /// Dynamic shared memory of `mkv_packed_attention` for a GQA group `g` and head_dim `d`.
-/// `sq`, `so` `[g][d]`, the tile's weights `[g][ATT_TILE]`, three `[g]` scalars and the
-/// tile's expanded value rows `[ATT_TILE][d]`, all f32.
+/// `sq`, `so` `[g][d]`, the tile's weights `[g][ATT_TILE]`, four `[g]` scalars (running max,
+/// sum, rescale factor, the int8 query's max) and the tile's expanded value rows
+/// `[ATT_TILE][d]`, all f32.
 pub fn packed_attention_smem_bytes(g: usize, d: usize) -> usize {
-    4 * (2 * g * d + g * ATT_TILE + 3 * g + ATT_TILE * d)
+    4 * (2 * g * d + g * ATT_TILE + 4 * g + ATT_TILE * d)
 }
 
 /// Names every entry point must carry in its file; used by tests to check the table.

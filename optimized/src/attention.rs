@@ -22,7 +22,7 @@ use crate::select::{
     given_blocks, rotate_and_select, segment_geometry, segment_of, selection_of, SegGeom,
     SelectBuffers,
 };
-use crate::simd::{fast_exp, pad8, Path, SparsePlan, TILE};
+use crate::simd::{fast_exp, pad8, q8_stride, Path, SparsePlan, TILE};
 use half::f16;
 use mosaickv_spec::{CompressedCache, MosaicError, RecordLayout, Result, Selection};
 use rayon::prelude::*;
@@ -176,6 +176,8 @@ pub(crate) struct Unit {
 pub struct MosaicScratch {
     geom: Vec<SegGeom>,
     qrot: Vec<f32>,
+    q8: Vec<i8>,
+    q8scale: Vec<f64>,
     scores: Vec<f32>,
     sel: Vec<Vec<u32>>,
     keys: Vec<Vec<u64>>,
@@ -236,6 +238,7 @@ pub fn scratch_bytes_for(
     let dp = pad8(d);
     let units = kv * (nseg + selected_per_head.div_ceil(UNIT_BLOCKS));
     4 * (kv * nseg * g * dp) // rotated queries
+        + kv * nseg * g * (q8_stride(d) + 8) // their int8 forms and scales (SPEC 9 on int8/int4 keys)
         + 4 * kv * blocks_per_head // scores
         + 8 * kv * blocks_per_head // rank keys
         + 4 * kv * selected_per_head // selections
@@ -329,6 +332,9 @@ fn step(
     segment_geometry(cache, &mut sc.geom);
     let qstride = g * dm.dpk_max; // per (head, seg)
     sc.qrot.resize(kv * nseg * qstride, 0.0);
+    let q8stride = g * q8_stride(dm.dpk_max); // per (head, seg)
+    sc.q8.resize(kv * nseg * q8stride, 0);
+    sc.q8scale.resize(kv * nseg * g, 0.0);
     sc.scores.resize(kv * dm.blocks_max, 0.0);
     sc.sel.resize_with(kv, Vec::new);
     sc.keys.resize_with(kv, Vec::new);
@@ -341,6 +347,9 @@ fn step(
         let bufs = SelectBuffers {
             qrot: &mut sc.qrot,
             qstride,
+            q8: &mut sc.q8,
+            q8stride,
+            q8scale: &mut sc.q8scale,
             scores: &mut sc.scores,
             blocks_max: dm.blocks_max,
             sel: &mut sc.sel,
@@ -365,12 +374,19 @@ fn step(
     charge(|p| &mut p.plan_wall);
     {
         let (units, geom, sel, qrot) = (&sc.units, &sc.geom, &sc.sel, &sc.qrot);
+        let (q8, q8scale) = (&sc.q8, &sc.q8scale);
         sc.partials
             .par_chunks_mut(plen)
             .zip(units.par_iter())
             .for_each(|(st, u)| {
                 let gm = geom[u.head * nseg + u.seg];
-                let q = &qrot[(u.head * nseg + u.seg) * qstride..][..g * gm.dpk];
+                let hs = u.head * nseg + u.seg;
+                let q = KeyQueries {
+                    rotated: &qrot[hs * qstride..][..g * gm.dpk],
+                    int8: &q8[hs * q8stride..][..g * q8_stride(gm.dtk)],
+                    int8_scale: &q8scale[hs * g..][..g],
+                    inv_sqrt_d: mosaickv_spec::layout::inv_sqrt_d(d),
+                };
                 let blocks = &sel[u.head][u.s0..u.s1];
                 attend_unit(path, cache, u, gm, blocks, q, g, scale, st, clocks);
             });
@@ -432,12 +448,23 @@ pub(crate) fn plan_units(sel: &[Vec<u32>], geom: &[SegGeom], nseg: usize, units:
     }
 }
 
+/// The queries SPEC 9's key logits take for one (KV head, segment): the rotated queries of
+/// SPEC 8.1 (`[g][dpk]` f32, for f16 key records) and SPEC 8.2's int8 form of them (`[g]
+/// [q8_stride(Dt)]` bytes and `g` scales `s_q`, for int8/int4 key records), with `1 /
+/// sqrt(D)` in f64.
+#[derive(Clone, Copy)]
+pub(crate) struct KeyQueries<'a> {
+    pub rotated: &'a [f32],
+    pub int8: &'a [i8],
+    pub int8_scale: &'a [f64],
+    pub inv_sqrt_d: f64,
+}
+
 /// SPEC 9 key logits of one tile: `n` key records of layout `kl` (record 0 at `kb[0]`) against
-/// the rotated queries `q` (`[g][dpk]`), scaled, into `lg` (`[g][TILE]`). On the AVX2 and
-/// AVX-512 paths int8/int4 records are decoded in registers by the logits kernel itself
-/// ([`Path::tile_logits_q`]); otherwise the records are expanded into the key tile `kt` first:
-/// to f16 where `half_keys` (read by the f16 logits kernel), to decoded f32 for int8/int4, to
-/// f32 otherwise. Every route gives the logits the tile route gives on the same path.
+/// the queries `kq` of their segment, scaled, into `lg` (`[g][TILE]`). int8/int4 records take
+/// the integer logits of the int8 query ([`Path::key_logits_q8`]), on the codes as stored;
+/// f16 records are expanded into the key tile `kt` first (to f16 where `half_keys`, read by
+/// the f16 logits kernel; to f32 otherwise) and multiplied by the f32 rotated queries.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub(crate) fn tile_key_logits(
@@ -445,7 +472,7 @@ pub(crate) fn tile_key_logits(
     kl: &RecordLayout,
     kb: &[u8],
     n: usize,
-    q: &[f32],
+    kq: KeyQueries<'_>,
     g: usize,
     dpk: usize,
     scale: f32,
@@ -454,19 +481,17 @@ pub(crate) fn tile_key_logits(
     lg: &mut [f32],
 ) {
     let krb = kl.record_bytes();
-    if half_keys {
+    let q = kq.rotated;
+    if kl.dtype.is_quantized() {
+        let qs = q8_stride(kl.kept_dims);
+        path.key_logits_q8(kq.int8, qs, kq.int8_scale, g, kb, kl, n, kq.inv_sqrt_d, lg);
+    } else if half_keys {
         // Keys expanded to an f16 tile (in the f32 key tile's bytes), widened as the logits
         // load them.
         let kh: &mut [f16] = bytemuck::cast_slice_mut(kt);
         let kr = (kb, krb, kl.bitmap_bytes());
         path.expand_records_h(kr, n, kl.kept_dims, kl.r, dpk, kh);
         path.tile_logits_h(q, g, dpk, kh, n, scale, lg);
-    } else if path.fused_keys_q(kl) {
-        // int8/int4 records decoded in registers (AVX2, AVX-512), no tile
-        path.tile_logits_q(q, g, dpk, kb, kl, n, scale, lg);
-    } else if kl.dtype.is_quantized() {
-        path.expand_records_q(kb, n, kl, dpk, kt);
-        path.tile_logits(q, g, dpk, kt, n, scale, lg);
     } else {
         path.expand_records(
             kb,
@@ -498,7 +523,7 @@ pub(crate) fn attend_unit(
     u: &Unit,
     gm: SegGeom,
     blocks: &[u32],
-    q: &[f32],
+    q: KeyQueries<'_>,
     g: usize,
     scale: f32,
     st: &mut [f32],

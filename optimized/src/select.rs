@@ -8,7 +8,7 @@
 //! ascending global indices, one list per KV head.
 
 use crate::profile::{Lap, Stage, StageClocks};
-use crate::simd::{pad8, rank_key, Path};
+use crate::simd::{pad8, q8_stride, quantize_query_i8, rank_key, Path};
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
 use rayon::prelude::*;
 
@@ -61,6 +61,13 @@ pub(crate) struct SelectBuffers<'a> {
     /// Rotated queries, `qstride` floats per (head, segment): `[g][dpk]` zero-padded past `Dt_k`.
     pub qrot: &'a mut [f32],
     pub qstride: usize,
+    /// SPEC 8.2's int8 rotated queries for SPEC 9's logits on int8/int4 key records,
+    /// `q8stride` bytes per (head, segment): `[g][q8_stride(Dt_k)]`, zero past `Dt_k`; and
+    /// their scales `s_q`, `g` per (head, segment). Written for segments whose keys are
+    /// int8/int4.
+    pub q8: &'a mut [i8],
+    pub q8stride: usize,
+    pub q8scale: &'a mut [f64],
     /// Block scores, `blocks_max` per head.
     pub scores: &'a mut [f32],
     pub blocks_max: usize,
@@ -85,13 +92,18 @@ pub(crate) fn rotate_and_select(
     let (kv, nseg) = (cache.shape.kv_heads, cache.segments.len());
     let (g, d) = (cache.shape.group(), cache.shape.head_dim);
     let budget = cache.config.budget_tokens(cache.segment_tokens());
-    let qstride = bufs.qstride;
+    let (qstride, q8stride) = (bufs.qstride, bufs.q8stride);
     bufs.qrot[..kv * nseg * qstride]
         .par_chunks_mut(nseg * qstride)
         .zip(bufs.scores.par_chunks_mut(bufs.blocks_max.max(1)))
         .zip(bufs.sel.par_iter_mut().zip(bufs.keys.par_iter_mut()))
+        .zip(
+            bufs.q8[..kv * nseg * q8stride]
+                .par_chunks_mut(nseg * q8stride)
+                .zip(bufs.q8scale[..kv * nseg * g].par_chunks_mut(nseg * g)),
+        )
         .enumerate()
-        .for_each(|(h, ((qr, scores), (sel, keys)))| {
+        .for_each(|(h, (((qr, scores), (sel, keys)), (q8h, q8s)))| {
             let mut lap = Lap::new(clocks);
             let gh = &geom[h * nseg..(h + 1) * nseg];
             let qh = &queries[h * g * d..(h + 1) * g * d];
@@ -104,6 +116,18 @@ pub(crate) fn rotate_and_select(
                 path.rotate_queries(&rot32, d, qh, g, q, gm.dpk);
                 for k in 0..g {
                     q[k * gm.dpk + gm.dtk..(k + 1) * gm.dpk].fill(0.0);
+                }
+                if hs.strategy.key.layout.dtype.is_quantized() {
+                    // SPEC 9 on int8/int4 keys multiplies 8.2's int8 query
+                    let qs = q8_stride(gm.dtk);
+                    let q8 = &mut q8h[s * q8stride..(s + 1) * q8stride];
+                    for k in 0..g {
+                        q8s[s * g + k] = quantize_query_i8(
+                            path,
+                            &q[k * gm.dpk..k * gm.dpk + gm.dtk],
+                            &mut q8[k * qs..(k + 1) * qs],
+                        );
+                    }
                 }
                 lap.lap(Stage::Rotate);
                 if score {

@@ -3,8 +3,9 @@
 // The structural checks, also reachable as `attention::check_cache` / `check_selection`.
 pub use crate::checks::{check_cache, check_selection};
 use crate::packed::decode_record;
-use crate::select::{rotate_query_f64, select};
-use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection};
+use crate::select::{rotate_query_f64, select, QuantQuery};
+use mosaickv_spec::layout::{bitmap_bit, read_code, record_quant};
+use mosaickv_spec::{CompressedCache, MosaicError, RecordLayout, Result, Selection};
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 /// Where an attended token's value lives.
@@ -23,6 +24,30 @@ fn dense_dot(q: &[f32], k: &[half::f16]) -> f64 {
     s
 }
 
+/// SPEC.md section 9, logits on int8/int4 key records: `I_c = sum_kept a_j c_j` and `I_k =
+/// sum_kept a_j` over the record's kept dims (the k-th kept dim takes the k-th stored code),
+/// then `f32((s_q * (s * I_c + m * I_k)) / sqrt(D))` in f64 (`spec::layout::key_logit_q8`).
+/// The record must be valid (`check_cache` has run).
+pub fn key_logit_q8(layout: &RecordLayout, record: &[u8], q: &QuantQuery, head_dim: usize) -> f32 {
+    let codes = &record[layout.values_offset()..];
+    let (mut ic, mut ik) = (0i64, 0i64);
+    let mut k = 0; // index of the next stored code
+    for grp in 0..layout.groups() {
+        if bitmap_bit(record, grp) {
+            for dim in grp * layout.group_size..(grp + 1) * layout.group_size {
+                let a = i64::from(q.a[dim]);
+                ic += a * i64::from(read_code(layout.dtype, codes, k));
+                ik += a;
+                k += 1;
+            }
+        }
+    }
+    // |I_c| <= 127 * 255 * Dt < 2^24 for Dt <= 512 (SPEC.md 9): the i32 every backend uses.
+    let (ic, ik) = (ic as i32, ik as i32);
+    let inv = mosaickv_spec::layout::inv_sqrt_d(head_dim);
+    mosaickv_spec::layout::key_logit_q8(q.scale, record_quant(layout, record), ic, ik, inv)
+}
+
 fn widen(v: &[half::f16]) -> Vec<f64> {
     v.iter().map(|x| f64::from(x.to_f32())).collect()
 }
@@ -32,7 +57,8 @@ fn widen(v: &[half::f16]) -> Vec<f64> {
 ///
 /// For query head h of KV head `j = h / G`:
 /// - `z_t = (q . k_t) / sqrt(D)`; sink and buffer keys are their f16 rows;
-///   a packed key contributes `q'_seg . k^_t` (q' from section 8.1, f64);
+///   a packed f16 key contributes `q'_seg . k^_t` (q' from section 8.1, f64); an int8/int4
+///   key record its integer logit against the int8 query of 8.2 ([`key_logit_q8`]);
 /// - `p = softmax(z)` with the max subtracted;
 /// - `o = sum_{sink, buffer} p_t v_t + sum_seg R_v,seg (sum_{t in seg} p_t v^_t)`.
 ///
@@ -66,24 +92,33 @@ pub fn attend_selected(
         }
         let mut last_segment = usize::MAX;
         let mut q_rot: Vec<f64> = Vec::new();
+        let mut q_int8 = QuantQuery::new(&[]);
         for &(s, b) in &selection.per_head[j] {
             let (s, b) = (s as usize, b as usize);
             let head = &cache.segments[s].heads[j];
             if s != last_segment {
                 q_rot = rotate_query_f64(&q, &head.strategy.key);
+                // SPEC 8.2's int8 query of the f32 rotated query (8.1), for int8/int4 keys.
+                let q_f32: Vec<f32> = q_rot.iter().map(|&x| x as f32).collect();
+                q_int8 = QuantQuery::new(&q_f32);
                 last_segment = s;
             }
             let (kl, vl) = (&head.strategy.key.layout, &head.strategy.value.layout);
             let first = b * head.meta.block_size;
             for t in first..first + head.meta.block_len(b) {
-                let k_hat = decode_record(kl, head.keys.record(kl, t))?;
+                let z = if kl.dtype.is_quantized() {
+                    f64::from(key_logit_q8(kl, head.keys.record(kl, t), &q_int8, d))
+                } else {
+                    let k_hat = decode_record(kl, head.keys.record(kl, t))?;
+                    let mut dot = 0.0;
+                    for i in 0..k_hat.len() {
+                        dot += q_rot[i] * f64::from(k_hat[i]);
+                    }
+                    dot * scale
+                };
                 let v_hat = decode_record(vl, head.values.record(vl, t))?;
-                let mut dot = 0.0;
-                for i in 0..k_hat.len() {
-                    dot += q_rot[i] * f64::from(k_hat[i]);
-                }
                 let v = v_hat.iter().map(|&x| f64::from(x)).collect();
-                attended.push((dot * scale, AttendedValue::Rotated { segment: s, v }));
+                attended.push((z, AttendedValue::Rotated { segment: s, v }));
             }
         }
         for t in 0..cache.buffer.tokens {

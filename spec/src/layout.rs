@@ -114,6 +114,27 @@ pub fn dequantize(p: QuantParams, code: u8) -> f32 {
     p.min.to_f32() + f32::from(code) * p.scale.to_f32()
 }
 
+/// SPEC.md section 9, logits on int8/int4 key records: `f32((s_q * (s * I_c + m * I_k)) *
+/// inv_sqrt_d)` in f64 in that order, from the exact integer sums `I_c = sum_kept a_j c_j` and
+/// `I_k = sum_kept a_j` of the record's codes `c_j` against the int8 query `a_j` (section 8.2,
+/// scale `s_q`), the record's f16 minimum `m` and scale `s`, and `inv_sqrt_d` from
+/// [`inv_sqrt_d`]. Both products are exact in f64 (an f16 times an integer below 2^24), so
+/// every backend, fused multiply-adds or not, gets the same f32. The one host implementation
+/// of the f64 part; the SIMD and CUDA kernels do the same operations in their lanes.
+#[inline]
+pub fn key_logit_q8(s_q: f64, p: QuantParams, ic: i32, ik: i32, inv_sqrt_d: f64) -> f32 {
+    let sum =
+        f64::from(p.scale.to_f32()) * f64::from(ic) + f64::from(p.min.to_f32()) * f64::from(ik);
+    ((s_q * sum) * inv_sqrt_d) as f32
+}
+
+/// SPEC.md section 9: `1 / sqrt(D)` in f64 (`1.0 / sqrt(f64(D))`, both IEEE operations
+/// correctly rounded), the logit scale [`key_logit_q8`] takes.
+#[inline]
+pub fn inv_sqrt_d(head_dim: usize) -> f64 {
+    1.0 / (head_dim as f64).sqrt()
+}
+
 /// SPEC.md section 6: the quantized form of a record's kept f16 values `y` (finite):
 /// `m = min_i y_i`, `M = max_i y_i`, the scale `s` of [`quant_scale`] for `a = M - m`
 /// (f64, exact), and the codes `c_i = round_half_even((y_i - m) / s)` (f64; `y_i - m` is

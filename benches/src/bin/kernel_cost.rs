@@ -183,8 +183,9 @@ fn main() {
 
 /// int8 records of the shipped default at 131,072 tokens (`profile_stages`: keys Dt 128, g 1,
 /// r 80; values Dt 128, g 4, r 16; 4 query heads per KV head): the tile kernels (expand, then
-/// logits or accumulation) beside the kernels that read the records directly where the path
-/// has them (AVX2: `tile_logits_q`, `kept_accumulate_q`).
+/// logits or accumulation) beside the kernels that read the records directly: the SPEC 9
+/// integer key logits (`key_logits_q8`, every path) and the values at their kept dims where
+/// the path has it (AVX2: `kept_accumulate_q`).
 fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
     use mosaickv_optimized::packed::pack_rotated;
     use mosaickv_spec::{RecordLayout, ValueDtype};
@@ -224,23 +225,40 @@ fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
             black_box(&lg);
         },
     );
-    if path.fused_keys_q(&kl) {
-        time("int8 keys r=80: tile_logits_q", TILE, 100_000, || {
-            path.tile_logits_q(&q, g, d, &keys, &kl, TILE, 0.1, &mut lg);
-            black_box(&lg);
-        });
-        time("int8 keys r=80: tile_logits_q g=1", TILE, 100_000, || {
-            path.tile_logits_q(&q, 1, d, &keys, &kl, TILE, 0.1, &mut lg);
-            black_box(&lg);
-        });
-        // Qwen2.5-Coder-1.5B's group: 6 query heads per KV head
-        let q6: Vec<f32> = (0..6 * d).map(|i| (i % 7) as f32 * 0.1).collect();
-        let mut lg6 = vec![0f32; 6 * TILE];
-        time("int8 keys r=80: tile_logits_q g=6", TILE, 100_000, || {
-            path.tile_logits_q(&q6, 6, d, &keys, &kl, TILE, 0.1, &mut lg6);
-            black_box(&lg6);
-        });
-    }
+    // SPEC 9 on int8/int4 keys: the integer logits of the int8 query, on the codes as stored
+    let qs = mosaickv_optimized::simd::q8_stride(d);
+    let quantize = |heads: usize, qf: &[f32]| {
+        let mut q8 = vec![0i8; heads * qs];
+        let sq: Vec<f64> = (0..heads)
+            .map(|h| {
+                let row = &qf[h * d..(h + 1) * d];
+                mosaickv_optimized::simd::quantize_query_i8(
+                    path,
+                    row,
+                    &mut q8[h * qs..(h + 1) * qs],
+                )
+            })
+            .collect();
+        (q8, sq)
+    };
+    let inv = mosaickv_spec::layout::inv_sqrt_d(d);
+    let (q8, sq) = quantize(g, &q);
+    time("int8 keys r=80: key_logits_q8", TILE, 100_000, || {
+        path.key_logits_q8(&q8, qs, &sq, g, &keys, &kl, TILE, inv, &mut lg);
+        black_box(&lg);
+    });
+    time("int8 keys r=80: key_logits_q8 g=1", TILE, 100_000, || {
+        path.key_logits_q8(&q8, qs, &sq, 1, &keys, &kl, TILE, inv, &mut lg);
+        black_box(&lg);
+    });
+    // Qwen2.5-Coder-1.5B's group: 6 query heads per KV head
+    let q6: Vec<f32> = (0..6 * d).map(|i| (i % 7) as f32 * 0.1).collect();
+    let (q8_6, sq6) = quantize(6, &q6);
+    let mut lg6 = vec![0f32; 6 * TILE];
+    time("int8 keys r=80: key_logits_q8 g=6", TILE, 100_000, || {
+        path.key_logits_q8(&q8_6, qs, &sq6, 6, &keys, &kl, TILE, inv, &mut lg6);
+        black_box(&lg6);
+    });
     let p: Vec<f32> = (0..g * TILE).map(|i| 1e-3 * i as f32).collect();
     let mut acc = vec![0f32; g * d];
     time(

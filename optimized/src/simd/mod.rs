@@ -74,6 +74,7 @@ pub use path::{
     avx2_available, avx2_features, avx512_available, avx512_features, kernels_ran, Path,
     FORCE_AVX2, FORCE_PORTABLE,
 };
-pub use score::{quantize_query, QMAX_DT};
+pub use quant::q8_stride;
+pub use score::{quantize_query, quantize_query_i8, QMAX_DT};
 pub use select::rank_key;
 pub use span::SpanPartial;

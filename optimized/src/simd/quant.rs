@@ -8,7 +8,7 @@ use super::codes::{SparsePlan, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS, SPARSE_MAX_H
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use super::{Path, TILE};
-use mosaickv_spec::layout::{dequantize, read_code, record_quant};
+use mosaickv_spec::layout::{dequantize, key_logit_q8, read_code, record_quant};
 use mosaickv_spec::RecordLayout;
 
 impl Path {
@@ -133,56 +133,92 @@ impl Path {
     }
 }
 
-impl Path {
-    /// Whether [`Path::tile_logits_q`] takes key records of `layout`: the AVX2 and AVX-512
-    /// paths, int8/int4 records within the SIMD kernels' limits.
-    #[inline]
-    pub fn fused_keys_q(self, layout: &RecordLayout) -> bool {
-        cfg!(target_arch = "x86_64")
-            && matches!(self, Path::Avx2 | Path::Avx512)
-            && layout.dtype.is_quantized()
-            && layout.r <= QUANT_SIMD_MAX_R
-            && layout.kept_dims <= QUANT_SIMD_MAX_R
-    }
+/// Bytes per query head of the int8 queries [`Path::key_logits_q8`] reads: `Dt` rounded up
+/// to 64 (whole 64-byte loads on AVX-512), zero past `Dt`.
+#[inline]
+pub fn q8_stride(kept_dims: usize) -> usize {
+    kept_dims.div_ceil(64).max(1) * 64
+}
 
-    /// SPEC.md section 9, key side, on packed int8/int4 records: `out[h * TILE + t] = scale *
-    /// (q_h . k^_t)` for the `n` records in `bytes` and `g` heads (`q` `[g][dp]`), each record
-    /// decoded in registers: the same bits as [`Path::expand_records_q`] then
-    /// [`Path::tile_logits`] on the same path. Only where [`Path::fused_keys_q`] holds.
+impl Path {
+    /// SPEC.md section 9, logits on int8/int4 key records against the int8 query of section
+    /// 8.2: for the `n <= TILE` records in `bytes` (`layout`, record 0 at `bytes[0]`) and `g`
+    /// query heads, `out[h * TILE + t] = f32((s_q[h] * (s * I_c + m * I_k)) * inv_sqrt_d)`,
+    /// `I_c = sum_kept a_hj c_j`, `I_k = sum_kept a_hj`, with `a_hj = q8[h * qs + j]` (`qs` =
+    /// [`q8_stride`]`(Dt)`, zero past `Dt`) and `s_q[h] = sq[h]` from
+    /// [`super::score::quantize_query_i8`]. The sums are exact integers and the epilogue is
+    /// `spec::layout::key_logit_q8`'s, so every path writes the same bits. AVX-512:
+    /// `vpdpbusd` on the codes placed by `vpexpandb`; AVX2: `vpmaddwd` on codes placed by
+    /// `pshufb`; portable (and records past `QUANT_SIMD_MAX_R`): integer loops.
     #[allow(clippy::too_many_arguments)]
-    pub fn tile_logits_q(
+    pub fn key_logits_q8(
         self,
-        q: &[f32],
+        q8: &[i8],
+        qs: usize,
+        sq: &[f64],
         g: usize,
-        dp: usize,
         bytes: &[u8],
         layout: &RecordLayout,
         n: usize,
-        scale: f32,
+        inv_sqrt_d: f64,
         out: &mut [f32],
     ) {
         assert!(
-            self.fused_keys_q(layout)
+            layout.dtype.is_quantized()
                 && n <= TILE
+                && qs >= q8_stride(layout.kept_dims)
+                && q8.len() >= g * qs
+                && sq.len() >= g
                 && bytes.len() >= n * layout.record_bytes()
-                && q.len() >= g * dp
                 && out.len() >= g * TILE
-                && dp >= layout.kept_dims
-                && dp % 8 == 0
         );
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `fused_keys_q` holds (the path's features detected, the kernels' limits)
-        // and the sizes are asserted above; the kernels read inside the records and write
-        // `g * TILE` logits.
-        unsafe {
-            if self == Path::Avx512 {
-                avx512::quant::tile_logits_q(q, g, dp, bytes, layout, n, scale, out)
-            } else {
-                avx2::quant::tile_logits_q(q, g, dp, bytes, layout, n, scale, out)
+        if self != Path::Portable
+            && layout.r <= QUANT_SIMD_MAX_R
+            && layout.kept_dims <= QUANT_SIMD_MAX_R
+        {
+            // SAFETY: the path's features were detected; the sizes are asserted above and the
+            // kernels read inside the records and the `g * qs` query bytes, and write `g * TILE`
+            // logits.
+            unsafe {
+                if self == Path::Avx512 {
+                    avx512::quant::key_logits_q8(q8, qs, sq, g, bytes, layout, n, inv_sqrt_d, out)
+                } else {
+                    avx2::quant::key_logits_q8(q8, qs, sq, g, bytes, layout, n, inv_sqrt_d, out)
+                }
+            }
+            return;
+        }
+        Path::Portable.ran();
+        let rb = layout.record_bytes();
+        let gs = layout.group_size;
+        for t in 0..n {
+            let rec = &bytes[t * rb..(t + 1) * rb];
+            let p = record_quant(layout, rec);
+            let v = &rec[layout.values_offset()..];
+            for h in 0..g {
+                let a = &q8[h * qs..(h + 1) * qs];
+                let (mut ic, mut ik) = (0i32, 0i32);
+                let mut k = 0usize;
+                for grp in 0..layout.groups() {
+                    if (rec[grp / 8] >> (grp % 8)) & 1 == 1 {
+                        for dim in grp * gs..(grp + 1) * gs {
+                            if k < layout.r {
+                                let aj = i32::from(a[dim]);
+                                ic += aj * i32::from(read_code(layout.dtype, v, k));
+                                ik += aj;
+                            }
+                            k += 1;
+                        }
+                    }
+                }
+                out[h * TILE + t] = key_logit_q8(sq[h], p, ic, ik, inv_sqrt_d);
             }
         }
     }
+}
 
+impl Path {
     /// Whether [`Path::kept_accumulate_q`] takes value records of `layout`: the AVX2 path
     /// (AVX-512 has [`Path::sparse_accumulate_q`]), int8/int4 records that keep at most half of
     /// their `Dt` dims, within the SIMD kernels' limits.
@@ -420,35 +456,49 @@ mod tests {
         v
     }
 
-    /// The fused key logits (AVX2, and AVX-512 where the machine has it) give the bits of
-    /// expanding the records and running the same path's tile logits kernel, for 1 to 9 heads (head groups of four and a remainder), odd and
-    /// even record counts, and a query wider than the records (zero chunks past `Dt`).
+    /// SPEC 9's logits on int8/int4 key records: every SIMD path writes the portable
+    /// kernel's bits (exact integer sums, the same f64 epilogue), for 1 to 9 heads (passes of
+    /// four and a remainder), odd and even record counts, every layout of `fused_layouts`;
+    /// and the portable logits are the int8 query times the decoded keys up to the query's
+    /// quantization (at most `s_q / 2` per kept dim times `|k^_j|`).
     #[test]
-    fn fused_key_logits_equal_expand_then_logits() {
-        let paths: Vec<Path> = [Path::Avx2, Path::Avx512]
-            .into_iter()
-            .filter(|p| p.runs_here())
-            .collect();
-        if paths.is_empty() {
-            eprintln!("no AVX2 here: nothing to compare");
-            return;
-        }
+    fn key_logits_q8_equal_on_every_path_and_match_the_decoded_keys() {
         let mut rng = ChaCha8Rng::seed_from_u64(13);
-        for path in paths {
-            for layout in fused_layouts() {
-                assert!(path.fused_keys_q(&layout));
-                let d = layout.head_dim;
-                let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
-                let packed = pack_rotated(&rows, d, &layout).unwrap();
-                for (g, n, wider) in [(1, 16, 0), (3, 15, 0), (4, 16, 8), (6, 1, 0), (9, 7, 16)] {
-                    let dp = crate::simd::pad8(layout.kept_dims) + wider;
-                    let q: Vec<f32> = (0..g * dp).map(|_| rng.gen_range(-1.0..1.0)).collect();
-                    let mut tile = vec![0f32; TILE * dp];
-                    path.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
-                    let mut want = vec![0f32; g * TILE];
-                    path.tile_logits(&q, g, dp, &tile, n, 0.125, &mut want);
+        let paths: Vec<Path> = Path::ALL.into_iter().filter(|p| p.runs_here()).collect();
+        for layout in fused_layouts() {
+            let d = layout.head_dim;
+            let dt = layout.kept_dims;
+            let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
+            let packed = pack_rotated(&rows, d, &layout).unwrap();
+            let qs = q8_stride(dt);
+            let inv = mosaickv_spec::layout::inv_sqrt_d(d);
+            for (g, n) in [(1, 16), (3, 15), (4, 16), (6, 1), (9, 7)] {
+                let qf: Vec<f32> = (0..g * dt).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                let mut q8 = vec![0i8; g * qs];
+                let mut sq = vec![0f64; g];
+                for h in 0..g {
+                    let qh = &qf[h * dt..(h + 1) * dt];
+                    sq[h] = crate::simd::quantize_query_i8(
+                        Path::Portable,
+                        qh,
+                        &mut q8[h * qs..(h + 1) * qs],
+                    );
+                }
+                let mut want = vec![7f32; g * TILE];
+                Path::Portable.key_logits_q8(
+                    &q8,
+                    qs,
+                    &sq,
+                    g,
+                    &packed.bytes,
+                    &layout,
+                    n,
+                    inv,
+                    &mut want,
+                );
+                for &path in &paths {
                     let mut got = vec![7f32; g * TILE];
-                    path.tile_logits_q(&q, g, dp, &packed.bytes, &layout, n, 0.125, &mut got);
+                    path.key_logits_q8(&q8, qs, &sq, g, &packed.bytes, &layout, n, inv, &mut got);
                     for h in 0..g {
                         for t in 0..n {
                             let (a, b) = (got[h * TILE + t], want[h * TILE + t]);
@@ -458,6 +508,36 @@ mod tests {
                                 "{path:?} {layout:?} g {g} h {h} t {t}: {a} vs {b}"
                             );
                         }
+                    }
+                }
+                // Against the decoded keys: the int8 query's dot product, and the f32 query's
+                // within the query's quantization error.
+                let mut dec = vec![0f32; TILE * dt.next_multiple_of(8)];
+                let dp = dt.next_multiple_of(8);
+                Path::Portable.expand_records_q(&packed.bytes, n, &layout, dp, &mut dec);
+                for h in 0..g {
+                    for t in 0..n {
+                        let k = &dec[t * dp..t * dp + dt];
+                        let int8: f64 = (0..dt)
+                            .map(|j| f64::from(q8[h * qs + j]) * f64::from(k[j]))
+                            .sum::<f64>()
+                            * sq[h]
+                            * inv;
+                        let exact: f64 = (0..dt)
+                            .map(|j| f64::from(qf[h * dt + j]) * f64::from(k[j]))
+                            .sum::<f64>()
+                            * inv;
+                        let bound: f64 =
+                            (0..dt).map(|j| f64::from(k[j]).abs()).sum::<f64>() * sq[h] / 2.0 * inv;
+                        let z = f64::from(want[h * TILE + t]);
+                        assert!(
+                            (z - int8).abs() <= 1e-5 * (1.0 + int8.abs()),
+                            "{layout:?} h {h} t {t}: {z} vs {int8}"
+                        );
+                        assert!(
+                            (z - exact).abs() <= bound + 1e-5,
+                            "{layout:?} h {h} t {t}: {z} vs {exact} (bound {bound})"
+                        );
                     }
                 }
             }
@@ -529,14 +609,13 @@ mod tests {
                 rec[t * rb + 8..t * rb + 12].copy_from_slice(&[0, 0x3c, 0, 0x3c]);
                 // m = s = 1
             }
-            let q = vec![1f32; 64];
-            let mut out = vec![0f32; TILE];
-            Path::Avx2.tile_logits_q(&q, 1, 64, &rec, &layout, 2, 1.0, &mut out);
-            assert!(out[..2].iter().all(|x| x.is_finite()), "{out:?}");
-            if Path::Avx512.runs_here() {
-                let mut out = vec![0f32; TILE];
-                Path::Avx512.tile_logits_q(&q, 1, 64, &rec, &layout, 2, 1.0, &mut out);
-                assert!(out[..2].iter().all(|x| x.is_finite()), "{out:?}");
+            let q8 = vec![1i8; 64];
+            for path in [Path::Avx2, Path::Avx512] {
+                if path.runs_here() {
+                    let mut out = vec![0f32; TILE];
+                    path.key_logits_q8(&q8, 64, &[1.0], 1, &rec, &layout, 2, 1.0, &mut out);
+                    assert!(out[..2].iter().all(|x| x.is_finite()), "{out:?}");
+                }
             }
             let p = vec![1f32; TILE];
             let mut acc = vec![0f32; 64];

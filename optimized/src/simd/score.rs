@@ -120,6 +120,38 @@ unsafe fn quantize_avx2(q: &[f32], pos: &mut [u8], neg: &mut [u8]) -> f64 {
     quantize_body(q, pos, neg)
 }
 
+/// SPEC.md section 8.2's int8 query as the signed bytes `a_j` section 9's logits on int8/int4
+/// key records multiply ([`Path::key_logits_q8`]): `q` (length `Dt`) into `out[..Dt]`, zero
+/// past it; returns `s_q`. The same values as [`quantize_query`]'s `pos - neg`.
+pub fn quantize_query_i8(path: Path, q: &[f32], out: &mut [i8]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if path.runs_avx2() {
+        // SAFETY: a SIMD path: avx2 detected; the body only uses bounds-checked slices.
+        return unsafe { quantize_i8_avx2(q, out) };
+    }
+    quantize_i8_body(q, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+unsafe fn quantize_i8_avx2(q: &[f32], out: &mut [i8]) -> f64 {
+    quantize_i8_body(q, out)
+}
+
+#[inline(always)]
+fn quantize_i8_body(q: &[f32], out: &mut [i8]) -> f64 {
+    out.fill(0);
+    let m = q.iter().fold(0f32, |m, &x| m.max(x.abs()));
+    if m == 0.0 {
+        return 0.0;
+    }
+    let s = f64::from(m) / 127.0;
+    for (&x, o) in q.iter().zip(out.iter_mut()) {
+        *o = round_half_even(f64::from(x) / s).clamp(-127.0, 127.0) as i8;
+    }
+    s
+}
+
 #[inline(always)]
 fn quantize_body(q: &[f32], pos: &mut [u8], neg: &mut [u8]) -> f64 {
     pos.fill(0);

@@ -2,7 +2,6 @@
 //! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
 //! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
 
-use super::hsum;
 use crate::simd::codes::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
 use crate::simd::common::TILE;
 use crate::simd::path::Path;
@@ -206,211 +205,6 @@ unsafe fn expand_q_bits(bits: &[u8], rec: &[u8], layout: &RecordLayout, row: &mu
     row[8 * chunks..].fill(0.0);
 }
 
-/// One int8/int4 record ready to be decoded eight dims at a time in registers (SPEC 6's
-/// `m + code * s` at the kept dims, 0 elsewhere): its kept dims as one bit per dim, its
-/// minimum and scale broadcast, and where its codes are read. int8 codes are read from the
-/// records' bytes (8 at a time, which may run past the record but not past the slice; the
-/// slice's last record copies its codes, zero-padded), int4 codes are unpacked one byte each.
-struct Decoder {
-    /// The record's bitmap (g = 1, `Dt` a multiple of 8) or `spread`.
-    bits: *const u8,
-    spread: [u8; QUANT_SIMD_MAX_R / 8],
-    min: __m256,
-    scale: __m256,
-    /// Code `i` is the byte at `at + i`: in the records' bytes, or in `codes`.
-    at: *const u8,
-    r: usize,
-    codes: [u8; QUANT_SIMD_MAX_R + CODE_SLACK],
-}
-
-impl Decoder {
-    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    unsafe fn new() -> Self {
-        Decoder {
-            bits: std::ptr::null(),
-            spread: [0; QUANT_SIMD_MAX_R / 8],
-            min: _mm256_setzero_ps(),
-            scale: _mm256_setzero_ps(),
-            at: std::ptr::null(),
-            r: 0,
-            codes: [0; QUANT_SIMD_MAX_R + CODE_SLACK],
-        }
-    }
-
-    /// Points the decoder at the record of `layout` at `bytes[at..]` (a whole record, `r` and
-    /// `kept_dims` at most `QUANT_SIMD_MAX_R`).
-    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    #[inline]
-    unsafe fn load(&mut self, bytes: &[u8], at: usize, layout: &RecordLayout) {
-        let rec = &bytes[at..at + layout.record_bytes()];
-        let (dt, r) = (layout.kept_dims, layout.r);
-        if layout.group_size == 1 && dt % 8 == 0 {
-            self.bits = rec.as_ptr();
-        } else {
-            let nb = dt.div_ceil(8);
-            if layout.group_size == 1 {
-                self.spread[..nb].copy_from_slice(&rec[..nb]);
-            } else {
-                self.spread[..nb].fill(0);
-                spread_groups(rec, layout, &mut self.spread);
-            }
-            // Bits past Dt (in the last bitmap byte) are never set in a valid record;
-            // cleared anyway so that no lane past Dt is decoded.
-            if dt % 8 != 0 {
-                self.spread[nb - 1] &= (1u8 << (dt % 8)) - 1;
-            }
-            self.bits = self.spread.as_ptr();
-        }
-        let vo = layout.values_offset();
-        self.r = r;
-        if layout.dtype == ValueDtype::Int8 && at + vo + r + 8 <= bytes.len() {
-            // an 8-byte load at any offset up to r stays inside the slice
-            self.at = rec[vo..].as_ptr();
-        } else {
-            if layout.dtype == ValueDtype::Int8 {
-                self.codes[..r].copy_from_slice(&rec[vo..vo + r]);
-                self.codes[r..r + 8].fill(0);
-            } else {
-                unpack_codes(layout.dtype, &rec[vo..], r, &mut self.codes);
-            }
-            self.at = self.codes.as_ptr();
-        }
-        let o = layout.bitmap_bytes();
-        let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
-        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
-        self.min = _mm256_broadcastss_ps(ms);
-        self.scale = _mm256_broadcastss_ps(_mm_movehdup_ps(ms));
-    }
-
-    /// Dims `8c .. 8c + 8` decoded, `off` being the number of kept dims before them (at most
-    /// `r`); returns them and the offset of the next chunk.
-    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    #[inline]
-    unsafe fn chunk(&self, c: usize, off: usize) -> (__m256, usize) {
-        let byte = *self.bits.add(c) as usize;
-        let v = _mm_loadl_epi64(self.at.add(off) as *const __m128i);
-        let m = _mm_loadl_epi64(EXPAND_LUT8[byte].as_ptr() as *const __m128i);
-        let e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(v, m));
-        // the same fused multiply-add and mask as `expand_q_bits`: the same floats
-        let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), self.scale, self.min);
-        let kept = _mm256_loadu_si256(LANE_MASK[byte].as_ptr() as *const __m256i);
-        let next = (off + byte.count_ones() as usize).min(self.r);
-        (_mm256_and_ps(x, _mm256_castsi256_ps(kept)), next)
-    }
-}
-
-/// SPEC 9 key logits straight from `n` int8/int4 records (`layout`, record 0 at `bytes[0]`):
-/// `out[h * TILE + t] = scale * (q_h . k^_t)` for `g` heads (`q` `[g][dp]`, `dp` a multiple of
-/// 8 and at least `kept_dims`). Each record is decoded in registers as `expand_q` writes it
-/// and multiplied as `tiles::tile_logits` multiplies the expanded tile (per head and token one
-/// FMA chain over the dims in order, then the same horizontal sum), so the logits are the same
-/// bits, without the tile's store and reload. Heads up to six at a time, two records per pass.
-///
-/// # Safety
-/// AVX2, FMA, F16C and POPCNT available; `layout` is int8/int4 with `r` and `kept_dims` at
-/// most `QUANT_SIMD_MAX_R`; `bytes` holds `n` records; `n <= TILE`; `q.len() >= g * dp`;
-/// `out.len() >= g * TILE`; `dp >= kept_dims`, a multiple of 8.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma,f16c,popcnt")]
-pub unsafe fn tile_logits_q(
-    q: &[f32],
-    g: usize,
-    dp: usize,
-    bytes: &[u8],
-    layout: &RecordLayout,
-    n: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    Path::Avx2.ran();
-    let mut dec = [Decoder::new(), Decoder::new()];
-    let mut h0 = 0;
-    while h0 < g {
-        let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE));
-        // Up to six heads per pass (12 accumulators, two decoded chunks and a query chunk fit
-        // the 16 registers), so a group of six (Qwen2.5's) decodes each record once; a head's
-        // sums do not depend on the heads beside it, so the bits are those of any grouping.
-        match g - h0 {
-            1 => logits_q_n::<1>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-            2 => logits_q_n::<2>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-            3 => logits_q_n::<3>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-            4 => logits_q_n::<4>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-            5 => logits_q_n::<5>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-            _ => logits_q_n::<6>(qp, dp, bytes, layout, n, scale, op, &mut dec),
-        }
-        h0 += 6;
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma,f16c,popcnt")]
-unsafe fn logits_q_n<const N: usize>(
-    q: *const f32,
-    dp: usize,
-    bytes: &[u8],
-    layout: &RecordLayout,
-    n: usize,
-    scale: f32,
-    out: *mut f32,
-    dec: &mut [Decoder; 2],
-) {
-    let rb = layout.record_bytes();
-    let chunks = layout.kept_dims.div_ceil(8);
-    let mut t = 0;
-    while t + 2 <= n {
-        dec[0].load(bytes, t * rb, layout);
-        dec[1].load(bytes, (t + 1) * rb, layout);
-        let mut a0 = [_mm256_setzero_ps(); N];
-        let mut a1 = [_mm256_setzero_ps(); N];
-        let (mut o0, mut o1) = (0, 0);
-        for c in 0..chunks {
-            let (k0, n0) = dec[0].chunk(c, o0);
-            let (k1, n1) = dec[1].chunk(c, o1);
-            (o0, o1) = (n0, n1);
-            for h in 0..N {
-                let qv = _mm256_loadu_ps(q.add(h * dp + 8 * c));
-                a0[h] = _mm256_fmadd_ps(qv, k0, a0[h]);
-                a1[h] = _mm256_fmadd_ps(qv, k1, a1[h]);
-            }
-        }
-        // the expanded tile's zero chunks past Dt, multiplied as `tile_logits` does
-        let zero = _mm256_setzero_ps();
-        for c in chunks..dp / 8 {
-            for h in 0..N {
-                let qv = _mm256_loadu_ps(q.add(h * dp + 8 * c));
-                a0[h] = _mm256_fmadd_ps(qv, zero, a0[h]);
-                a1[h] = _mm256_fmadd_ps(qv, zero, a1[h]);
-            }
-        }
-        for h in 0..N {
-            *out.add(h * TILE + t) = scale * hsum(a0[h]);
-            *out.add(h * TILE + t + 1) = scale * hsum(a1[h]);
-        }
-        t += 2;
-    }
-    if t < n {
-        dec[0].load(bytes, t * rb, layout);
-        let mut a = [_mm256_setzero_ps(); N];
-        let mut o = 0;
-        for c in 0..chunks {
-            let (k, next) = dec[0].chunk(c, o);
-            o = next;
-            for h in 0..N {
-                a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * dp + 8 * c)), k, a[h]);
-            }
-        }
-        let zero = _mm256_setzero_ps();
-        for c in chunks..dp / 8 {
-            for h in 0..N {
-                a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(h * dp + 8 * c)), zero, a[h]);
-            }
-        }
-        for h in 0..N {
-            *out.add(h * TILE + t) = scale * hsum(a[h]);
-        }
-    }
-}
-
 /// SPEC 9 values straight from `n` int8/int4 records (`layout`, record 0 at `bytes[0]`),
 /// at their kept dims only: `acc[h * dp + j] += p[h * TILE + t] * v^_t[j]` for the kept dims
 /// `j` of each record, tokens in order, one FMA each. A dim a record does not keep adds
@@ -554,5 +348,133 @@ unsafe fn add_scaled(a: *mut f32, p: f32, v: *const f32, len: usize) {
         let x = _mm_fmadd_ss(_mm_set_ss(p), _mm_load_ss(v.add(i)), _mm_load_ss(a.add(i)));
         _mm_store_ss(a.add(i), x);
         i += 1;
+    }
+}
+
+/// For a dims byte, its 8 dims as 8 bytes: 1 where the dim is kept, 0 elsewhere.
+static KEPT_BYTES: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut lane = 0;
+        while lane < 8 {
+            if (b >> lane) & 1 == 1 {
+                t[b] |= 1u64 << (8 * lane);
+            }
+            lane += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+/// SPEC.md section 9, logits on int8/int4 key records against the int8 query of section 8.2:
+/// for the `n <= TILE` records in `bytes` and `g` heads, `out[h * TILE + t] = f32((s_q[h] *
+/// (s * I_c + m * I_k)) * inv_sqrt_d)` with `I_c = sum_kept a_hj c_j`, `I_k = sum_kept a_hj`
+/// (`q8` `[g][qs]` bytes, `a_hj` at `q8[h * qs + j]`, zero past `Dt`). Per 16 dims the record's
+/// codes are placed by two `pshufb` (eight dims per bitmap byte, as [`expand_q`] places
+/// them), widened to i16 and multiplied into i32 sums by `vpmaddwd` against the query widened
+/// to i16 (`vpmaddubsw` would saturate: 255 * 127 * 2 > 32767); the kept dims' query sum the
+/// same way on a byte 1 per kept dim. The sums are exact integers, and the f64 epilogue is
+/// `spec::layout::key_logit_q8`'s operations (exact products, one rounding each), so the
+/// logits are the bits of every other path.
+///
+/// # Safety
+/// AVX2, FMA, F16C and POPCNT available; `layout` is int8/int4 with `r` and `kept_dims` at
+/// most `QUANT_SIMD_MAX_R`; `bytes` holds `n` records, `n <= TILE`; `q8` holds `g * qs`
+/// bytes, `qs >= kept_dims` rounded up to 16; `sq` holds `g` scales; `out` holds `g * TILE`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+pub unsafe fn key_logits_q8(
+    q8: &[i8],
+    qs: usize,
+    sq: &[f64],
+    g: usize,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    inv_sqrt_d: f64,
+    out: &mut [f32],
+) {
+    Path::Avx2.ran();
+    let (dt, r, rb) = (layout.kept_dims, layout.r, layout.record_bytes());
+    let chunks = dt.div_ceil(16);
+    let nb = dt.div_ceil(8);
+    let vo = layout.values_offset();
+    let mut dims = [0u8; QUANT_SIMD_MAX_R / 8 + 2];
+    let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    // The record's placed codes and kept bytes per 16 dims, widened to i16.
+    let mut placed = [_mm256_setzero_si256(); QUANT_SIMD_MAX_R / 16];
+    let mut kept = [_mm256_setzero_si256(); QUANT_SIMD_MAX_R / 16];
+    let inv = _mm256_set1_pd(inv_sqrt_d);
+    for t in 0..n {
+        let rec = &bytes[t * rb..(t + 1) * rb];
+        // One bit per dim (the bitmap itself for g = 1), bits past Dt cleared, a zero byte
+        // after the last so that every chunk reads two bytes.
+        dims.fill(0);
+        if layout.group_size == 1 {
+            dims[..nb].copy_from_slice(&rec[..nb]);
+        } else {
+            spread_groups(rec, layout, &mut dims);
+        }
+        if dt % 8 != 0 {
+            dims[nb - 1] &= (1u8 << (dt % 8)) - 1;
+        }
+        unpack_codes(layout.dtype, &rec[vo..], r, &mut codes);
+        let mut off = 0usize;
+        for c in 0..chunks {
+            let (b0, b1) = (dims[2 * c] as usize, dims[2 * c + 1] as usize);
+            let v0 = _mm_loadu_si128(codes.as_ptr().add(off) as *const __m128i);
+            let p0 = _mm_shuffle_epi8(
+                v0,
+                _mm_loadu_si128(EXPAND_LUT8[b0].as_ptr() as *const __m128i),
+            );
+            off = (off + b0.count_ones() as usize).min(r);
+            let v1 = _mm_loadu_si128(codes.as_ptr().add(off) as *const __m128i);
+            let p1 = _mm_shuffle_epi8(
+                v1,
+                _mm_loadu_si128(EXPAND_LUT8[b1].as_ptr() as *const __m128i),
+            );
+            off = (off + b1.count_ones() as usize).min(r);
+            placed[c] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(p0, p1));
+            let k = _mm_set_epi64x(KEPT_BYTES[b1] as i64, KEPT_BYTES[b0] as i64);
+            kept[c] = _mm256_cvtepu8_epi16(k);
+        }
+        let o = layout.bitmap_bytes();
+        let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+        let m64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(ms)));
+        let s64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(_mm_movehdup_ps(ms))));
+        // Four heads per pass: their eight sums reduce by one transposition.
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            let mut ac = [_mm256_setzero_si256(); 4];
+            let mut ak = [_mm256_setzero_si256(); 4];
+            for c in 0..chunks {
+                for j in 0..hn {
+                    let qp = q8.as_ptr().add((h0 + j) * qs + 16 * c);
+                    let qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(qp as *const __m128i));
+                    ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(placed[c], qv));
+                    ak[j] = _mm256_add_epi32(ak[j], _mm256_madd_epi16(kept[c], qv));
+                }
+            }
+            let (ic, ik) = (super::hsum4_i32(&ac), super::hsum4_i32(&ak));
+            // s * I_c + m * I_k (exact products, one rounding), times s_q, times 1/sqrt(D)
+            let mut sqv = [0f64; 4];
+            sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
+            let sum = _mm256_fmadd_pd(
+                s64,
+                _mm256_cvtepi32_pd(ic),
+                _mm256_mul_pd(m64, _mm256_cvtepi32_pd(ik)),
+            );
+            let z = _mm256_mul_pd(_mm256_mul_pd(_mm256_loadu_pd(sqv.as_ptr()), sum), inv);
+            let mut lanes = [0f32; 4];
+            _mm_storeu_ps(lanes.as_mut_ptr(), _mm256_cvtpd_ps(z));
+            for j in 0..hn {
+                out[(h0 + j) * TILE + t] = lanes[j];
+            }
+            h0 += 4;
+        }
     }
 }

@@ -260,197 +260,116 @@ pub unsafe fn sparse_accumulate_q(
     }
 }
 
-/// One record's state in [`tile_logits_q`]: where its codes start (the record itself for
-/// int8, an unpacked copy for int4), its minimum and scale, its bitmap's table spread (group
-/// sizes other than 1, 2, 4 and 8), and the codes it has placed so far.
-struct KeyRecord<'a> {
-    rec: &'a [u8],
-    codes: *const u8,
-    min: __m512,
-    scale: __m512,
-    spread: [u8; QUANT_SIMD_MAX_R / 8],
-    off: usize,
-}
-
-/// Query heads per pass of [`tile_logits_q`].
-const HEADS_PER_PASS: usize = 6;
-
-/// SPEC.md section 9, key side, on packed int8/int4 records of any group size, decoded in
-/// registers: `out[h * TILE + t] = scale * (q_h . k^_t)` for `g` heads (`q` `[g][dp]`) and
-/// the `n <= TILE` records in `bytes`. Four records x up to six heads per pass (the tile
-/// route, [`super::logits::tile_logits`], runs four x four); per 64 dims each record's codes
-/// are placed by one `vpexpandb` ([`expand_q`]'s decode), then 16 dims at a time widened,
-/// decoded (`m + code * s`, zero where not kept) and multiplied into the accumulators. The
-/// decoded values, the FMAs and their order, and the reductions are those of
-/// [`expand_q`] followed by `tile_logits`, so the logits are the same bits; what goes is the
-/// tile's store and reload.
+/// SPEC.md section 9, logits on int8/int4 key records against the int8 query of section 8.2,
+/// any group size: for the `n <= TILE` records in `bytes` and `g` heads, `out[h * TILE + t] =
+/// f32((s_q[h] * (s * I_c + m * I_k)) * inv_sqrt_d)` with `I_c = sum_kept a_hj c_j` and `I_k =
+/// sum_kept a_hj` (`q8` `[g][qs]` bytes, zero past `Dt`). Per 64 dims each record's codes are
+/// placed by one `vpexpandb` ([`expand_q`]'s placement), a byte 1 at each of its first `r`
+/// kept dims likewise, and per head two `vpdpbusd` (unsigned codes times signed query bytes,
+/// four products per i32 lane) add them into exact i32 sums. Four heads per reduction (one
+/// transposition for their eight sums), then the f64 epilogue of
+/// `spec::layout::key_logit_q8` in four lanes: the bits of every other path.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL/VBMI2, BMI2 (and the AVX2 set) available; `layout` int8/int4 with `r` and
-/// `kept_dims` at most `QUANT_SIMD_MAX_R`; `bytes` holds `n` whole records, `n <= TILE`;
-/// `q` holds `g * dp` floats, `dp >= kept_dims` a multiple of 8; `out` holds `g * TILE`.
+/// AVX-512 F/BW/VL/VBMI2/VNNI, BMI2 (and the AVX2 set) available; `layout` int8/int4 with `r`
+/// and `kept_dims` at most `QUANT_SIMD_MAX_R`; `bytes` holds `n` whole records, `n <= TILE`;
+/// `q8` holds `g * qs` bytes with `qs >= kept_dims` rounded up to 64; `sq` holds `g` scales;
+/// `out` holds `g * TILE`.
 #[target_feature(
     enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
 )]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn tile_logits_q(
-    q: &[f32],
+pub unsafe fn key_logits_q8(
+    q8: &[i8],
+    qs: usize,
+    sq: &[f64],
     g: usize,
-    dp: usize,
     bytes: &[u8],
     layout: &RecordLayout,
     n: usize,
-    scale: f32,
+    inv_sqrt_d: f64,
     out: &mut [f32],
 ) {
     use crate::simd::common::TILE;
     Path::Avx512.ran();
-    let rb = layout.record_bytes();
+    let (dt, r, rb) = (layout.kept_dims, layout.r, layout.record_bytes());
     let int8 = layout.dtype == ValueDtype::Int8;
     let spread_table = !matches!(layout.group_size, 1 | 2 | 4 | 8);
-    let mut bufs = [[0u8; QUANT_SIMD_MAX_R + CODE_SLACK]; 4];
-    let mut t = 0;
-    while t < n {
-        let tn = (n - t).min(4);
-        // The pass's records, set up once for every head group.
-        let mut recs: [KeyRecord; 4] = std::array::from_fn(|j| {
-            let rec = &bytes[(t + j.min(tn - 1)) * rb..(t + j.min(tn - 1) + 1) * rb];
-            KeyRecord {
-                rec,
-                codes: rec.as_ptr(),
-                min: _mm512_setzero_ps(),
-                scale: _mm512_setzero_ps(),
-                spread: [0u8; QUANT_SIMD_MAX_R / 8],
-                off: 0,
-            }
-        });
-        for (j, kr) in recs.iter_mut().enumerate().take(tn) {
-            let stored = &kr.rec[layout.values_offset()..];
-            kr.codes = if int8 {
-                stored.as_ptr()
-            } else {
-                // Zeroed first, as `expand_q` does: a record whose bitmap keeps more than
-                // `r` dims places zeros past its codes on every path.
-                bufs[j] = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
-                unpack_codes(layout.dtype, stored, layout.r, &mut bufs[j]);
-                bufs[j].as_ptr()
-            };
-            if spread_table {
-                spread_groups(kr.rec, layout, &mut kr.spread);
-            }
-            let o = layout.bitmap_bytes();
-            let ms = u32::from_le_bytes([kr.rec[o], kr.rec[o + 1], kr.rec[o + 2], kr.rec[o + 3]]);
-            let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
-            kr.min = _mm512_broadcastss_ps(ms);
-            kr.scale = _mm512_broadcastss_ps(_mm_movehdup_ps(ms));
+    let words = dt.div_ceil(64);
+    let mut buf = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
+    let mut placed = [_mm512_setzero_si512(); QUANT_SIMD_MAX_R / 64];
+    let mut kept = [_mm512_setzero_si512(); QUANT_SIMD_MAX_R / 64];
+    let ones = _mm512_set1_epi8(1);
+    let inv = _mm256_set1_pd(inv_sqrt_d);
+    for t in 0..n {
+        let rec = &bytes[t * rb..(t + 1) * rb];
+        let codes = if int8 {
+            rec[layout.values_offset()..].as_ptr()
+        } else {
+            // (zeroes the slack past r, so a 64-byte load at any offset up to r reads zeros)
+            unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut buf);
+            buf.as_ptr()
+        };
+        if spread_table {
+            spread = [0u8; QUANT_SIMD_MAX_R / 8];
+            spread_groups(rec, layout, &mut spread);
         }
+        let mut off = 0usize;
+        for w in 0..words {
+            let mask = dim_word(layout, rec, &spread, w);
+            let lanes = lanes64(r - off);
+            let src = if int8 {
+                // masked: no byte past the record's r codes is read
+                _mm512_maskz_loadu_epi8(lanes, codes.add(off) as *const i8)
+            } else {
+                _mm512_loadu_si512(codes.add(off) as *const __m512i)
+            };
+            placed[w] = _mm512_maskz_expand_epi8(mask, src);
+            kept[w] = _mm512_maskz_expand_epi8(mask, _mm512_maskz_mov_epi8(lanes, ones));
+            off = (off + mask.count_ones() as usize).min(r);
+        }
+        let o = layout.bitmap_bytes();
+        let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+        let m64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(ms)));
+        let s64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(_mm_movehdup_ps(ms))));
         let mut h0 = 0;
         while h0 < g {
-            let (qp, op) = (q.as_ptr().add(h0 * dp), out.as_mut_ptr().add(h0 * TILE + t));
-            macro_rules! pass {
-                ($N:literal) => {
-                    match tn {
-                        1 => logits_q_pass::<$N, 1>(qp, dp, layout, int8, &mut recs, scale, op),
-                        2 => logits_q_pass::<$N, 2>(qp, dp, layout, int8, &mut recs, scale, op),
-                        3 => logits_q_pass::<$N, 3>(qp, dp, layout, int8, &mut recs, scale, op),
-                        _ => logits_q_pass::<$N, 4>(qp, dp, layout, int8, &mut recs, scale, op),
-                    }
-                };
-            }
-            // Up to six heads per pass (24 accumulators, the four records' decoded chunks and
-            // a query chunk fit the 32 registers), so a group of six (Qwen2.5's) decodes each
-            // record once; a head's sums do not depend on the heads beside it, so the bits are
-            // those of any grouping.
-            match g - h0 {
-                1 => pass!(1),
-                2 => pass!(2),
-                3 => pass!(3),
-                4 => pass!(4),
-                5 => pass!(5),
-                _ => pass!(6),
-            }
-            h0 += HEADS_PER_PASS;
-        }
-        t += 4;
-    }
-}
-
-/// T records x N heads of [`tile_logits_q`]: the loop of `logits::tile_logits_pass` over
-/// 16-dim chunks, with each record's chunk decoded from its codes instead of loaded from a
-/// tile.
-#[target_feature(
-    enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
-)]
-#[inline]
-unsafe fn logits_q_pass<const N: usize, const T: usize>(
-    q: *const f32,
-    dp: usize,
-    layout: &RecordLayout,
-    int8: bool,
-    recs: &mut [KeyRecord; 4],
-    scale: f32,
-    out: *mut f32,
-) {
-    use crate::simd::common::TILE;
-    let (dt, r) = (layout.kept_dims, layout.r);
-    let words = dt.div_ceil(64);
-    let mut acc = [[_mm512_setzero_ps(); T]; N];
-    for kr in recs.iter_mut().take(T) {
-        kr.off = 0;
-    }
-    for w in 0..dp.div_ceil(64) {
-        // Each record's dims 64 w .. 64 w + 64 as a bit mask and its codes placed there;
-        // past the bitmap's words, zeros (the tile's zero fill).
-        let mut mask = [0u64; T];
-        let mut placed = [_mm512_setzero_si512(); T];
-        if w < words {
-            for j in 0..T {
-                let kr = &mut recs[j];
-                mask[j] = dim_word(layout, kr.rec, &kr.spread, w);
-                let src = if int8 {
-                    _mm512_maskz_loadu_epi8(lanes64(r - kr.off), kr.codes.add(kr.off) as *const i8)
-                } else {
-                    _mm512_loadu_si512(kr.codes.add(kr.off) as *const __m512i)
-                };
-                placed[j] = _mm512_maskz_expand_epi8(mask[j], src);
-                kr.off = (kr.off + mask[j].count_ones() as usize).min(r);
-            }
-        }
-        for part in 0..4 {
-            let c = 64 * w + 16 * part;
-            if c >= dp {
-                break;
-            }
-            let live = lanes16(dp - c);
-            let mut k = [_mm512_setzero_ps(); T];
-            for j in 0..T {
-                let b = match part {
-                    0 => _mm512_castsi512_si128(placed[j]),
-                    1 => _mm512_extracti32x4_epi32::<1>(placed[j]),
-                    2 => _mm512_extracti32x4_epi32::<2>(placed[j]),
-                    _ => _mm512_extracti32x4_epi32::<3>(placed[j]),
-                };
-                let kept = (mask[j] >> (16 * part)) as u16 & live;
-                let cv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-                k[j] = _mm512_maskz_fmadd_ps(kept, cv, recs[j].scale, recs[j].min);
-            }
-            for (h, ah) in acc.iter_mut().enumerate() {
-                let qv = _mm512_maskz_loadu_ps(live, q.add(h * dp + c));
-                for j in 0..T {
-                    ah[j] = _mm512_fmadd_ps(qv, k[j], ah[j]);
+            let hn = (g - h0).min(4);
+            let mut ac = [_mm512_setzero_si512(); 4];
+            let mut ak = [_mm512_setzero_si512(); 4];
+            for w in 0..words {
+                for j in 0..hn {
+                    let qv = _mm512_loadu_si512(
+                        q8.as_ptr().add((h0 + j) * qs + 64 * w) as *const __m512i
+                    );
+                    ac[j] = _mm512_dpbusd_epi32(ac[j], placed[w], qv);
+                    ak[j] = _mm512_dpbusd_epi32(ak[j], kept[w], qv);
                 }
             }
-        }
-    }
-    let sv = _mm_set1_ps(scale);
-    for (h, ah) in acc.iter().enumerate() {
-        let o = out.add(h * TILE);
-        if T == 4 {
-            _mm_storeu_ps(o, _mm_mul_ps(sv, super::hsum4(ah)));
-        } else {
-            for (j, &x) in ah.iter().enumerate() {
-                *o.add(j) = scale * _mm512_reduce_add_ps(x);
+            let half = |v: __m512i| {
+                _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+            };
+            let ic =
+                crate::simd::avx2::hsum4_i32(&[half(ac[0]), half(ac[1]), half(ac[2]), half(ac[3])]);
+            let ik =
+                crate::simd::avx2::hsum4_i32(&[half(ak[0]), half(ak[1]), half(ak[2]), half(ak[3])]);
+            // s * I_c + m * I_k (exact products, one rounding), times s_q, times 1/sqrt(D)
+            let mut sqv = [0f64; 4];
+            sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
+            let sum = _mm256_fmadd_pd(
+                s64,
+                _mm256_cvtepi32_pd(ic),
+                _mm256_mul_pd(m64, _mm256_cvtepi32_pd(ik)),
+            );
+            let z = _mm256_mul_pd(_mm256_mul_pd(_mm256_loadu_pd(sqv.as_ptr()), sum), inv);
+            let mut lanes4 = [0f32; 4];
+            _mm_storeu_ps(lanes4.as_mut_ptr(), _mm256_cvtpd_ps(z));
+            for j in 0..hn {
+                out[(h0 + j) * TILE + t] = lanes4[j];
             }
+            h0 += 4;
         }
     }
 }
