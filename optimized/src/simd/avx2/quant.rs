@@ -397,84 +397,165 @@ pub unsafe fn key_logits_q8(
     out: &mut [f32],
 ) {
     Path::Avx2.ran();
+    // Up to six heads per pass over the records (a fixed count, so the sums stay in registers);
+    // each pass places each record's codes again.
+    let mut h0 = 0;
+    while h0 < g {
+        let hn = (g - h0).min(HEADS_Q8);
+        let mut sqv = [0f64; 8];
+        sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
+        // The pass's query rows widened to i16 once: `[hn][16 * chunks]`.
+        let chunks = layout.kept_dims.div_ceil(16);
+        let mut q16 = [0i16; HEADS_Q8 * QUANT_SIMD_MAX_R];
+        for j in 0..hn {
+            for c in 0..chunks {
+                let src =
+                    _mm_loadu_si128(q8.as_ptr().add((h0 + j) * qs + 16 * c) as *const __m128i);
+                let dst = q16.as_mut_ptr().add(j * QUANT_SIMD_MAX_R + 16 * c);
+                _mm256_storeu_si256(dst as *mut __m256i, _mm256_cvtepi8_epi16(src));
+            }
+        }
+        let a = (
+            &q16,
+            &sqv,
+            bytes,
+            layout,
+            n,
+            inv_sqrt_d,
+            out.as_mut_ptr().add(h0 * TILE),
+        );
+        match hn {
+            1 => logits_q8_heads::<1>(a),
+            2 => logits_q8_heads::<2>(a),
+            3 => logits_q8_heads::<3>(a),
+            4 => logits_q8_heads::<4>(a),
+            5 => logits_q8_heads::<5>(a),
+            _ => logits_q8_heads::<6>(a),
+        }
+        h0 += HEADS_Q8;
+    }
+}
+
+/// The arguments of [`logits_q8_heads`]: the pass's query rows as i16 (`QUANT_SIMD_MAX_R`
+/// apart), their scales, the records, `1 / sqrt(D)`, and the first head's logits (heads
+/// `TILE` apart).
+type HeadsArgs<'a> = (
+    &'a [i16; HEADS_Q8 * QUANT_SIMD_MAX_R],
+    &'a [f64; 8],
+    &'a [u8],
+    &'a RecordLayout,
+    usize,
+    f64,
+    *mut f32,
+);
+
+/// [`key_logits_q8`] for `N <= HEADS_Q8` heads over the `n` records.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
+    let (q16, sq, bytes, layout, n, inv_sqrt_d, out) = a;
     let (dt, r, rb) = (layout.kept_dims, layout.r, layout.record_bytes());
     let chunks = dt.div_ceil(16);
     let nb = dt.div_ceil(8);
     let vo = layout.values_offset();
+    // A g = 1 record whose Dt is a multiple of 8 is read in place: its bitmap bytes are its
+    // dims (two per chunk stay inside the 4-byte words), its int8 codes are read 16 at a time
+    // where that stays inside `bytes`.
+    let bits_in_place = layout.group_size == 1 && dt % 8 == 0;
     let mut dims = [0u8; QUANT_SIMD_MAX_R / 8 + 2];
     let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
-    // The record's placed codes and kept bytes per 16 dims, widened to i16.
-    let mut placed = [_mm256_setzero_si256(); QUANT_SIMD_MAX_R / 16];
-    let mut kept = [_mm256_setzero_si256(); QUANT_SIMD_MAX_R / 16];
     let inv = _mm256_set1_pd(inv_sqrt_d);
     for t in 0..n {
-        let rec = &bytes[t * rb..(t + 1) * rb];
-        // One bit per dim (the bitmap itself for g = 1), bits past Dt cleared, a zero byte
-        // after the last so that every chunk reads two bytes.
-        dims.fill(0);
-        if layout.group_size == 1 {
-            dims[..nb].copy_from_slice(&rec[..nb]);
+        let at = t * rb;
+        let rec = &bytes[at..at + rb];
+        let bits: *const u8 = if bits_in_place {
+            rec.as_ptr()
         } else {
-            spread_groups(rec, layout, &mut dims);
-        }
-        if dt % 8 != 0 {
-            dims[nb - 1] &= (1u8 << (dt % 8)) - 1;
-        }
-        unpack_codes(layout.dtype, &rec[vo..], r, &mut codes);
+            // One bit per dim, bits past Dt cleared, a zero byte after the last so that every
+            // chunk reads two bytes.
+            dims.fill(0);
+            if layout.group_size == 1 {
+                dims[..nb].copy_from_slice(&rec[..nb]);
+            } else {
+                spread_groups(rec, layout, &mut dims);
+            }
+            if dt % 8 != 0 {
+                dims[nb - 1] &= (1u8 << (dt % 8)) - 1;
+            }
+            dims.as_ptr()
+        };
+        let cp: *const u8 = if layout.dtype == ValueDtype::Int8 && at + vo + r + 16 <= bytes.len() {
+            rec.as_ptr().add(vo)
+        } else {
+            // (zeroes the slack past r: a 16-byte load at any offset up to r reads zeros)
+            unpack_codes(layout.dtype, &rec[vo..], r, &mut codes);
+            codes.as_ptr()
+        };
+        let mut ac = [_mm256_setzero_si256(); N];
+        let mut ak = [_mm256_setzero_si256(); N];
         let mut off = 0usize;
         for c in 0..chunks {
-            let (b0, b1) = (dims[2 * c] as usize, dims[2 * c + 1] as usize);
-            let v0 = _mm_loadu_si128(codes.as_ptr().add(off) as *const __m128i);
-            let p0 = _mm_shuffle_epi8(
-                v0,
-                _mm_loadu_si128(EXPAND_LUT8[b0].as_ptr() as *const __m128i),
-            );
+            let (b0, b1) = (*bits.add(2 * c) as usize, *bits.add(2 * c + 1) as usize);
+            let v0 = _mm_loadu_si128(cp.add(off) as *const __m128i);
+            let lut0 = _mm_loadu_si128(EXPAND_LUT8[b0].as_ptr() as *const __m128i);
+            let p0 = _mm_shuffle_epi8(v0, lut0);
             off = (off + b0.count_ones() as usize).min(r);
-            let v1 = _mm_loadu_si128(codes.as_ptr().add(off) as *const __m128i);
-            let p1 = _mm_shuffle_epi8(
-                v1,
-                _mm_loadu_si128(EXPAND_LUT8[b1].as_ptr() as *const __m128i),
-            );
+            let v1 = _mm_loadu_si128(cp.add(off) as *const __m128i);
+            let lut1 = _mm_loadu_si128(EXPAND_LUT8[b1].as_ptr() as *const __m128i);
+            let p1 = _mm_shuffle_epi8(v1, lut1);
             off = (off + b1.count_ones() as usize).min(r);
-            placed[c] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(p0, p1));
+            let placed = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(p0, p1));
             let k = _mm_set_epi64x(KEPT_BYTES[b1] as i64, KEPT_BYTES[b0] as i64);
-            kept[c] = _mm256_cvtepu8_epi16(k);
+            let kept = _mm256_cvtepu8_epi16(k);
+            for j in 0..N {
+                let qp = q16.as_ptr().add(j * QUANT_SIMD_MAX_R + 16 * c);
+                let qv = _mm256_loadu_si256(qp as *const __m256i);
+                ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(placed, qv));
+                ak[j] = _mm256_add_epi32(ak[j], _mm256_madd_epi16(kept, qv));
+            }
         }
         let o = layout.bitmap_bytes();
         let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
         let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
-        let m64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(ms)));
-        let s64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(_mm_movehdup_ps(ms))));
-        // Four heads per pass: their eight sums reduce by one transposition.
-        let mut h0 = 0;
-        while h0 < g {
-            let hn = (g - h0).min(4);
-            let mut ac = [_mm256_setzero_si256(); 4];
-            let mut ak = [_mm256_setzero_si256(); 4];
-            for c in 0..chunks {
-                for j in 0..hn {
-                    let qp = q8.as_ptr().add((h0 + j) * qs + 16 * c);
-                    let qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(qp as *const __m128i));
-                    ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(placed[c], qv));
-                    ak[j] = _mm256_add_epi32(ak[j], _mm256_madd_epi16(kept[c], qv));
-                }
+        let mut lanes = [0f32; 8];
+        for (k, chunk) in lanes.chunks_exact_mut(4).enumerate().take(N.div_ceil(4)) {
+            let (mut hc, mut hk) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+            for j in 4 * k..N.min(4 * k + 4) {
+                hc[j - 4 * k] = ac[j];
+                hk[j - 4 * k] = ak[j];
             }
-            let (ic, ik) = (super::hsum4_i32(&ac), super::hsum4_i32(&ak));
-            // s * I_c + m * I_k (exact products, one rounding), times s_q, times 1/sqrt(D)
-            let mut sqv = [0f64; 4];
-            sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
-            let sum = _mm256_fmadd_pd(
-                s64,
-                _mm256_cvtepi32_pd(ic),
-                _mm256_mul_pd(m64, _mm256_cvtepi32_pd(ik)),
-            );
-            let z = _mm256_mul_pd(_mm256_mul_pd(_mm256_loadu_pd(sqv.as_ptr()), sum), inv);
-            let mut lanes = [0f32; 4];
-            _mm_storeu_ps(lanes.as_mut_ptr(), _mm256_cvtpd_ps(z));
-            for j in 0..hn {
-                out[(h0 + j) * TILE + t] = lanes[j];
-            }
-            h0 += 4;
+            let (ic, ik) = (super::hsum4_i32(&hc), super::hsum4_i32(&hk));
+            let z = logit_epilogue(ic, ik, ms, _mm256_loadu_pd(sq.as_ptr().add(4 * k)), inv);
+            _mm_storeu_ps(chunk.as_mut_ptr(), z);
+        }
+        for (j, &x) in lanes.iter().enumerate().take(N) {
+            *out.add(j * TILE + t) = x;
         }
     }
+}
+
+/// Query heads per pass of the integer key logits (AVX2 and AVX-512): Qwen2.5's group of six
+/// in one pass, so each record is placed once.
+pub(crate) const HEADS_Q8: usize = 6;
+
+/// SPEC 9's f64 epilogue for four heads (`spec::layout::key_logit_q8`, lane for lane): from
+/// the exact sums `ic`, `ik`, the record's f16 minimum and scale `ms` (widened, lanes 0 and 1),
+/// the heads' `s_q` and `1 / sqrt(D)`: `f32((s_q * (s * I_c + m * I_k)) * inv)`. The products
+/// are exact, so the fused multiply-add rounds the sum once, as the host's add does.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[inline]
+pub(crate) unsafe fn logit_epilogue(
+    ic: __m128i,
+    ik: __m128i,
+    ms: __m128,
+    sq: __m256d,
+    inv: __m256d,
+) -> __m128 {
+    let m64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(ms)));
+    let s64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(_mm_movehdup_ps(ms))));
+    let sum = _mm256_fmadd_pd(
+        s64,
+        _mm256_cvtepi32_pd(ic),
+        _mm256_mul_pd(m64, _mm256_cvtepi32_pd(ik)),
+    );
+    _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(sq, sum), inv))
 }

@@ -5,8 +5,9 @@
 //! converted, scaled, offset by the minimum and zeroed where not kept.
 
 use super::{lanes16, lanes64};
-use crate::simd::avx2::quant::{spread_groups, unpack_codes};
+use crate::simd::avx2::quant::{spread_groups, unpack_codes, HEADS_Q8};
 use crate::simd::codes::{SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS};
+use crate::simd::common::TILE;
 use crate::simd::path::Path;
 use mosaickv_spec::{RecordLayout, ValueDtype};
 use std::arch::x86_64::*;
@@ -151,7 +152,6 @@ pub unsafe fn sparse_accumulate_q(
     n: usize,
     acc_t: *mut f32,
 ) {
-    use crate::simd::common::TILE;
     Path::Avx512.ran();
     let (g, r, rb, bb) = (
         layout.group_size,
@@ -290,18 +290,80 @@ pub unsafe fn key_logits_q8(
     inv_sqrt_d: f64,
     out: &mut [f32],
 ) {
-    use crate::simd::common::TILE;
     Path::Avx512.ran();
-    let (dt, r, rb) = (layout.kept_dims, layout.r, layout.record_bytes());
+    // Up to six heads per pass over the records (fixed counts, so the sums and, for Dt <= 128, the
+    // query rows stay in registers); each pass places each record's codes again.
+    let mut h0 = 0;
+    while h0 < g {
+        let mut sqv = [0f64; 8];
+        let hn = (g - h0).min(HEADS_Q8);
+        sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
+        let (qp, op) = (q8.as_ptr().add(h0 * qs), out.as_mut_ptr().add(h0 * TILE));
+        let a = (qp, qs, &sqv, bytes, layout, n, inv_sqrt_d, op);
+        macro_rules! words {
+            ($N:literal) => {
+                match layout.kept_dims.div_ceil(64) {
+                    1 => logits_q8_heads::<$N, 1>(a),
+                    2 => logits_q8_heads::<$N, 2>(a),
+                    _ => logits_q8_heads::<$N, 0>(a),
+                }
+            };
+        }
+        match hn {
+            1 => words!(1),
+            2 => words!(2),
+            3 => words!(3),
+            4 => words!(4),
+            5 => words!(5),
+            _ => words!(6),
+        }
+        h0 += HEADS_Q8;
+    }
+}
+
+/// The arguments of [`logits_q8_heads`]: `N` query rows at `q` (`qs` bytes apart), their
+/// scales, the records, `1 / sqrt(D)`, and the logits of the first head at `out` (heads `TILE`
+/// apart).
+type HeadsArgs<'a> = (
+    *const i8,
+    usize,
+    &'a [f64; 8],
+    &'a [u8],
+    &'a RecordLayout,
+    usize,
+    f64,
+    *mut f32,
+);
+
+/// [`key_logits_q8`] for `N <= HEADS_Q8` heads over the `n` records; `W` the 64-dim words of `Dt` (1
+/// or 2, whose query rows are held in registers), or 0 for any `Dt` (rows loaded per word).
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
+)]
+unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
+    let (q, qs, sq, bytes, layout, n, inv_sqrt_d, out) = a;
+    let (r, rb) = (layout.r, layout.record_bytes());
+    let words = if W == 0 {
+        layout.kept_dims.div_ceil(64)
+    } else {
+        W
+    };
     let int8 = layout.dtype == ValueDtype::Int8;
     let spread_table = !matches!(layout.group_size, 1 | 2 | 4 | 8);
-    let words = dt.div_ceil(64);
     let mut buf = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
     let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
-    let mut placed = [_mm512_setzero_si512(); QUANT_SIMD_MAX_R / 64];
-    let mut kept = [_mm512_setzero_si512(); QUANT_SIMD_MAX_R / 64];
     let ones = _mm512_set1_epi8(1);
+    let mut qv = [[_mm512_setzero_si512(); 2]; N];
+    if W > 0 {
+        for (j, row) in qv.iter_mut().enumerate() {
+            for (w, x) in row.iter_mut().enumerate().take(W) {
+                *x = _mm512_loadu_si512(q.add(j * qs + 64 * w) as *const __m512i);
+            }
+        }
+    }
     let inv = _mm256_set1_pd(inv_sqrt_d);
+    let half =
+        |v: __m512i| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
     for t in 0..n {
         let rec = &bytes[t * rb..(t + 1) * rb];
         let codes = if int8 {
@@ -315,6 +377,8 @@ pub unsafe fn key_logits_q8(
             spread = [0u8; QUANT_SIMD_MAX_R / 8];
             spread_groups(rec, layout, &mut spread);
         }
+        let mut ac = [_mm512_setzero_si512(); N];
+        let mut ak = [_mm512_setzero_si512(); N];
         let mut off = 0usize;
         for w in 0..words {
             let mask = dim_word(layout, rec, &spread, w);
@@ -325,51 +389,40 @@ pub unsafe fn key_logits_q8(
             } else {
                 _mm512_loadu_si512(codes.add(off) as *const __m512i)
             };
-            placed[w] = _mm512_maskz_expand_epi8(mask, src);
-            kept[w] = _mm512_maskz_expand_epi8(mask, _mm512_maskz_mov_epi8(lanes, ones));
+            let placed = _mm512_maskz_expand_epi8(mask, src);
+            // the dims of the record's first r codes (all of a valid record's kept dims)
+            let kept = _mm512_maskz_mov_epi8(_pdep_u64(lanes, mask), ones);
             off = (off + mask.count_ones() as usize).min(r);
+            for j in 0..N {
+                let qj = if W > 0 {
+                    qv[j][w]
+                } else {
+                    _mm512_loadu_si512(q.add(j * qs + 64 * w) as *const __m512i)
+                };
+                ac[j] = _mm512_dpbusd_epi32(ac[j], placed, qj);
+                ak[j] = _mm512_dpbusd_epi32(ak[j], kept, qj);
+            }
         }
         let o = layout.bitmap_bytes();
         let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
         let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
-        let m64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(ms)));
-        let s64 = _mm256_set1_pd(f64::from(_mm_cvtss_f32(_mm_movehdup_ps(ms))));
-        let mut h0 = 0;
-        while h0 < g {
-            let hn = (g - h0).min(4);
-            let mut ac = [_mm512_setzero_si512(); 4];
-            let mut ak = [_mm512_setzero_si512(); 4];
-            for w in 0..words {
-                for j in 0..hn {
-                    let qv = _mm512_loadu_si512(
-                        q8.as_ptr().add((h0 + j) * qs + 64 * w) as *const __m512i
-                    );
-                    ac[j] = _mm512_dpbusd_epi32(ac[j], placed[w], qv);
-                    ak[j] = _mm512_dpbusd_epi32(ak[j], kept[w], qv);
-                }
+        let mut lanes4 = [0f32; 8];
+        for (k, chunk) in lanes4.chunks_exact_mut(4).enumerate().take(N.div_ceil(4)) {
+            let (mut hc, mut hk) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+            for j in 4 * k..N.min(4 * k + 4) {
+                hc[j - 4 * k] = half(ac[j]);
+                hk[j - 4 * k] = half(ak[j]);
             }
-            let half = |v: __m512i| {
-                _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
-            };
-            let ic =
-                crate::simd::avx2::hsum4_i32(&[half(ac[0]), half(ac[1]), half(ac[2]), half(ac[3])]);
-            let ik =
-                crate::simd::avx2::hsum4_i32(&[half(ak[0]), half(ak[1]), half(ak[2]), half(ak[3])]);
-            // s * I_c + m * I_k (exact products, one rounding), times s_q, times 1/sqrt(D)
-            let mut sqv = [0f64; 4];
-            sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
-            let sum = _mm256_fmadd_pd(
-                s64,
-                _mm256_cvtepi32_pd(ic),
-                _mm256_mul_pd(m64, _mm256_cvtepi32_pd(ik)),
+            let (ic, ik) = (
+                crate::simd::avx2::hsum4_i32(&hc),
+                crate::simd::avx2::hsum4_i32(&hk),
             );
-            let z = _mm256_mul_pd(_mm256_mul_pd(_mm256_loadu_pd(sqv.as_ptr()), sum), inv);
-            let mut lanes4 = [0f32; 4];
-            _mm_storeu_ps(lanes4.as_mut_ptr(), _mm256_cvtpd_ps(z));
-            for j in 0..hn {
-                out[(h0 + j) * TILE + t] = lanes4[j];
-            }
-            h0 += 4;
+            let sqv = _mm256_loadu_pd(sq.as_ptr().add(4 * k));
+            let z = crate::simd::avx2::quant::logit_epilogue(ic, ik, ms, sqv, inv);
+            _mm_storeu_ps(chunk.as_mut_ptr(), z);
+        }
+        for (j, &x) in lanes4.iter().enumerate().take(N) {
+            *out.add(j * TILE + t) = x;
         }
     }
 }
