@@ -28,7 +28,7 @@ fn dense_dot(q: &[f32], k: &[half::f16]) -> f64 {
 /// sum_kept a_j` over the record's kept dims (the k-th kept dim takes the k-th stored code),
 /// then `f32((s_q * (s * I_c + m * I_k)) / sqrt(D))` in f64 (`spec::layout::key_logit_q8`).
 /// The record must be valid (`check_cache` has run).
-pub fn key_logit_q8(layout: &RecordLayout, record: &[u8], q: &QuantQuery, head_dim: usize) -> f32 {
+pub fn key_logits_q8(layout: &RecordLayout, record: &[u8], q: &QuantQuery, head_dim: usize) -> f32 {
     let codes = &record[layout.values_offset()..];
     let (mut ic, mut ik) = (0i64, 0i64);
     let mut k = 0; // index of the next stored code
@@ -58,7 +58,7 @@ fn widen(v: &[half::f16]) -> Vec<f64> {
 /// For query head h of KV head `j = h / G`:
 /// - `z_t = (q . k_t) / sqrt(D)`; sink and buffer keys are their f16 rows;
 ///   a packed f16 key contributes `q'_seg . k^_t` (q' from section 8.1, f64); an int8/int4
-///   key record its integer logit against the int8 query of 8.2 ([`key_logit_q8`]);
+///   key record its integer logit against the int8 query of 8.2 ([`key_logits_q8`]);
 /// - `p = softmax(z)` with the max subtracted;
 /// - `o = sum_{sink, buffer} p_t v_t + sum_seg R_v,seg (sum_{t in seg} p_t v^_t)`.
 ///
@@ -107,7 +107,7 @@ pub fn attend_selected(
             let first = b * head.meta.block_size;
             for t in first..first + head.meta.block_len(b) {
                 let z = if kl.dtype.is_quantized() {
-                    f64::from(key_logit_q8(kl, head.keys.record(kl, t), &q_int8, d))
+                    f64::from(key_logits_q8(kl, head.keys.record(kl, t), &q_int8, d))
                 } else {
                     let k_hat = decode_record(kl, head.keys.record(kl, t))?;
                     let mut dot = 0.0;
