@@ -364,48 +364,121 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
     let inv = _mm256_set1_pd(inv_sqrt_d);
     let half =
         |v: __m512i| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
-    for t in 0..n {
-        let rec = &bytes[t * rb..(t + 1) * rb];
-        let codes = if int8 {
-            rec[layout.values_offset()..].as_ptr()
-        } else {
-            // (zeroes the slack past r, so a 64-byte load at any offset up to r reads zeros)
-            unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut buf);
-            buf.as_ptr()
-        };
-        if spread_table {
-            spread = [0u8; QUANT_SIMD_MAX_R / 8];
-            spread_groups(rec, layout, &mut spread);
-        }
-        let mut ac = [_mm512_setzero_si512(); N];
-        let mut ak = [_mm512_setzero_si512(); N];
-        let mut off = 0usize;
-        for w in 0..words {
-            let mask = dim_word(layout, rec, &spread, w);
-            let lanes = lanes64(r - off);
-            let src = if int8 {
-                // masked: no byte past the record's r codes is read
-                _mm512_maskz_loadu_epi8(lanes, codes.add(off) as *const i8)
+    // A record's exact sums `I_c`, `I_k` per head (16 lanes each) and its f16 minimum and
+    // scale (widened).
+    macro_rules! sums {
+        ($t:expr) => {{
+            let t = $t;
+            let rec = &bytes[t * rb..(t + 1) * rb];
+            let codes = if int8 {
+                rec[layout.values_offset()..].as_ptr()
             } else {
-                _mm512_loadu_si512(codes.add(off) as *const __m512i)
+                // (zeroes the slack past r, so a 64-byte load at any offset up to r reads zeros)
+                unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut buf);
+                buf.as_ptr()
             };
-            let placed = _mm512_maskz_expand_epi8(mask, src);
-            // the dims of the record's first r codes (all of a valid record's kept dims)
-            let kept = _mm512_maskz_mov_epi8(_pdep_u64(lanes, mask), ones);
-            off = (off + mask.count_ones() as usize).min(r);
-            for j in 0..N {
-                let qj = if W > 0 {
-                    qv[j][w]
-                } else {
-                    _mm512_loadu_si512(q.add(j * qs + 64 * w) as *const __m512i)
-                };
-                ac[j] = _mm512_dpbusd_epi32(ac[j], placed, qj);
-                ak[j] = _mm512_dpbusd_epi32(ak[j], kept, qj);
+            if spread_table {
+                spread = [0u8; QUANT_SIMD_MAX_R / 8];
+                spread_groups(rec, layout, &mut spread);
             }
+            let mut ac = [_mm512_setzero_si512(); N];
+            let mut ak = [_mm512_setzero_si512(); N];
+            let mut off = 0usize;
+            for w in 0..words {
+                let mask = dim_word(layout, rec, &spread, w);
+                let lanes = lanes64(r - off);
+                let src = if int8 {
+                    // masked: no byte past the record's r codes is read
+                    _mm512_maskz_loadu_epi8(lanes, codes.add(off) as *const i8)
+                } else {
+                    _mm512_loadu_si512(codes.add(off) as *const __m512i)
+                };
+                let placed = _mm512_maskz_expand_epi8(mask, src);
+                // the dims of the record's first r codes (all of a valid record's kept dims)
+                let kept = _mm512_maskz_mov_epi8(_pdep_u64(lanes, mask), ones);
+                off = (off + mask.count_ones() as usize).min(r);
+                for j in 0..N {
+                    let qj = if W > 0 {
+                        qv[j][w]
+                    } else {
+                        _mm512_loadu_si512(q.add(j * qs + 64 * w) as *const __m512i)
+                    };
+                    ac[j] = _mm512_dpbusd_epi32(ac[j], placed, qj);
+                    ak[j] = _mm512_dpbusd_epi32(ak[j], kept, qj);
+                }
+            }
+            let o = layout.bitmap_bytes();
+            let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
+            (ac, ak, _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32)))
+        }};
+    }
+    let mut t = 0;
+    if N <= 4 {
+        // Two records at a time: their 16 sums (4 heads x I_c, I_k x 2 records, heads past N
+        // zero) reduced together by a transposition tree, and one 8-lane f64 epilogue.
+        let z = _mm512_setzero_si512();
+        let sq8 = _mm512_castpd256_pd512(_mm256_loadu_pd(sq.as_ptr()));
+        let sq8 = _mm512_insertf64x4::<1>(sq8, _mm256_loadu_pd(sq.as_ptr()));
+        let inv8 = _mm512_set1_pd(inv_sqrt_d);
+        while t + 2 <= n {
+            let (ac0, ak0, ms0) = sums!(t);
+            let (ac1, ak1, ms1) = sums!(t + 1);
+            let pad = |v: &[__m512i; N]| {
+                std::array::from_fn::<__m512i, 4, _>(|j| if j < N { v[j] } else { z })
+            };
+            let (a, b, c, d) = (pad(&ac0), pad(&ak0), pad(&ac1), pad(&ak1));
+            // [x0+x2, y0+y2, x1+x3, y1+y3] per 128-bit lane
+            let u = |x: __m512i, y: __m512i| {
+                _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y))
+            };
+            // [x, y, z, w] partial sums per 128-bit lane
+            let v = |u0: __m512i, u1: __m512i| {
+                _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1))
+            };
+            let va = v(u(a[0], a[1]), u(a[2], a[3]));
+            let vb = v(u(b[0], b[1]), u(b[2], b[3]));
+            let vc = v(u(c[0], c[1]), u(c[2], c[3]));
+            let vd = v(u(d[0], d[1]), u(d[2], d[3]));
+            // sums over the four 128-bit lanes: [va, vb, vc, vd] totals, one per lane
+            let w = |x: __m512i, y: __m512i| {
+                _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0b10_00_10_00>(x, y),
+                    _mm512_shuffle_i32x4::<0b11_01_11_01>(x, y),
+                )
+            };
+            let f = w(w(va, vb), w(vc, vd));
+            // [I_c record 0, I_c record 1] and [I_k record 0, I_k record 1], four heads each
+            let ic = _mm512_castsi512_si256(_mm512_shuffle_i32x4::<0b00_00_10_00>(f, f));
+            let ik = _mm512_castsi512_si256(_mm512_shuffle_i32x4::<0b00_00_11_01>(f, f));
+            let both = |x0: f32, x1: f32| {
+                _mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(_mm256_set1_pd(f64::from(x0))),
+                    _mm256_set1_pd(f64::from(x1)),
+                )
+            };
+            let m8 = both(_mm_cvtss_f32(ms0), _mm_cvtss_f32(ms1));
+            let s8 = both(
+                _mm_cvtss_f32(_mm_movehdup_ps(ms0)),
+                _mm_cvtss_f32(_mm_movehdup_ps(ms1)),
+            );
+            // s * I_c + m * I_k (exact products, one rounding), times s_q, times 1/sqrt(D)
+            let sum = _mm512_fmadd_pd(
+                s8,
+                _mm512_cvtepi32_pd(ic),
+                _mm512_mul_pd(m8, _mm512_cvtepi32_pd(ik)),
+            );
+            let zs = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(sq8, sum), inv8));
+            let mut lanes8 = [0f32; 8];
+            _mm256_storeu_ps(lanes8.as_mut_ptr(), zs);
+            for j in 0..N {
+                *out.add(j * TILE + t) = lanes8[j];
+                *out.add(j * TILE + t + 1) = lanes8[4 + j];
+            }
+            t += 2;
         }
-        let o = layout.bitmap_bytes();
-        let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
-        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+    }
+    while t < n {
+        let (ac, ak, ms) = sums!(t);
         let mut lanes4 = [0f32; 8];
         for (k, chunk) in lanes4.chunks_exact_mut(4).enumerate().take(N.div_ceil(4)) {
             let (mut hc, mut hk) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
@@ -424,5 +497,6 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
         for (j, &x) in lanes4.iter().enumerate().take(N) {
             *out.add(j * TILE + t) = x;
         }
+        t += 1;
     }
 }
