@@ -264,11 +264,13 @@ pub unsafe fn sparse_accumulate_q(
 /// any group size: for the `n <= TILE` records in `bytes` and `g` heads, `out[h * TILE + t] =
 /// f32((s_q[h] * (s * I_c + m * I_k)) * inv_sqrt_d)` with `I_c = sum_kept a_hj c_j` and `I_k =
 /// sum_kept a_hj` (`q8` `[g][qs]` bytes, zero past `Dt`). Per 64 dims each record's codes are
-/// placed by one `vpexpandb` ([`expand_q`]'s placement), a byte 1 at each of its first `r`
-/// kept dims likewise, and per head two `vpdpbusd` (unsigned codes times signed query bytes,
-/// four products per i32 lane) add them into exact i32 sums. Four heads per reduction (one
-/// transposition for their eight sums), then the f64 epilogue of
-/// `spec::layout::key_logit_q8` in four lanes: the bits of every other path.
+/// placed by one `vpexpandb` ([`expand_q`]'s placement), the first `r` kept dims marked by a
+/// byte 1 (`pdep` of the code lanes onto the dims), and per head two `vpdpbusd` (unsigned
+/// codes times signed query bytes, four products per i32 lane) add them into exact i32 sums.
+/// Up to six heads per pass; with at most four, two records at a time, their 16 sums reduced
+/// by one transposition tree and one 8-lane f64 epilogue; otherwise one record at a time, four
+/// heads per reduction. The epilogue is `spec::layout::key_logit_q8`'s operations lane for
+/// lane: the bits of every other path.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VBMI2/VNNI, BMI2 (and the AVX2 set) available; `layout` int8/int4 with `r`
