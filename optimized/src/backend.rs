@@ -223,8 +223,8 @@ impl Backend for CpuBackend {
         let rows = queries.nrows();
         let mut out = Array2::zeros((rows, dt));
         let o = out.as_slice_mut().expect("standard layout");
-        let rot = mosaickv_spec::layout::rotation_f32(&key.rotation);
-        self.path.rotate_queries(&rot, d, &q, rows, o, dt);
+        self.path
+            .rotate_queries_f16(&key.rotation, d, &q, rows, o, dt, &mut Vec::new());
         Ok(out)
     }
 

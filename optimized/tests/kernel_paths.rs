@@ -328,6 +328,49 @@ fn rotated_query_rows_match_one_row_at_a_time() {
     }
 }
 
+#[test]
+fn rotated_query_rows_from_the_f16_rotation_match_the_widened_one() {
+    // `rotate_queries_f16` reads the stored f16 rotation in place (SIMD paths) or widens it
+    // (portable): the same f32 values as `rotate_query` on the widened rotation, row by row;
+    // past dt nothing written. Head dims past the SIMD kernels' limit take the widened route.
+    let mut rng = Rng(0x0f16_0f16_5eed_0001);
+    for path in [Path::Portable].into_iter().chain(paths()) {
+        for (d, dt) in [
+            (32usize, 24usize),
+            (64, 64),
+            (80, 60),
+            (128, 96),
+            (128, 100),
+            (128, 128),
+            (256, 250),
+            (300, 33),
+        ] {
+            for g in [1usize, 2, 3, 4, 5, 8] {
+                let stride = dt.div_ceil(8) * 8 + 8;
+                let rot: Vec<f16> = (0..d * dt).map(|_| f16::from_f32(rng.unit())).collect();
+                let wide: Vec<f32> = rot.iter().map(|x| x.to_f32()).collect();
+                let q: Vec<f32> = (0..g * d).map(|_| 3.0 * rng.unit()).collect();
+                let mut got = vec![f32::NAN; g * stride];
+                path.rotate_queries_f16(&rot, d, &q, g, &mut got, stride, &mut Vec::new());
+                for h in 0..g {
+                    let mut want = vec![f32::NAN; dt];
+                    Path::Portable.rotate_query(&wide, d, &q[h * d..(h + 1) * d], &mut want);
+                    for j in 0..dt {
+                        assert_eq!(
+                            got[h * stride + j].to_bits(),
+                            want[j].to_bits(),
+                            "{path:?} d {d} dt {dt} g {g} row {h} j {j}"
+                        );
+                    }
+                    assert!(got[h * stride + dt..(h + 1) * stride]
+                        .iter()
+                        .all(|x| x.is_nan()));
+                }
+            }
+        }
+    }
+}
+
 /// `m`, `l`, acc rows and logits of a partial state after some tiles.
 fn softmax_state(
     rng: &mut Rng,

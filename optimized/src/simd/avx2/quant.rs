@@ -373,16 +373,19 @@ static KEPT_BYTES: [u64; 256] = {
 /// (s * I_c + m * I_k)) * inv_sqrt_d)` with `I_c = sum_kept a_hj c_j`, `I_k = sum_kept a_hj`
 /// (`q8` `[g][qs]` bytes, `a_hj` at `q8[h * qs + j]`, zero past `Dt`). Per 16 dims the record's
 /// codes are placed by two `pshufb` (eight dims per bitmap byte, as [`expand_q`] places
-/// them), widened to i16 and multiplied into i32 sums by `vpmaddwd` against the query widened
-/// to i16 (`vpmaddubsw` would saturate: 255 * 127 * 2 > 32767); the kept dims' query sum the
-/// same way on a byte 1 per kept dim. The sums are exact integers, and the f64 epilogue is
+/// them); per 32 dims they are made signed (`c - 128`) and multiplied into i16 pair sums by
+/// `vpmaddubsw` on their magnitudes against the query bytes carrying their signs, which cannot
+/// saturate (`2 * 128 * 127 < 2^15`; on the unsigned codes it could: `2 * 255 * 127 > 2^15`),
+/// then widened into i32 sums by `vpmaddwd`; the kept dims' query sum by `vpmaddubsw` on a
+/// byte 1 per kept dim ([`logits_q8_heads`]). The sums are exact integers, and the f64 epilogue is
 /// `spec::layout::key_logit_q8`'s operations (exact products, one rounding each), so the
 /// logits are the bits of every other path.
 ///
 /// # Safety
 /// AVX2, FMA, F16C and POPCNT available; `layout` is int8/int4 with `r` and `kept_dims` at
 /// most `QUANT_SIMD_MAX_R`; `bytes` holds `n` records, `n <= TILE`; `q8` holds `g * qs`
-/// bytes, `qs >= kept_dims` rounded up to 16; `sq` holds `g` scales; `out` holds `g * TILE`.
+/// bytes, `qs` a multiple of 64 at least `kept_dims` ([`crate::simd::q8_stride`]); `sq` holds `g`
+/// scales; `out` holds `g * TILE`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 pub unsafe fn key_logits_q8(
@@ -404,19 +407,10 @@ pub unsafe fn key_logits_q8(
         let hn = (g - h0).min(HEADS_Q8);
         let mut sqv = [0f64; 8];
         sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
-        // The pass's query rows widened to i16 once: `[hn][16 * chunks]`.
-        let chunks = layout.kept_dims.div_ceil(16);
-        let mut q16 = [0i16; HEADS_Q8 * QUANT_SIMD_MAX_R];
-        for j in 0..hn {
-            for c in 0..chunks {
-                let src =
-                    _mm_loadu_si128(q8.as_ptr().add((h0 + j) * qs + 16 * c) as *const __m128i);
-                let dst = q16.as_mut_ptr().add(j * QUANT_SIMD_MAX_R + 16 * c);
-                _mm256_storeu_si256(dst as *mut __m256i, _mm256_cvtepi8_epi16(src));
-            }
-        }
+        // The pass's query rows, read in place (`qs` is a multiple of 64, zero past Dt).
         let a = (
-            &q16,
+            q8.as_ptr().add(h0 * qs),
+            qs,
             &sqv,
             bytes,
             layout,
@@ -440,7 +434,8 @@ pub unsafe fn key_logits_q8(
 /// apart), their scales, the records, `1 / sqrt(D)`, and the first head's logits (heads
 /// `TILE` apart).
 type HeadsArgs<'a> = (
-    &'a [i16; HEADS_Q8 * QUANT_SIMD_MAX_R],
+    *const i8,
+    usize,
     &'a [f64; 8],
     &'a [u8],
     &'a RecordLayout,
@@ -449,10 +444,45 @@ type HeadsArgs<'a> = (
     *mut f32,
 );
 
-/// [`key_logits_q8`] for `N <= HEADS_Q8` heads over the `n` records.
+/// Sixteen dims of a record placed by two `pshufb` (eight dims per bitmap byte): the codes at
+/// their dims (0 elsewhere) and a byte 1 per kept dim. `off` advances past the codes taken.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn place16(
+    bits: *const u8,
+    c: usize,
+    cp: *const u8,
+    off: &mut usize,
+    r: usize,
+) -> (__m128i, __m128i) {
+    let (b0, b1) = (*bits.add(2 * c) as usize, *bits.add(2 * c + 1) as usize);
+    // The running offset is a chain of adds only; each load clamps its own copy to r (a
+    // record with more kept dims than r cannot read past the codes and their slack).
+    let o1 = *off + b0.count_ones() as usize;
+    let v0 = _mm_loadu_si128(cp.add((*off).min(r)) as *const __m128i);
+    let p0 = _mm_shuffle_epi8(
+        v0,
+        _mm_loadu_si128(EXPAND_LUT8[b0].as_ptr() as *const __m128i),
+    );
+    let v1 = _mm_loadu_si128(cp.add(o1.min(r)) as *const __m128i);
+    let p1 = _mm_shuffle_epi8(
+        v1,
+        _mm_loadu_si128(EXPAND_LUT8[b1].as_ptr() as *const __m128i),
+    );
+    *off = o1 + b1.count_ones() as usize;
+    let kept = _mm_set_epi64x(KEPT_BYTES[b1] as i64, KEPT_BYTES[b0] as i64);
+    (_mm_unpacklo_epi64(p0, p1), kept)
+}
+
+/// [`key_logits_q8`] for `N <= HEADS_Q8` heads over the `n` records, 32 dims at a time: the
+/// placed codes become signed (`c - 128`, 0 where not kept) so that `vpmaddubsw` on their
+/// magnitudes against the query bytes carrying their signs (llama.cpp's q8_0 route) cannot
+/// saturate (`2 * 128 * 127 < 2^15`); `S = sum_kept a_j (c_j - 128)`, and the kept dims' query
+/// sum `I_k` by `vpmaddubsw` on a byte 1 per kept dim (pairs at most 254, added in i16 over the
+/// blocks), so `I_c = S + 128 I_k`, exactly.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
-    let (q16, sq, bytes, layout, n, inv_sqrt_d, out) = a;
+    let (q8, qs, sq, bytes, layout, n, inv_sqrt_d, out) = a;
     let (dt, r, rb) = (layout.kept_dims, layout.r, layout.record_bytes());
     let chunks = dt.div_ceil(16);
     let nb = dt.div_ceil(8);
@@ -464,6 +494,7 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
     let mut dims = [0u8; QUANT_SIMD_MAX_R / 8 + 2];
     let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
     let inv = _mm256_set1_pd(inv_sqrt_d);
+    let ones = _mm256_set1_epi16(1);
     for t in 0..n {
         let at = t * rb;
         let rec = &bytes[at..at + rb];
@@ -493,25 +524,26 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
         let mut ac = [_mm256_setzero_si256(); N];
         let mut ak = [_mm256_setzero_si256(); N];
         let mut off = 0usize;
-        for c in 0..chunks {
-            let (b0, b1) = (*bits.add(2 * c) as usize, *bits.add(2 * c + 1) as usize);
-            let v0 = _mm_loadu_si128(cp.add(off) as *const __m128i);
-            let lut0 = _mm_loadu_si128(EXPAND_LUT8[b0].as_ptr() as *const __m128i);
-            let p0 = _mm_shuffle_epi8(v0, lut0);
-            off = (off + b0.count_ones() as usize).min(r);
-            let v1 = _mm_loadu_si128(cp.add(off) as *const __m128i);
-            let lut1 = _mm_loadu_si128(EXPAND_LUT8[b1].as_ptr() as *const __m128i);
-            let p1 = _mm_shuffle_epi8(v1, lut1);
-            off = (off + b1.count_ones() as usize).min(r);
-            let placed = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(p0, p1));
-            let k = _mm_set_epi64x(KEPT_BYTES[b1] as i64, KEPT_BYTES[b0] as i64);
-            let kept = _mm256_cvtepu8_epi16(k);
+        let mut c = 0;
+        while c < chunks {
+            let (p0, k0) = place16(bits, c, cp, &mut off, r);
+            let (p1, k1) = if c + 1 < chunks {
+                place16(bits, c + 1, cp, &mut off, r)
+            } else {
+                (_mm_setzero_si128(), _mm_setzero_si128())
+            };
+            let placed = _mm256_set_m128i(p1, p0);
+            let kept = _mm256_set_m128i(k1, k0);
+            // c - 128 where kept (a 0x80 flips the code's top bit), 0 elsewhere
+            let signed = _mm256_xor_si256(placed, _mm256_slli_epi16::<7>(kept));
+            let mag = _mm256_abs_epi8(signed);
             for j in 0..N {
-                let qp = q16.as_ptr().add(j * QUANT_SIMD_MAX_R + 16 * c);
-                let qv = _mm256_loadu_si256(qp as *const __m256i);
-                ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(placed, qv));
-                ak[j] = _mm256_add_epi32(ak[j], _mm256_madd_epi16(kept, qv));
+                let qv = _mm256_loadu_si256(q8.add(j * qs + 16 * c) as *const __m256i);
+                let prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qv, signed));
+                ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(prod, ones));
+                ak[j] = _mm256_add_epi16(ak[j], _mm256_maddubs_epi16(kept, qv));
             }
+            c += 2;
         }
         let o = layout.bitmap_bytes();
         let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
@@ -521,9 +553,10 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
             let (mut hc, mut hk) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
             for j in 4 * k..N.min(4 * k + 4) {
                 hc[j - 4 * k] = ac[j];
-                hk[j - 4 * k] = ak[j];
+                hk[j - 4 * k] = _mm256_madd_epi16(ak[j], ones);
             }
-            let (ic, ik) = (super::hsum4_i32(&hc), super::hsum4_i32(&hk));
+            let ik = super::hsum4_i32(&hk);
+            let ic = _mm_add_epi32(super::hsum4_i32(&hc), _mm_slli_epi32::<7>(ik));
             let z = logit_epilogue(ic, ik, ms, _mm256_loadu_pd(sq.as_ptr().add(4 * k)), inv);
             _mm_storeu_ps(chunk.as_mut_ptr(), z);
         }
