@@ -688,7 +688,7 @@ pub(crate) fn merge_head(
     let (kv, g, d) = (s.kv_heads, s.group(), s.head_dim);
     let dp = pad8(d);
     let (units, gh, partials, plen) = (parts.units, parts.geom, parts.partials, parts.plen);
-    // a segment's f16 value rotation widened to f32 (exact)
+    // the portable path's f32 copy of a segment's value rotation
     let mut rv32 = Vec::new();
     let (dense, rest) = buf.split_at_mut(partial_len(g, dp));
     let (qd, rest) = rest.split_at_mut(g * dp);
@@ -777,18 +777,16 @@ pub(crate) fn merge_head(
             i += 1;
         }
         // Rotate back: o_i += sum_{j < dtv} R_v[i][j] acc_j (R_v stored D x Dt_v).
-        mosaickv_spec::layout::widen_rotation(
+        path.back_rotate_f16(
             &cache.segments[s].heads[h].strategy.value.rotation,
+            d,
+            &seg_acc[..g * gm.dpv],
+            gm.dpv,
+            g,
+            &mut o_acc[..g * dp],
+            dp,
             &mut rv32,
         );
-        let rv = &rv32;
-        for k in 0..g {
-            let a = &seg_acc[k * gm.dpv..k * gm.dpv + gm.dtv];
-            let o = &mut o_acc[k * dp..k * dp + d];
-            for (ii, oi) in o.iter_mut().enumerate() {
-                *oi += path.dot(&rv[ii * gm.dtv..(ii + 1) * gm.dtv], a);
-            }
-        }
     }
     for k in 0..g {
         let inv = if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 };

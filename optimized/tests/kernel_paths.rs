@@ -371,6 +371,49 @@ fn rotated_query_rows_from_the_f16_rotation_match_the_widened_one() {
     }
 }
 
+#[test]
+fn back_rotation_from_the_f16_rotation_matches_dots_on_the_widened_one() {
+    // SPEC 9's back-rotation: `back_rotate_f16` (f16 rows read in place on the SIMD paths)
+    // adds to each output exactly what `Path::dot` on the widened row gives, bit for bit.
+    let mut rng = Rng(0xbac0_0f16_5eed_0002);
+    for path in [Path::Portable].into_iter().chain(paths()) {
+        for (d, dt) in [
+            (32usize, 24usize),
+            (64, 64),
+            (80, 60),
+            (128, 100),
+            (128, 128),
+            (64, 13),
+        ] {
+            for g in [1usize, 2, 3, 4, 5, 7, 8] {
+                let (as_, os) = (dt.div_ceil(8) * 8 + 8, d.div_ceil(8) * 8);
+                let rot: Vec<f16> = (0..d * dt).map(|_| f16::from_f32(rng.unit())).collect();
+                let wide: Vec<f32> = rot.iter().map(|x| x.to_f32()).collect();
+                let acc: Vec<f32> = (0..g * as_).map(|_| 3.0 * rng.unit()).collect();
+                let start: Vec<f32> = (0..g * os).map(|_| rng.unit()).collect();
+                let mut got = start.clone();
+                path.back_rotate_f16(&rot, d, &acc, as_, g, &mut got, os, &mut Vec::new());
+                for k in 0..g {
+                    for i in 0..d {
+                        let want = start[k * os + i]
+                            + path.dot(&wide[i * dt..(i + 1) * dt], &acc[k * as_..k * as_ + dt]);
+                        assert_eq!(
+                            got[k * os + i].to_bits(),
+                            want.to_bits(),
+                            "{path:?} d {d} dt {dt} g {g} head {k} row {i}"
+                        );
+                    }
+                    // past d nothing written
+                    assert_eq!(
+                        &got[k * os + d..(k + 1) * os],
+                        &start[k * os + d..(k + 1) * os]
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `m`, `l`, acc rows and logits of a partial state after some tiles.
 fn softmax_state(
     rng: &mut Rng,

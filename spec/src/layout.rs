@@ -293,21 +293,26 @@ impl RecordLayout {
         bitmap_words_for(self.groups())
     }
     /// Stored bitmap bytes (whole `u32` words); the values start here.
+    #[inline]
     pub fn bitmap_bytes(&self) -> usize {
         bitmap_bytes_for(self.groups())
     }
     /// Bytes of the stored values (codes for int8/int4, without the scale).
+    #[inline]
     pub fn value_bytes(&self) -> usize {
         self.dtype.values_bytes(self.r)
     }
     /// Bytes of the per-record minimum and scale (0 for f16, 4 for int8/int4).
+    #[inline]
     pub fn scale_bytes(&self) -> usize {
         self.dtype.scale_bytes()
     }
     /// Offset of the first stored value: after the bitmap, the minimum and the scale.
+    #[inline]
     pub fn values_offset(&self) -> usize {
         self.bitmap_bytes() + self.scale_bytes()
     }
+    #[inline]
     pub fn record_bytes(&self) -> usize {
         record_bytes_for(self.kept_dims, self.r, self.group_size, self.dtype)
     }

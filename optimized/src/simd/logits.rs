@@ -132,6 +132,56 @@ impl Path {
     }
 }
 
+impl Path {
+    /// SPEC 9's back-rotation of `g` heads' value sums: `out[k * os + i] += dot(R[i],
+    /// acc[k * as_ ..][..dt])` for the rows `i < d` of the stored f16 rotation `rot` (`d x dt`),
+    /// each head's dot as [`Path::dot`] computes it on the widened row (the same bits). The
+    /// SIMD paths read the f16 rows in place, each once per four heads; otherwise the
+    /// rotation is widened into `scratch` first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn back_rotate_f16(
+        self,
+        rot: &[f16],
+        d: usize,
+        acc: &[f32],
+        as_: usize,
+        g: usize,
+        out: &mut [f32],
+        os: usize,
+        scratch: &mut Vec<f32>,
+    ) {
+        let dt = rot.len() / d.max(1);
+        assert!(
+            rot.len() == d * dt
+                && (g == 0 || (acc.len() >= (g - 1) * as_ + dt && out.len() >= (g - 1) * os + d))
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self != Path::Portable {
+            // SAFETY: a SIMD path has AVX2/FMA/F16C; sizes asserted above.
+            unsafe {
+                avx2::tiles::back_rotate_f16(
+                    rot.as_ptr(),
+                    d,
+                    dt,
+                    acc.as_ptr(),
+                    as_,
+                    g,
+                    out.as_mut_ptr(),
+                    os,
+                )
+            };
+            return;
+        }
+        mosaickv_spec::layout::widen_rotation(rot, scratch);
+        for k in 0..g {
+            let a = &acc[k * as_..k * as_ + dt];
+            for (i, o) in out[k * os..k * os + d].iter_mut().enumerate() {
+                *o += self.dot(&scratch[i * dt..(i + 1) * dt], a);
+            }
+        }
+    }
+}
+
 /// 8-lane dot product, lanes reduced in a fixed tree (portable).
 #[inline]
 fn dot8(a: &[f32], b: &[f32]) -> f32 {

@@ -354,6 +354,9 @@ mod tests {
                 (128, 8, 128, 64, 16),
                 (128, 2, 128, 32, 1),
                 (32, 4, 32, 8, 5),
+                // r past 64: the kernel's larger local buffers
+                (256, 2, 256, 96, 4),
+                (256, 1, 200, 100, 2),
             ] {
                 let layout = RecordLayout {
                     head_dim: d,
@@ -420,7 +423,7 @@ mod tests {
                 cases += 1;
             }
         }
-        assert_eq!(cases, 18);
+        assert_eq!(cases, 22);
     }
 
     /// The layouts the fused AVX2 kernels are checked on: every group size the default

@@ -29,6 +29,74 @@ pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// SPEC 9's back-rotation of `g` heads from the stored f16 rotation: `out[k * os + i] +=
+/// dot(R[i][..dt], acc[k * as_ ..][..dt])` for every row `i < d` of `rot` (`d x dt`,
+/// row-major), each row's f16 elements widened once per pass of up to four heads; per head
+/// the FMAs, the reduction and the scalar tail of [`dot`] on the widened row, in its order:
+/// the same bits.
+///
+/// # Safety
+/// AVX2, FMA, F16C available; `rot` holds `d * dt` f16, `acc` `(g - 1) * as_ + dt` floats,
+/// `out` `(g - 1) * os + d`.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn back_rotate_f16(
+    rot: *const f16,
+    d: usize,
+    dt: usize,
+    acc: *const f32,
+    as_: usize,
+    g: usize,
+    out: *mut f32,
+    os: usize,
+) {
+    Path::Avx2.ran();
+    let mut h0 = 0;
+    while h0 < g {
+        let (ap, op) = (acc.add(h0 * as_), out.add(h0 * os));
+        match g - h0 {
+            1 => back_rotate_pass::<1>(rot, d, dt, ap, as_, op, os),
+            2 => back_rotate_pass::<2>(rot, d, dt, ap, as_, op, os),
+            3 => back_rotate_pass::<3>(rot, d, dt, ap, as_, op, os),
+            _ => back_rotate_pass::<4>(rot, d, dt, ap, as_, op, os),
+        }
+        h0 += 4;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn back_rotate_pass<const N: usize>(
+    rot: *const f16,
+    d: usize,
+    dt: usize,
+    acc: *const f32,
+    as_: usize,
+    out: *mut f32,
+    os: usize,
+) {
+    let n8 = dt / 8 * 8;
+    for i in 0..d {
+        let row = rot.add(i * dt);
+        let mut a = [_mm256_setzero_ps(); N];
+        let mut j = 0;
+        while j < n8 {
+            let r = load_ph(row.add(j));
+            for (k, ak) in a.iter_mut().enumerate() {
+                *ak = _mm256_fmadd_ps(r, _mm256_loadu_ps(acc.add(k * as_ + j)), *ak);
+            }
+            j += 8;
+        }
+        for (k, &ak) in a.iter().enumerate() {
+            let mut s = hsum(ak);
+            for j in n8..dt {
+                s += (*row.add(j)).to_f32() * *acc.add(k * as_ + j);
+            }
+            *out.add(k * os + i) += s;
+        }
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 #[inline]
 unsafe fn ld_f32(p: *const f32) -> __m256 {

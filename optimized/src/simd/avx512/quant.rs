@@ -153,6 +153,32 @@ pub unsafe fn sparse_accumulate_q(
     acc_t: *mut f32,
 ) {
     Path::Avx512.ran();
+    // The local buffers sized for the record's r (zeroed at every call, once per tile): the
+    // common few-kept-dims records take the small ones.
+    if layout.r <= 64 {
+        sparse_accumulate_q_buf::<{ 64 / 16 + 2 }, { 64 + CODE_SLACK }>(
+            p, plan, bytes, layout, n, acc_t,
+        )
+    } else {
+        sparse_accumulate_q_buf::<{ QUANT_SIMD_MAX_R / 16 + 2 }, { QUANT_SIMD_MAX_R + CODE_SLACK }>(
+            p, plan, bytes, layout, n, acc_t,
+        )
+    }
+}
+
+/// [`sparse_accumulate_q`] with `DV` registers of decoded values and `CODES` bytes of unpacked
+/// codes (`DV >= r / 16 + 2`, `CODES >= r + CODE_SLACK`).
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
+)]
+unsafe fn sparse_accumulate_q_buf<const DV: usize, const CODES: usize>(
+    p: *const f32,
+    plan: &SparsePlan,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    acc_t: *mut f32,
+) {
     let (g, r, rb, bb) = (
         layout.group_size,
         layout.r,
@@ -173,10 +199,10 @@ pub unsafe fn sparse_accumulate_q(
             pt[16 * t + h] = *p.add(h * TILE + t);
         }
     }
-    let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
+    let mut codes = [0u8; CODES];
     // Decoded values of one record, whole registers (stored and reloaded whole, so the
     // reloads forward from the stores), and one register of slack.
-    let mut dv = [_mm512_setzero_ps(); QUANT_SIMD_MAX_R / 16 + 2];
+    let mut dv = [_mm512_setzero_ps(); DV];
     let int8 = layout.dtype == ValueDtype::Int8;
     let (words, groups) = (bb / 4, layout.kept_dims / g);
     for t in 0..n {
