@@ -223,8 +223,7 @@ impl Backend for CpuBackend {
         let rows = queries.nrows();
         let mut out = Array2::zeros((rows, dt));
         let o = out.as_slice_mut().expect("standard layout");
-        self.path
-            .rotate_queries_f16(&key.rotation, d, &q, rows, o, dt, &mut Vec::new());
+        self.path.rotate_queries(&key.rotation, d, &q, rows, o, dt);
         Ok(out)
     }
 

@@ -107,12 +107,10 @@ pub(crate) fn rotate_and_select(
             let mut lap = Lap::new(clocks);
             let gh = &geom[h * nseg..(h + 1) * nseg];
             let qh = &queries[h * g * d..(h + 1) * g * d];
-            // the portable path's f32 copy of a rotation (the SIMD paths read the f16)
-            let mut rot32 = Vec::new();
             for (s, (seg, gm)) in cache.segments.iter().zip(gh).enumerate() {
                 let hs = &seg.heads[h];
                 let q = &mut qr[s * qstride..(s + 1) * qstride];
-                path.rotate_queries_f16(&hs.strategy.key.rotation, d, qh, g, q, gm.dpk, &mut rot32);
+                path.rotate_queries(&hs.strategy.key.rotation, d, qh, g, q, gm.dpk);
                 for k in 0..g {
                     q[k * gm.dpk + gm.dtk..(k + 1) * gm.dpk].fill(0.0);
                 }

@@ -3,7 +3,7 @@
 //! AVX2), AVX2 + FMA + F16C (`avx2`, `std::arch`), and a portable scalar path
 //! written in 8-lane arrays.
 //!
-//! [`Path::rotate_query`] and [`Path::score_blocks`] (MosaicKV's selection)
+//! [`Path::rotate_queries`] and [`Path::score_blocks`] (MosaicKV's selection)
 //! are bit-identical on every path: the rotated query is summed in f64 in
 //! the reference's order, and the block score is exact integer arithmetic
 //! on the int8 bounds and the int8-quantized query (SPEC.md section 8),

@@ -1,59 +1,25 @@
-//! SPEC.md section 8.1: the query rotation's f64 sums, four lanes, no FMA.
+//! SPEC.md section 8.1: the query rotation's f64 sums, four lanes by f64 FMAs (exact products).
 
 use crate::simd::path::Path;
 use std::arch::x86_64::*;
 
-/// `acc[j] += f64(R[i][j]) * f64(q[i])` over ascending i, 4 f64 lanes (mul then add, no
-/// FMA: bit-identical to the portable loop and to the reference).
-#[target_feature(enable = "avx2,fma,f16c,popcnt")]
-pub unsafe fn rotate_query_f64(rot: &[f32], d: usize, q: &[f32], acc: &mut [f64]) {
-    Path::Avx2.ran();
-    let dt = acc.len();
-    let d4 = dt / 4 * 4;
-    for i in 0..d {
-        let qi = f64::from(q[i]);
-        let qv = _mm256_set1_pd(qi);
-        let row = rot.as_ptr().add(i * dt);
-        let mut j = 0;
-        while j < d4 {
-            let a = acc.as_mut_ptr().add(j);
-            let r = _mm256_cvtps_pd(_mm_loadu_ps(row.add(j)));
-            _mm256_storeu_pd(a, _mm256_add_pd(_mm256_loadu_pd(a), _mm256_mul_pd(r, qv)));
-            j += 4;
-        }
-        for j in d4..dt {
-            acc[j] += f64::from(*row.add(j)) * qi;
-        }
-    }
-}
-
-/// Most rotation rows (head dims) [`rotate_queries_f16`] takes.
-pub const ROTATE_F16_MAX_D: usize = 256;
-
-/// SPEC 8.1's sums for `N <= 2` query rows straight from the stored f16 rotation (widened
-/// exactly by F16C, no f32 copy): columns in blocks of 16 (four 4-lane f64 chunks), `N` rows
-/// per block, 8 independent sums in registers. `acc[h][j] = sum_i f64(R[i][j]) f64(q_h[i])`
-/// over ascending i by FMAs, which round as mul-then-add since the f64 product of two f32
-/// values is exact: the same sums as [`rotate_query_f64`].
+/// SPEC 8.1's sums for `N <= 2` query rows (`qd`, widened to f64, rows `d` apart) straight
+/// from the stored f16 rotation (widened exactly by F16C, no f32 copy): columns in blocks of 16
+/// (four 4-lane f64 chunks), `N` rows per block, 8 independent sums in registers. `acc[h][j] =
+/// sum_i f64(R[i][j]) * qd_h[i]` over ascending i by FMAs, which round as mul-then-add since
+/// the f64 product of two f32 values is exact: the reference's sums bit for bit.
 ///
 /// # Safety
-/// AVX2, FMA, F16C available; `rot` holds `d * dt` f16, `q` `(N - 1) * d + d` floats, `acc`
-/// `N * dt`; `d <= ROTATE_F16_MAX_D`.
+/// AVX2, FMA, F16C available; `rot` holds `d * dt` f16, `qd` `N * d` f64, `acc` `N * dt`.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-pub unsafe fn rotate_queries_f16<const N: usize>(
+pub unsafe fn rotate_queries<const N: usize>(
     rot: *const half::f16,
     d: usize,
     dt: usize,
-    q: *const f32,
+    qd: *const f64,
     acc: *mut f64,
 ) {
     Path::Avx2.ran();
-    let mut qd = [0f64; 2 * ROTATE_F16_MAX_D];
-    for h in 0..N {
-        for i in 0..d {
-            qd[h * d + i] = f64::from(*q.add(h * d + i));
-        }
-    }
     let rot = rot as *const u16;
     let mut c = 0;
     while c < dt {
@@ -73,7 +39,7 @@ pub unsafe fn rotate_queries_f16<const N: usize>(
                 *rk = _mm256_cvtps_pd(_mm_cvtph_ps(h4));
             }
             for (h, ah) in a.iter_mut().enumerate() {
-                let qv = _mm256_set1_pd(qd[h * d + i]);
+                let qv = _mm256_set1_pd(*qd.add(h * d + i));
                 for k in 0..4 {
                     ah[k] = _mm256_fmadd_pd(r[k], qv, ah[k]);
                 }
