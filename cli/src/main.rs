@@ -89,11 +89,9 @@ fn main() {
         // `mosaickv: error: ...`, exit 2 as clap and most tools use for usage errors.
         Err(e) => {
             let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("").trim();
-            let first = first.strip_prefix("error: ").unwrap_or(first);
             eprintln!(
                 "mosaickv: error: {} (mosaickv --help lists the commands and options)",
-                error::printable(first)
+                error::printable(&usage_error_line(&text))
             );
             std::process::exit(2);
         }
@@ -102,4 +100,31 @@ fn main() {
         eprintln!("mosaickv: error: {}", e.one_line());
         std::process::exit(1);
     }
+}
+
+/// clap's usage error as one line: its first paragraph (up to the first blank line, before
+/// `Usage:`), the lines joined, so a list such as the missing required arguments stays in it:
+/// `the following required arguments were not provided: --method <METHOD>, --out <OUT>`.
+fn usage_error_line(text: &str) -> String {
+    let mut line = String::new();
+    for (i, l) in text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .enumerate()
+    {
+        let l = l.trim();
+        let l = if i == 0 {
+            l.strip_prefix("error: ").unwrap_or(l)
+        } else {
+            l
+        };
+        if i > 1 {
+            line.push(',');
+        }
+        if i > 0 && !line.ends_with(' ') {
+            line.push(' ');
+        }
+        line.push_str(l);
+    }
+    line
 }

@@ -889,6 +889,15 @@ fn usage_errors_control_characters_and_native_order_npy() {
     let o = mosaickv(&[&"compress", &"--keys"]);
     assert_eq!(o.code, 2);
     assert!(o.stderr.starts_with("mosaickv: error: ") && !o.stderr.trim_end().contains('\n'));
+    // missing required arguments: named on the one line
+    let o = mosaickv(&[&"attend", &"--cache", &"c", &"--queries", &"q.npy"]);
+    assert_eq!(o.code, 2);
+    let line = o.stderr.trim_end();
+    assert!(!line.contains('\n'), "{line:?}");
+    assert!(
+        line.contains("not provided: --method <METHOD>, --out <OUT>"),
+        "{line:?}"
+    );
     // --help and --version still print on stdout, exit 0
     let o = mosaickv(&[&"--version"]);
     assert_eq!(o.code, 0);
