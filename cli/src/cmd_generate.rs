@@ -14,7 +14,9 @@ pub struct Args {
     /// The user message (wrapped in the model's chat template unless --raw).
     #[arg(long)]
     pub prompt: String,
-    /// KV-cache method: full, quest, quest-sink, naive2d, kvq8, kvq4, mosaic, mosaic-ref (optionally with :key=value overrides).
+    /// KV-cache method: full, quest, quest-sink, naive2d, kvq8, kvq4, kvq8-norot, kvq4-norot,
+    /// turboquant:<preset> (k8v4, 4bit_nc, k3v4_nc, 3bit_nc), mosaic, mosaic-ref (optionally
+    /// with :key=value overrides).
     #[arg(long, default_value = "mosaic")]
     pub method: String,
     /// Most tokens to generate (stops earlier at end of sequence).

@@ -18,8 +18,9 @@ pub struct Args {
     /// under its file name without the extension (the default model as smollm2-135m-instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// KV-cache method: full, kvq8, kvq4 (llama.cpp q8_0 / q4_0 KV) or mosaic (optionally with
-    /// :key=value overrides).
+    /// KV-cache method: full, kvq8, kvq4 (llama.cpp's q8_0 / q4_0 KV, Hadamard-rotated),
+    /// kvq8-norot, kvq4-norot (unrotated), turboquant:<preset> (vLLM's k8v4, 4bit_nc, k3v4_nc,
+    /// 3bit_nc), mosaic or mosaic-ref (the f64 reference), optionally with :key=value overrides.
     #[arg(long, default_value = "mosaic")]
     pub method: String,
     #[arg(long, default_value = "127.0.0.1")]

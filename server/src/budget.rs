@@ -56,7 +56,7 @@ pub struct Footprint {
 
 /// Methods the server runs.
 pub const SERVED_METHODS: &str =
-    "full, kvq8, kvq4, kvq8-norot, kvq4-norot, turboquant:<preset>, mosaic";
+    "full, kvq8, kvq4, kvq8-norot, kvq4-norot, turboquant:<preset>, mosaic, mosaic-ref";
 
 impl Footprint {
     /// The byte rates of `method` on a model of configuration `cfg`; `None` for a method the
