@@ -33,8 +33,7 @@ struct Args {
     #[arg(long, default_value = "quantized")]
     weights: String,
     /// Prefill weights: the model's default for the prompt length (`default`, see
-    /// `Model::prefill_weights`),
-    /// `quantized` or `f32`.
+    /// `Model::prefill_weights`), `quantized`, `f32` or `bf16` (AMX tiles; CPUs with AMX-BF16).
     #[arg(long, default_value = "default")]
     prefill_weights: String,
     /// KV-cache method for the decode steps (`full`, `mosaic`, ...; see `Method::parse`).
@@ -144,10 +143,18 @@ fn main() -> BoxResult<()> {
             "default" => model.prefill_weights(n),
             "quantized" => DecodeWeights::Quantized,
             "f32" => DecodeWeights::F32,
-            w => {
+            "bf16" if mosaickv_optimized::simd::amx::amx_available() => DecodeWeights::Bf16,
+            "bf16" => {
                 return Err(
-                    format!("--prefill-weights {w}: expected default, quantized or f32").into(),
+                    "--prefill-weights bf16: this CPU has no AMX-BF16 (or MOSAICKV_NO_AMX=1)"
+                        .into(),
                 )
+            }
+            w => {
+                return Err(format!(
+                    "--prefill-weights {w}: expected default, quantized, f32 or bf16"
+                )
+                .into())
             }
         })
     };

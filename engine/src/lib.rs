@@ -41,8 +41,8 @@ pub use fetch::{
 pub use kv::{FullKv, LayerKv};
 pub use methods::{Caches, Implementation, KvAdapter, Method, MosaicBackend};
 pub use model::{
-    argmax, Arch, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model, Prefill, RopeStyle,
-    QUANTIZED_PREFILL_TOKENS, STATS_SAMPLE,
+    argmax, long_prefill_products, Arch, BatchSeq, ChunkedPrefill, Config, DecodeWeights, Model,
+    Prefill, RopeStyle, AMX_PREFILL_TOKENS, QUANTIZED_PREFILL_TOKENS, STATS_SAMPLE,
 };
 pub use tokenizer::{ChatTemplate, Tok};
 

@@ -5,8 +5,9 @@
 //!
 //! A stored prefill is keyed by the sha256 of: the model's identity (a known model's pinned
 //! sha256, else the file's canonical path, size and modification time), the prompt's token
-//! ids, whether query statistics were computed, and `MOSAICKV_PREFILL_CODE` (`build.rs`: a hash
-//! of the forward pass's code and of the Cargo.lock entries of candle, gemm and half). It holds exactly what
+//! ids, whether query statistics were computed, `MOSAICKV_PREFILL_CODE` (`build.rs`: a hash
+//! of the forward pass's code and of the Cargo.lock entries of candle, gemm and half) and, past
+//! `AMX_PREFILL_TOKENS`, the products' kind (bf16 on AMX tiles or f32). It holds exactly what
 //! [`Model::prefill`] / [`Model::prefill_with_stats`] return (f32 keys and values per layer,
 //! the last position's logits, the query statistics), so a method decodes from it bit for bit
 //! as from a fresh prefill.
@@ -103,6 +104,10 @@ impl PrefillStore {
         h.update(self.model_id.as_bytes());
         h.update([0, u8::from(stats)]);
         h.update(PREFILL_CODE.as_bytes());
+        if ids.len() > crate::model::AMX_PREFILL_TOKENS {
+            // bf16 products on AMX tiles, or f32 (`Model::prefill_weights`)
+            h.update(crate::model::long_prefill_products().as_bytes());
+        }
         h.update((ids.len() as u64).to_le_bytes());
         for t in ids {
             h.update(t.to_le_bytes());

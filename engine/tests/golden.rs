@@ -116,6 +116,59 @@ fn golden_qwen_against_llama_cpp() {
     check_fixture(&model, &golden, QWEN25_CODER_1_5B.sha256, &QWEN);
 }
 
+/// The prefill's bf16 products on AMX tiles (`DecodeWeights::Bf16`, what prompts longer than
+/// `AMX_PREFILL_TOKENS` use on a CPU with AMX-BF16) against llama.cpp's logits, on every
+/// golden prompt of both models, held to the same bounds as the f32 prefill: weights and
+/// activations rounded to bf16 (8 significant bits) against llama.cpp's 8-bit activation
+/// blocks. Nothing to check on a CPU without AMX (it says so).
+#[test]
+fn golden_bf16_prefill_against_llama_cpp() {
+    if !mosaickv_optimized::simd::amx::amx_available() {
+        eprintln!("AMX-BF16 not available on this CPU: the bf16 prefill does not run here");
+        return;
+    }
+    let smollm2: Value = serde_json::from_str(include_str!("fixtures/golden.json")).unwrap();
+    let qwen: Value = serde_json::from_str(include_str!("fixtures/golden_qwen.json")).unwrap();
+    for (model, golden, bounds) in [
+        (load_model(), smollm2, &SMOLLM2),
+        (load_known(&QWEN25_CODER_1_5B), qwen, &QWEN),
+    ] {
+        let mut failures = Vec::new();
+        for case in golden["cases"].as_array().unwrap() {
+            let name = case["name"].as_str().unwrap();
+            let tokens = ids(&case["tokens"]);
+            let pre = model.prefill_using(&tokens, DecodeWeights::Bf16).unwrap();
+            let top_ids = ids(&case["top5_ids"]);
+            let top: Vec<f32> = case["top5_logits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            for (&id, &v) in top_ids.iter().zip(&top) {
+                let d = (pre.logits[id as usize] - v).abs();
+                eprintln!("bf16 {name}: id {id:>6} llama.cpp {v:>8.3} diff {d:.3}");
+                if d > bounds.logit_tol {
+                    failures.push(format!("{name}: logit of {id} differs by {d}"));
+                }
+            }
+            // the first greedy token, unless llama.cpp's own top two are a near-tie
+            if argmax(&pre.logits) as u32 != top_ids[0] && top[0] - top[1] >= bounds.near_tie {
+                failures.push(format!(
+                    "{name}: first token {} vs llama.cpp {}",
+                    argmax(&pre.logits),
+                    top_ids[0]
+                ));
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "bf16 prefill:\n{}",
+            failures.join("\n")
+        );
+    }
+}
+
 fn check_fixture(model: &Model, golden: &Value, sha256: &str, bounds: &Bounds) {
     assert_eq!(
         golden["model_sha256"].as_str().unwrap(),

@@ -112,7 +112,8 @@ impl RunLog {
 
 /// The run log of a suite with generator seed `seed` on the model of `store`:
 /// `$MOSAICKV_HOME/runs/eval-KEY.jsonl`, KEY a hash of the model's identity, the code the
-/// results depend on (`mosaickv_engine::store::RESULTS_CODE`) and the seed. Results inside are
+/// results depend on (`mosaickv_engine::store::RESULTS_CODE`), the seed and, on a CPU whose
+/// long prefills multiply in bf16 on AMX tiles, that. Results inside are
 /// keyed by task, length, seed and method, so a rerun with the same arguments resumes, and one
 /// that adds a method, a length or samples reuses what the earlier run measured (`eval` and
 /// `frontier` share it).
@@ -124,6 +125,10 @@ pub fn run_log_path(home: &Path, store: &PrefillStore, seed: u64) -> PathBuf {
     h.update([0]);
     h.update(mosaickv_engine::store::RESULTS_CODE.as_bytes());
     h.update(seed.to_le_bytes());
+    // long prompts' prefill products on this CPU (bf16 on AMX tiles, or f32)
+    if mosaickv_engine::long_prefill_products() != "f32" {
+        h.update(mosaickv_engine::long_prefill_products().as_bytes());
+    }
     let d = h.finalize();
     let key: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
     home.join("runs").join(format!("eval-{key}.jsonl"))

@@ -19,6 +19,22 @@ pub enum DecodeWeights {
     /// The f32 weights prefill uses, f32 activations (slower, and much slower for a model whose
     /// f32 weights are dequantized on use; for checks against prefill).
     F32,
+    /// Many-token products only (prefill, [`super::Model::prefill_weights`]): the f32 weights
+    /// and the activations rounded to bf16, the products summed in f32 on AMX tiles
+    /// (`mosaickv_optimized::simd::amx`), on CPUs with AMX-BF16. A decode step asked for it
+    /// runs [`DecodeWeights::F32`].
+    Bf16,
+}
+
+impl DecodeWeights {
+    /// `"quantized"`, `"f32"` or `"bf16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeWeights::Quantized => "quantized",
+            DecodeWeights::F32 => "f32",
+            DecodeWeights::Bf16 => "bf16",
+        }
+    }
 }
 
 /// `out = x / sqrt(mean(x^2) + eps) * w` (as candle's `rms_norm`).
@@ -71,7 +87,7 @@ impl Model {
         }
         match weights {
             DecodeWeights::Quantized => self.decode_quantized(token, pos, caches),
-            DecodeWeights::F32 => self.decode_f32(token, pos, caches),
+            DecodeWeights::F32 | DecodeWeights::Bf16 => self.decode_f32(token, pos, caches),
         }
     }
 
@@ -91,7 +107,7 @@ impl Model {
                         })
                         .sum::<usize>()
             }
-            DecodeWeights::F32 => {
+            DecodeWeights::F32 | DecodeWeights::Bf16 => {
                 let n = |t: &Dense| t.elem_count() * 4;
                 n(&self.lm_head)
                     + self

@@ -24,6 +24,7 @@ use crate::quant::{QMatrix, QVec, RowStack};
 use crate::tokenizer::Tok;
 use crate::{EngineError, Result};
 use candle_core::{Device, Tensor};
+use mosaickv_optimized::simd::amx;
 use rayon::prelude::*;
 use weights::{Dense, Embedding};
 
@@ -33,6 +34,11 @@ const GEMM_TOKENS: usize = 64;
 /// its blocks ([`Model::prefill_weights`]): measured on Qwen2.5-1.5B (2 threads, loaded
 /// machine), both paths cost the same at about 160-200 tokens.
 pub const QUANTIZED_PREFILL_TOKENS: usize = 128;
+/// Prompts (or prefill chunks) longer than this multiply in bf16 on AMX tiles where the CPU
+/// has AMX-BF16 ([`Model::prefill_weights`], [`DecodeWeights::Bf16`]): the long-context
+/// regime (issue 36), where the prefill took most of an evaluation's time. Shorter ones, and
+/// the default suites at 1K-4K tokens, keep the f32 products on every CPU.
+pub const AMX_PREFILL_TOKENS: usize = 4096;
 
 /// The architectures the engine runs (`general.architecture`), and what differs between them.
 /// Everything the forward pass needs to know about the architecture is copied into
@@ -238,13 +244,11 @@ impl Model {
     /// path pays a fixed cost per prefill (dequantizing 1.3 G weights, stacking and packing
     /// them for the GEMM) that the blocks with 8-bit activations do not, but their products
     /// cost about twice as much per token; so prompts of at most [`QUANTIZED_PREFILL_TOKENS`]
-    /// use the blocks, longer ones the f32 GEMM (docs/PERFORMANCE.md section 6).
+    /// use the blocks, longer ones the f32 GEMM (docs/PERFORMANCE.md section 6). Past
+    /// [`AMX_PREFILL_TOKENS`], on a CPU with AMX-BF16 (`simd::amx::amx_available`, off with
+    /// `MOSAICKV_NO_AMX=1`), the GEMM runs in bf16 on AMX tiles ([`DecodeWeights::Bf16`]).
     pub fn prefill_weights(&self, n: usize) -> DecodeWeights {
-        if self.lm_head.is_resident() || n > QUANTIZED_PREFILL_TOKENS {
-            DecodeWeights::F32
-        } else {
-            DecodeWeights::Quantized
-        }
+        prefill_weights_for(self.lm_head.is_resident(), n)
     }
 
     /// `x [n, cols]` times the transposed weight (`w` f32 and `q` the same matrix's blocks):
@@ -261,6 +265,14 @@ impl Model {
     ) -> Result<Tensor> {
         match weights {
             DecodeWeights::F32 => Ok(x.matmul(&w.tensor()?.t()?)?),
+            DecodeWeights::Bf16 => {
+                let n = x.dims2()?.0;
+                let packed = w.pack_bf16()?;
+                let rows = packed.rows();
+                let mut out = vec![0f32; n * rows];
+                with_f32(x, |xs| amx::matmul_t_bf16(xs, n, &packed, &mut out))?;
+                Ok(Tensor::from_vec(out, (n, rows), &self.dev)?)
+            }
             DecodeWeights::Quantized => {
                 let (n, cols) = x.dims2()?;
                 let rows = q.rows();
@@ -385,4 +397,39 @@ mod tests {
         rotate_head(&mut h, &cs, RopeStyle::Neox);
         assert_eq!(h, [-3.0, 2.0, 1.0, 4.0]);
     }
+}
+
+/// [`Model::prefill_weights`] for a model whose f32 weights are resident or not.
+pub(crate) fn prefill_weights_for(resident: bool, n: usize) -> DecodeWeights {
+    if !resident && n <= QUANTIZED_PREFILL_TOKENS {
+        DecodeWeights::Quantized
+    } else if n > AMX_PREFILL_TOKENS && amx::amx_available() {
+        DecodeWeights::Bf16
+    } else {
+        DecodeWeights::F32
+    }
+}
+
+/// The products of a prefill longer than [`AMX_PREFILL_TOKENS`] on this CPU: `"bf16-amx"` or
+/// `"f32"` (part of the keys of stored prefills and run logs, which outlive the process).
+pub fn long_prefill_products() -> &'static str {
+    if amx::amx_available() {
+        "bf16-amx"
+    } else {
+        "f32"
+    }
+}
+
+/// `f` on the f32 elements of `t` in row-major order, without a copy when `t` is contiguous.
+pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    if t.is_contiguous() {
+        let (storage, layout) = t.storage_and_layout();
+        if let candle_core::Storage::Cpu(cpu) = &*storage {
+            let all = cpu.as_slice::<f32>()?;
+            let start = layout.start_offset();
+            return Ok(f(&all[start..start + t.elem_count()]));
+        }
+    }
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&v))
 }

@@ -7,6 +7,7 @@ use crate::quant::KFormat;
 use crate::Result;
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
 use candle_core::{Device, Tensor};
+use mosaickv_optimized::simd::amx::PackedBf16;
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -50,6 +51,60 @@ impl Dense {
                 })
             }
         }
+    }
+
+    /// The matrix as bf16 AMX tiles (`simd::amx`, prefill past `AMX_PREFILL_TOKENS`): a
+    /// resident one packed from its f32 values; an on-demand one dequantized 16 rows at a
+    /// time straight into the tiles (no f32 copy of the whole matrix), through
+    /// [`Dense::tensor`] when a part's rows are not whole blocks.
+    pub(super) fn pack_bf16(&self) -> Result<PackedBf16> {
+        let parts = match self {
+            Self::Resident(t) => {
+                let (n, k) = t.dims2()?;
+                return super::with_f32(t, |w| PackedBf16::new(w, n, k));
+            }
+            Self::OnDemand(parts) => parts,
+        };
+        let specs: Option<Vec<_>> = parts.iter().map(|q| row_bytes(q)).collect();
+        let k = specs.as_ref().and_then(|s| s.first()).map_or(0, |s| s.1);
+        let Some(specs) = specs.filter(|s| s.iter().all(|p| p.1 == k)) else {
+            let t = self.tensor()?;
+            let (n, k) = t.dims2()?;
+            return super::with_f32(&t, |w| PackedBf16::new(w, n, k));
+        };
+        let raws = parts
+            .iter()
+            .map(|q| q.data())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let n = specs.iter().map(|s| s.0).sum();
+        let dev = Device::Cpu;
+        PackedBf16::from_rows(n, k, |j0, out: &mut [f32]| -> Result<()> {
+            // the rows j0.. of the stacked parts, part by part
+            let (mut j, mut done, mut first) = (j0, 0, 0);
+            for (p, &(rows, _, rb)) in specs.iter().enumerate() {
+                if j >= first + rows {
+                    first += rows;
+                    continue;
+                }
+                let count = (out.len() / k - done).min(first + rows - j);
+                let raw = &raws[p][(j - first) * rb..(j - first + count) * rb];
+                let o = &mut out[done * k..(done + count) * k];
+                if let Some(format) = KFormat::of(parts[p].dtype()) {
+                    format.dequantize(raw, o);
+                } else {
+                    let t = qtensor_from_ggml(parts[p].dtype(), raw, vec![count, k], &dev)?
+                        .dequantize(&dev)?;
+                    super::with_f32(&t, |v| o.copy_from_slice(v))?;
+                }
+                done += count;
+                j += count;
+                first += rows;
+                if done * k == out.len() {
+                    break;
+                }
+            }
+            Ok(())
+        })
     }
 
     pub(super) fn is_resident(&self) -> bool {

@@ -45,6 +45,7 @@
 //! kernels through [`Path`].
 
 mod accumulate;
+pub mod amx;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
