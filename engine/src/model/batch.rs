@@ -11,7 +11,7 @@
 //! sequence's logits in a batch equal its logits decoded alone bit for bit.
 
 use super::decode::rms_norm_into;
-use super::{rotate_head, Model};
+use super::{rotate_head, DecodeWeights, Model};
 use crate::kv::LayerKv;
 use crate::quant::QVec;
 use crate::{EngineError, Result};
@@ -340,7 +340,11 @@ impl Model {
             let qt = Tensor::from_vec(q, (n, c.q_heads, d), &self.dev)?
                 .transpose(0, 1)?
                 .contiguous()?;
-            let attn = self.causal_attention_at(&qt, &kt, &vt, a, q_chunk)?;
+            let attn = if weights == DecodeWeights::Bf16 {
+                self.causal_attention_bf16(&qt, &kt, &vt, a, q_chunk)?
+            } else {
+                self.causal_attention_at(&qt, &kt, &vt, a, q_chunk)?
+            };
             x = (x + self.matmul_t(&attn, &l.wo, &l.q.wo, weights)?)?;
             x = (&x + self.mlp(l, &x, weights)?)?;
         }

@@ -382,23 +382,6 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Interleaved rotates (2i, 2i+1), NEOX (i, i + d/2), each pair by its own angle.
-    #[test]
-    fn rope_pairings() {
-        let cs = [(0.0f32, 1.0f32), (1.0, 0.0)]; // pair 0 by 90 degrees, pair 1 not at all
-        let mut h = [1.0f32, 2.0, 3.0, 4.0];
-        rotate_head(&mut h, &cs, RopeStyle::Interleaved);
-        assert_eq!(h, [-2.0, 1.0, 3.0, 4.0]);
-        let mut h = [1.0f32, 2.0, 3.0, 4.0];
-        rotate_head(&mut h, &cs, RopeStyle::Neox);
-        assert_eq!(h, [-3.0, 2.0, 1.0, 4.0]);
-    }
-}
-
 /// [`Model::prefill_weights`] for a model whose f32 weights are resident or not.
 pub(crate) fn prefill_weights_for(resident: bool, n: usize) -> DecodeWeights {
     if !resident && n <= QUANTIZED_PREFILL_TOKENS {
@@ -432,4 +415,21 @@ pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
     }
     let v = t.flatten_all()?.to_vec1::<f32>()?;
     Ok(f(&v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Interleaved rotates (2i, 2i+1), NEOX (i, i + d/2), each pair by its own angle.
+    #[test]
+    fn rope_pairings() {
+        let cs = [(0.0f32, 1.0f32), (1.0, 0.0)]; // pair 0 by 90 degrees, pair 1 not at all
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rotate_head(&mut h, &cs, RopeStyle::Interleaved);
+        assert_eq!(h, [-2.0, 1.0, 3.0, 4.0]);
+        let mut h = [1.0f32, 2.0, 3.0, 4.0];
+        rotate_head(&mut h, &cs, RopeStyle::Neox);
+        assert_eq!(h, [-3.0, 2.0, 1.0, 4.0]);
+    }
 }

@@ -21,7 +21,8 @@ use std::sync::OnceLock;
 /// `MOSAICKV_FORCE_AVX2=1` turn it off too.
 pub const NO_AMX: &str = "MOSAICKV_NO_AMX";
 
-/// Whether [`matmul_t_bf16`] runs here: an x86-64 CPU with AMX-TILE and AMX-BF16, Linux's
+/// Whether [`matmul_t_bf16`] runs here: an x86-64 CPU with AMX-TILE and AMX-BF16 (and the
+/// AVX-512 F/BW and AVX512-BF16 its row kernels use), Linux's
 /// permission for the tile data state granted to this process (`arch_prctl`
 /// `ARCH_REQ_XCOMP_PERM`, asked once), and none of the switches set ([`NO_AMX`],
 /// `MOSAICKV_FORCE_PORTABLE`, `MOSAICKV_FORCE_AVX2`).
@@ -41,6 +42,14 @@ fn detect() -> bool {
         (__cpuid_count(0, 0).eax, __cpuid_count(7, 0).edx)
     };
     if max < 7 || (edx >> 22) & 1 == 0 || (edx >> 24) & 1 == 0 {
+        return false;
+    }
+    // the attention's row kernels: AVX-512 F/BW and AVX512-BF16 (every AMX CPU has them)
+    if !(std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+        && std::arch::is_x86_feature_detected!("fma"))
+    {
         return false;
     }
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
@@ -132,25 +141,219 @@ impl PackedBf16 {
     }
 }
 
-/// `x` (`m x k` f32, row-major) as bf16 rows of `k` rounded up to 32, `m` rounded up to 32.
-fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<u16> {
-    let kp = k.div_ceil(TK) * TK;
-    let mp = m.div_ceil(2 * TR) * 2 * TR;
-    let mut a = vec![0u16; mp * kp];
-    a.par_chunks_mut(kp)
-        .take(m)
-        .enumerate()
-        .for_each(|(i, row)| {
-            for (o, &v) in row.iter_mut().zip(&x[i * k..(i + 1) * k]) {
-                *o = bf16::from_f32(v).to_bits();
+/// A row operand of the tile products: bf16 rows `stride` elements apart (a multiple of 32,
+/// zero past the row's inputs), the rows padded with zeros to a multiple of 32.
+pub struct Bf16Rows {
+    rows: usize,
+    stride: usize,
+    data: Vec<u16>,
+}
+
+impl Bf16Rows {
+    /// `m` zero rows of `k` inputs (rounded up to 32).
+    pub fn zeros(m: usize, k: usize) -> Self {
+        let stride = k.div_ceil(TK) * TK;
+        Bf16Rows {
+            rows: m,
+            stride,
+            data: vec![0u16; m.div_ceil(2 * TR) * 2 * TR * stride],
+        }
+    }
+
+    /// `x` (`m x k` f32, row-major), each value rounded to bf16 (nearest even), rows in
+    /// parallel.
+    pub fn new(x: &[f32], m: usize, k: usize) -> Self {
+        assert_eq!(x.len(), m * k, "rows of {m} x {k}");
+        let mut a = Self::zeros(m, k);
+        let stride = a.stride;
+        a.data
+            .par_chunks_mut(stride)
+            .take(m)
+            .enumerate()
+            .for_each(|(i, row)| to_bf16(&x[i * k..(i + 1) * k], row));
+        a
+    }
+
+    /// Row `i` (`stride` elements; its inputs first, then zeros), to fill in place.
+    pub fn row_mut(&mut self, i: usize) -> &mut [u16] {
+        assert!(i < self.rows, "row {i} of {}", self.rows);
+        &mut self.data[i * self.stride..(i + 1) * self.stride]
+    }
+}
+
+/// `out[i] = bf16(x[i])` (nearest even, NaN kept NaN) for `i < x.len()`.
+pub fn to_bf16(x: &[f32], out: &mut [u16]) {
+    assert!(out.len() >= x.len());
+    #[cfg(target_arch = "x86_64")]
+    if amx_available() {
+        // SAFETY: AVX-512 F/BW and AVX512-BF16 are part of `amx_available`; reads `x`, writes
+        // `out[..x.len()]` (asserted).
+        unsafe { to_bf16_avx512(x, out) };
+        return;
+    }
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = bf16::from_f32(v).to_bits();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let mut j = 0;
+    while j < n {
+        let k: __mmask16 = if n - j >= 16 {
+            0xffff
+        } else {
+            (1u16 << (n - j)) - 1
+        };
+        let h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, x.as_ptr().add(j)));
+        _mm256_mask_storeu_epi16(
+            out.as_mut_ptr().add(j) as *mut i16,
+            k,
+            std::mem::transmute::<__m256bh, __m256i>(h),
+        );
+        j += 16;
+    }
+}
+
+/// One row of the prefill attention's online softmax on AMX machines: of the row's logits
+/// `row[..vis]` (the keys the query sees; the rest is masked), with `m_old` the row's running
+/// maximum, returns `(m_new, sum)`: `m_new = max(m_old, max row[..vis])` and the sum of the
+/// numerators `exp(row[j] - m_new)`, which are written as bf16 (nearest even) to `p[..vis]`;
+/// `p[vis..]` is zeroed. `row[..vis]` is left holding the f32 numerators.
+pub fn softmax_row_bf16(row: &mut [f32], vis: usize, m_old: f32, p: &mut [u16]) -> (f32, f32) {
+    assert!(amx_available() && vis <= row.len() && vis <= p.len());
+    // SAFETY: AVX-512 F/BW, FMA and AVX512-BF16 are part of `amx_available` (asserted); the
+    // kernel reads `row[..vis]` and writes `row[..vis]` and `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        softmax_row_avx512(&mut row[..vis], m_old, p)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AMX is x86-64 only")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+unsafe fn softmax_row_avx512(row: &mut [f32], m_old: f32, p: &mut [u16]) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let n = row.len();
+    let lanes = |k: usize| -> __mmask16 {
+        if k >= 16 {
+            0xffff
+        } else {
+            (1u16 << k) - 1
+        }
+    };
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut j = 0;
+    while j < n {
+        let x = _mm512_maskz_loadu_ps(lanes(n - j), row.as_ptr().add(j));
+        mx = _mm512_mask_max_ps(mx, lanes(n - j), mx, x);
+        j += 16;
+    }
+    let m_new = m_old.max(_mm512_reduce_max_ps(mx));
+    if n > 0 {
+        crate::simd::exp_shifted_in_place(row, m_new);
+    }
+    let mut sum = _mm512_setzero_ps();
+    j = 0;
+    while j < n {
+        let k = lanes(n - j);
+        let x = _mm512_maskz_loadu_ps(k, row.as_ptr().add(j));
+        sum = _mm512_add_ps(sum, x);
+        let h = _mm512_cvtneps_pbh(x);
+        _mm256_mask_storeu_epi16(
+            p.as_mut_ptr().add(j) as *mut i16,
+            k,
+            std::mem::transmute::<__m256bh, __m256i>(h),
+        );
+        j += 16;
+    }
+    p[n..].fill(0);
+    (m_new, _mm512_reduce_add_ps(sum))
+}
+
+/// Columns `j0..j0 + cols` of a [`PackedBf16`] over inputs `32 kb0 .. 32 (kb0 + kbs)`: the
+/// right-hand operand of [`product`].
+#[derive(Clone, Copy)]
+pub struct Cols<'a> {
+    tiles: &'a [u16],
+    /// Tiles between one 16-column group and the next.
+    stride: usize,
+    kbs: usize,
+    cols: usize,
+}
+
+impl PackedBf16 {
+    /// Columns `j0..j0 + cols` (`j0` a multiple of 32) over the inputs of tile blocks
+    /// `kb0..kb0 + kbs` (32 inputs each).
+    pub fn cols(&self, j0: usize, cols: usize, kb0: usize, kbs: usize) -> Cols<'_> {
+        let kb = self.kblocks();
+        assert!(
+            j0 % (2 * TR) == 0 && j0 + cols <= self.n && kb0 + kbs <= kb,
+            "columns {j0}+{cols} of {}, blocks {kb0}+{kbs} of {kb}",
+            self.n
+        );
+        Cols {
+            tiles: &self.tiles[(j0 / TR) * kb * TILE_ELEMS + kb0 * TILE_ELEMS..],
+            stride: kb,
+            kbs,
+            cols,
+        }
+    }
+}
+
+/// `out[i * os + j] = sum_l a[i][l] * w[j][l]` for `i < a`'s rows, `j < w.cols`, `l` over
+/// `w`'s inputs (`a`'s first `32 w.kbs` inputs), summed in f32 by `TDPBF16PS` on this thread.
+/// Panics unless [`amx_available`] and the sizes agree.
+pub fn product(a: &Bf16Rows, w: Cols<'_>, out: &mut [f32], os: usize) {
+    assert!(
+        amx_available(),
+        "AMX products asked for where they do not run"
+    );
+    let (m, n) = (a.rows, w.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let groups = n.div_ceil(2 * TR) * 2;
+    assert!(
+        a.stride >= w.kbs * TK
+            && out.len() >= (m - 1) * os + n
+            && os >= n
+            && w.tiles.len() >= ((groups - 1) * w.stride + w.kbs) * TILE_ELEMS,
+        "product of {m} rows by {n} columns"
+    );
+    // SAFETY: AMX available (asserted), tiles configured by `Tiles::new`; `a` holds its rows
+    // padded to 32 (`Bf16Rows`), `w.tiles` every 16-column group's `kbs` tiles up to the
+    // padded column count and `out` rows up to `m - 1` by `n` columns (asserted).
+    unsafe {
+        let tiles = Tiles::new();
+        for i in (0..m).step_by(2 * TR) {
+            for j in (0..n).step_by(2 * TR) {
+                tiles.block(
+                    a.data.as_ptr().add(i * a.stride),
+                    a.stride * 2,
+                    w.tiles.as_ptr().add((j / TR) * w.stride * TILE_ELEMS),
+                    w.kbs,
+                    w.stride,
+                    out.as_mut_ptr(),
+                    os,
+                    m,
+                    n,
+                    i,
+                    j,
+                );
             }
-        });
-    a
+        }
+    }
 }
 
 /// `out[i][j] = sum_l bf16(x[i][l]) * bf16(w[j][l])` in f32 (`x` `m x k`, `w` packed from an
-/// `n x k` matrix, `out` `m x n`, all row-major), the sums by `TDPBF16PS`. Panics unless
-/// [`amx_available`] and the sizes agree.
+/// `n x k` matrix, `out` `m x n`, all row-major), the sums by `TDPBF16PS`, on all threads.
+/// Panics unless [`amx_available`] and the sizes agree.
 pub fn matmul_t_bf16(x: &[f32], m: usize, w: &PackedBf16, out: &mut [f32]) {
     let (n, k) = (w.n, w.k);
     assert!(
@@ -164,32 +367,39 @@ pub fn matmul_t_bf16(x: &[f32], m: usize, w: &PackedBf16, out: &mut [f32]) {
     if m == 0 || n == 0 {
         return;
     }
-    let a = pack_rows(x, m, k);
+    let a = Bf16Rows::new(x, m, k);
     let kb = w.kblocks();
-    let kp = kb * TK;
     // Column chunks whose packed weights take at most 512 KB (L2 holds them while the rows
     // pass), row chunks of 256.
-    let nc = ((512 << 10) / (kp * 2 * 2 * TR)).clamp(1, 8) * 2 * TR;
+    let nc = ((512 << 10) / (kb * TK * 2 * 2 * TR)).clamp(1, 8) * 2 * TR;
     let mc = 8 * 2 * TR;
     let (mchunks, nchunks) = (m.div_ceil(mc), n.div_ceil(nc));
     let out_addr = out.as_mut_ptr() as usize;
     (0..mchunks * nchunks).into_par_iter().for_each(|task| {
         let (i0, j0) = ((task / nchunks) * mc, (task % nchunks) * nc);
+        let (rows, cols) = (mc.min(m - i0), nc.min(n - j0));
         // SAFETY: AMX is available (asserted) and this thread's tile state is configured by
         // `Tiles::new`; every tile read lies inside `a` (rows padded to 32, k to 32) or the
-        // packed weights (columns padded to 32); tasks write disjoint output blocks.
+        // packed weights (columns padded to 32); tasks write disjoint output blocks, rows
+        // `i0..i0 + rows` by columns `j0..j0 + cols` of `out`.
         unsafe {
             let tiles = Tiles::new();
-            let mut i = i0;
-            while i < (i0 + mc).min(m) {
-                let mut j = j0;
-                while j < (j0 + nc).min(n) {
-                    let ap = a.as_ptr().add(i * kp);
-                    let bp = w.tiles.as_ptr().add((j / TR) * kb * TILE_ELEMS);
-                    tiles.block(ap, kp * 2, bp, kb, out_addr as *mut f32, n, m, i, j);
-                    j += 2 * TR;
+            for i in (0..rows).step_by(2 * TR) {
+                for j in (0..cols).step_by(2 * TR) {
+                    tiles.block(
+                        a.data.as_ptr().add((i0 + i) * a.stride),
+                        a.stride * 2,
+                        w.tiles.as_ptr().add(((j0 + j) / TR) * kb * TILE_ELEMS),
+                        kb,
+                        kb,
+                        (out_addr as *mut f32).add(i0 * n + j0),
+                        n,
+                        rows,
+                        cols,
+                        i,
+                        j,
+                    );
                 }
-                i += 2 * TR;
             }
         }
     });
@@ -217,14 +427,14 @@ impl Tiles {
         Tiles
     }
 
-    /// The 32 x 32 outputs from row `i`, column `j`: `a` the bf16 rows of `x` from row `i`
-    /// (`sa` bytes apart), `b` the packed weight tiles from column `j` (`kb` tiles per 16
-    /// columns); written into `out` (`n` columns; rows past `m` and columns past `n` not
-    /// written).
+    /// The 32 x 32 outputs from row `i`, column `j`: `a` the bf16 rows from row `i` (`sa`
+    /// bytes apart), `b` the packed tiles of the 16 columns from `j` (`kb` steps; the next 16
+    /// columns' tiles `bs` tiles further); written into `out` (rows `os` floats apart; rows
+    /// past `m` and columns past `n` not written).
     ///
     /// # Safety
-    /// As [`matmul_t_bf16`] guarantees: 32 rows of `sa` bytes readable from `a`, `2 kb` tiles
-    /// from `b`, `out` holding `m x n` floats.
+    /// 32 rows of `sa >= 64 kb` bytes readable from `a`, tiles `0..kb` and `bs..bs + kb` from
+    /// `b`, `out` holding row `m - 1` up to column `n`.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn block(
@@ -233,9 +443,11 @@ impl Tiles {
         sa: usize,
         b: *const u16,
         kb: usize,
+        bs: usize,
         out: *mut f32,
-        n: usize,
+        os: usize,
         m: usize,
+        n: usize,
         i: usize,
         j: usize,
     ) {
@@ -248,7 +460,7 @@ impl Tiles {
             options(nostack)
         );
         let a1 = a.add(TR * sa / 2);
-        let b1 = b.add(kb * TILE_ELEMS);
+        let b1 = b.add(bs * TILE_ELEMS);
         for t in 0..kb {
             asm!(
                 "tileloadd tmm4, [{a0} + {sa}*1]",
@@ -277,8 +489,8 @@ impl Tiles {
                     if r0 + TR <= m && c0 + TR <= n {
                         asm!(
                             concat!("tilestored [{p} + {s}*1], tmm", $tile),
-                            p = in(reg) out.add(r0 * n + c0),
-                            s = in(reg) n * 4,
+                            p = in(reg) out.add(r0 * os + c0),
+                            s = in(reg) os * 4,
                             options(nostack)
                         );
                     } else {
@@ -290,7 +502,7 @@ impl Tiles {
                         );
                         for r in 0..TR.min(m - r0) {
                             for c in 0..TR.min(n - c0) {
-                                *out.add((r0 + r) * n + c0 + c) = buf[r * TR + c];
+                                *out.add((r0 + r) * os + c0 + c) = buf[r * TR + c];
                             }
                         }
                     }
@@ -316,7 +528,9 @@ impl Tiles {
         _: usize,
         _: *const u16,
         _: usize,
+        _: usize,
         _: *mut f32,
+        _: usize,
         _: usize,
         _: usize,
         _: usize,
@@ -387,6 +601,39 @@ mod tests {
                     (f64::from(o) - e).abs() <= tol,
                     "{m}x{n}x{k} at {idx}: {o} vs {e}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_column_and_input_window_multiplies_only_its_part() {
+        if !amx_available() {
+            eprintln!("AMX not available on this CPU (or switched off): nothing to check");
+            return;
+        }
+        // w 100 x 200; the window of columns 32..82 over inputs 64..160 (blocks 2..5), as the
+        // prefill's attention takes a key chunk (columns) or a key range of V^T (inputs)
+        let (n, k, m) = (100usize, 200usize, 40usize);
+        let val = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0) - 0.5;
+        let w: Vec<f32> = (0..n * k).map(val).collect();
+        let x: Vec<f32> = (0..m * 96).map(|i| val(i + 5)).collect();
+        let packed = PackedBf16::new(&w, n, k);
+        let a = Bf16Rows::new(&x, m, 96);
+        let os = 60;
+        let mut out = vec![f32::NAN; (m - 1) * os + 50];
+        product(&a, packed.cols(32, 50, 2, 3), &mut out, os);
+        let r = |v: f32| f64::from(bf16::from_f32(v).to_f32());
+        for i in 0..m {
+            for j in 0..50 {
+                let e: f64 = (0..96)
+                    .map(|l| r(x[i * 96 + l]) * r(w[(32 + j) * k + 64 + l]))
+                    .sum();
+                let o = out[i * os + j];
+                assert!((f64::from(o) - e).abs() < 1e-4, "({i}, {j}): {o} vs {e}");
+            }
+            if i + 1 < m {
+                // between rows: not written
+                assert!(out[i * os + 50..(i + 1) * os].iter().all(|v| v.is_nan()));
             }
         }
     }

@@ -117,7 +117,9 @@ pub fn exp_shifted_in_place(xs: &mut [f32], shift: f32) {
         p = p * r + 1.666_666_5e-1;
         p = p * r + 5e-1;
         let e = p * r * r + r + 1.0;
-        let bits = ((n as i32 + 127) as u32) << 23;
+        // 2^n: n + 127 + 2^23 holds the integer n + 127 in its mantissa bits (the same bits
+        // as `(n as i32 + 127) << 23`, whose saturating cast kept the loop from vectorizing)
+        let bits = ((n + (127.0 + 8_388_608.0)).to_bits() & 0x7f_ffff) << 23;
         *x = e * f32::from_bits(bits);
     }
 }
