@@ -248,7 +248,13 @@ impl Model {
     /// [`AMX_PREFILL_TOKENS`], on a CPU with AMX-BF16 (`simd::amx::amx_available`, off with
     /// `MOSAICKV_NO_AMX=1`), the GEMM runs in bf16 on AMX tiles ([`DecodeWeights::Bf16`]).
     pub fn prefill_weights(&self, n: usize) -> DecodeWeights {
-        prefill_weights_for(self.lm_head.is_resident(), n)
+        if !self.lm_head.is_resident() && n <= QUANTIZED_PREFILL_TOKENS {
+            DecodeWeights::Quantized
+        } else if n > AMX_PREFILL_TOKENS && amx::amx_available() {
+            DecodeWeights::Bf16
+        } else {
+            DecodeWeights::F32
+        }
     }
 
     /// `x [n, cols]` times the transposed weight (`w` f32 and `q` the same matrix's blocks):
@@ -394,17 +400,6 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
-}
-
-/// [`Model::prefill_weights`] for a model whose f32 weights are resident or not.
-pub(crate) fn prefill_weights_for(resident: bool, n: usize) -> DecodeWeights {
-    if !resident && n <= QUANTIZED_PREFILL_TOKENS {
-        DecodeWeights::Quantized
-    } else if n > AMX_PREFILL_TOKENS && amx::amx_available() {
-        DecodeWeights::Bf16
-    } else {
-        DecodeWeights::F32
-    }
 }
 
 /// The products of a prefill longer than [`AMX_PREFILL_TOKENS`] on this CPU: `"bf16-amx"` or

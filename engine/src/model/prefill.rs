@@ -280,9 +280,7 @@ impl Model {
             .collect::<Result<_>>()?;
         Ok(Tensor::cat(&outs, 0)?)
     }
-}
 
-impl Model {
     /// [`Model::causal_attention_at`] with the products on AMX tiles ([`DecodeWeights::Bf16`]):
     /// [`causal_attention_bf16`] on the tensors' values. Returns `[n, q_heads * d]`.
     pub(super) fn causal_attention_bf16(

@@ -107,8 +107,9 @@ impl PackedBf16 {
         let kb = k.div_ceil(TK);
         let jbs = n.div_ceil(2 * TR) * 2;
         let mut tiles = vec![0u16; jbs * kb * TILE_ELEMS];
+        // (`max(1)`: a matrix of no inputs has no tiles, and no chunks to fill)
         tiles
-            .par_chunks_mut(kb * TILE_ELEMS)
+            .par_chunks_mut((kb * TILE_ELEMS).max(1))
             .enumerate()
             .try_for_each_init(Vec::new, |rows, (jb, col_tiles)| {
                 let j0 = jb * TR;
@@ -167,7 +168,7 @@ impl Bf16Rows {
         let mut a = Self::zeros(m, k);
         let stride = a.stride;
         a.data
-            .par_chunks_mut(stride)
+            .par_chunks_mut(stride.max(1))
             .take(m)
             .enumerate()
             .for_each(|(i, row)| to_bf16(&x[i * k..(i + 1) * k], row));
@@ -371,7 +372,7 @@ pub fn matmul_t_bf16(x: &[f32], m: usize, w: &PackedBf16, out: &mut [f32]) {
     let kb = w.kblocks();
     // Column chunks whose packed weights take at most 512 KB (L2 holds them while the rows
     // pass), row chunks of 256.
-    let nc = ((512 << 10) / (kb * TK * 2 * 2 * TR)).clamp(1, 8) * 2 * TR;
+    let nc = ((512 << 10) / (kb * TK * 2 * 2 * TR).max(1)).clamp(1, 8) * 2 * TR;
     let mc = 8 * 2 * TR;
     let (mchunks, nchunks) = (m.div_ceil(mc), n.div_ceil(nc));
     let out_addr = out.as_mut_ptr() as usize;
@@ -588,6 +589,7 @@ mod tests {
             (300, 70, 96),
             (64, 600, 1000),
             (5, 3, 5000),
+            (3, 5, 0),
         ] {
             let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
