@@ -475,7 +475,17 @@ mod tests {
             let packed = pack_rotated(&rows, d, &layout).unwrap();
             let qs = q8_stride(dt);
             let inv = mosaickv_spec::layout::inv_sqrt_d(d);
-            for (g, n) in [(1, 16), (3, 15), (4, 16), (6, 1), (9, 7)] {
+            for (g, n) in [
+                (1, 16),
+                (1, 13),
+                (2, 15),
+                (3, 15),
+                (4, 16),
+                (6, 1),
+                (7, 16),
+                (8, 11),
+                (9, 7),
+            ] {
                 let qf: Vec<f32> = (0..g * dt).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let mut q8 = vec![0i8; g * qs];
                 let mut sq = vec![0f64; g];
