@@ -45,3 +45,15 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 "$VENV/bin/python" -m pytest -q bindings/vllm/tests
 "$VENV/bin/python" bindings/vllm/tests/check.py --model "$HF/smollm2-135m-f32" \
   --mosaickv target/release/mosaickv --json "$VENV/vllm-check.json"
+# README's OpenAI client against vLLM's server with the plugin (port 8000 must be free)
+"$VENV/bin/python" bindings/vllm/tests/serve_check.py --model "$HF/smollm2-135m-f32"
+# Qwen2.5-Coder-1.5B too with QWEN=1 (converted to f32: 7.1 GB more disk, 9.4 GB of memory)
+if [ "${QWEN:-0}" = 1 ]; then
+  target/release/mosaickv generate --model qwen2.5-1.5b --prompt hi --max-tokens 1 > /dev/null
+  QMODEL=${MOSAICKV_HOME:-$HOME/.cache/mosaickv}/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
+  "$VENV/bin/python" bindings/vllm/tests/convert.py --gguf "$QMODEL" --out "$HF/qwen2.5-coder-1.5b-f32"
+  "$VENV/bin/python" bindings/vllm/tests/check.py --model "$HF/qwen2.5-coder-1.5b-f32" \
+    --gguf qwen2.5-1.5b --mosaickv target/release/mosaickv --json "$VENV/vllm-check-qwen.json"
+  "$VENV/bin/python" bindings/vllm/tests/serve_check.py --model "$HF/qwen2.5-coder-1.5b-f32" \
+    --name qwen2.5-coder-1.5b-instruct
+fi
