@@ -45,6 +45,9 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 "$VENV/bin/python" -m pytest -q bindings/vllm/tests
 "$VENV/bin/python" bindings/vllm/tests/check.py --model "$HF/smollm2-135m-f32" \
   --mosaickv target/release/mosaickv --json "$VENV/vllm-check.json"
+# the same with prompts in 512-token chunks (vLLM's chunked prefill; the plugin builds each
+# sequence's cache from the pages at its first decode step)
+"$VENV/bin/python" bindings/vllm/tests/check.py --model "$HF/smollm2-135m-f32" --batched-tokens 512
 # README's OpenAI client against vLLM's server with the plugin (port 8000 must be free)
 "$VENV/bin/python" bindings/vllm/tests/serve_check.py --model "$HF/smollm2-135m-f32"
 # Qwen2.5-Coder-1.5B too with QWEN=1 (converted to f32: 7.1 GB more disk, 9.4 GB of memory)

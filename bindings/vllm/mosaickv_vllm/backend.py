@@ -162,8 +162,11 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
             live.add(seq)
             cache = self.caches.get(seq)
             if b - a > 1:
-                # prompt tokens: vLLM's dense attention stands; the cache takes them all
-                self.caches[seq] = self._from_pages(layer, kv_cache, table[i], total)
+                # prompt tokens: vLLM's dense attention stands. The cache is built from the
+                # pages at the sequence's first decode step, once: a long prompt comes in
+                # chunks (vLLM's CPU build schedules 4,096 tokens a step by default), and a
+                # build per chunk would compress its first chunks again and again.
+                self.caches.pop(seq, None)
                 continue
             if cache is None or len(cache) != total - 1:
                 cache = self._from_pages(layer, kv_cache, table[i], total - 1) if total > 1 else None

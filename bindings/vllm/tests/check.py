@@ -53,11 +53,12 @@ def followup() -> str:
     return prompts()[2][0].rsplit("\n", 1)[0] + "\nWhich number is given for quiet-lake? Reply with the number."
 
 
-def worker(model: str, dtype: str, max_tokens: int) -> None:
+def worker(model: str, dtype: str, max_tokens: int, batched_tokens: int | None = None) -> None:
     from vllm import LLM, SamplingParams
 
     t = time.time()
-    llm = LLM(model=model, dtype=dtype, max_model_len=4096, enforce_eager=True, seed=0)
+    extra = {} if batched_tokens is None else {"max_num_batched_tokens": batched_tokens}
+    llm = LLM(model=model, dtype=dtype, max_model_len=4096, enforce_eager=True, seed=0, **extra)
     load = time.time() - t
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -86,7 +87,8 @@ def run(setting: str, args) -> dict:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     p = subprocess.run(
         [sys.executable, __file__, "--worker", "--model", args.model, "--dtype", args.dtype,
-         "--max-tokens", str(args.max_tokens)],
+         "--max-tokens", str(args.max_tokens)]
+        + ([] if args.batched_tokens is None else ["--batched-tokens", str(args.batched_tokens)]),
         env=env, capture_output=True, text=True, timeout=args.timeout,
     )
     log = p.stdout + p.stderr
@@ -110,14 +112,18 @@ def main() -> int:
     ap.add_argument("--mosaickv", help="the mosaickv binary, to compare with `mosaickv generate`")
     ap.add_argument("--gguf", help="the GGUF --model of `mosaickv generate` (default: smollm2-135m)",
                     default="smollm2-135m")
+    ap.add_argument("--batched-tokens", type=int,
+                    help="vLLM's max_num_batched_tokens: below a prompt's length, the prompt "
+                         "comes in chunks (vLLM's CPU default is 4,096 for LLM)")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
     if args.worker:
-        worker(args.model, args.dtype, args.max_tokens)
+        worker(args.model, args.dtype, args.max_tokens, args.batched_tokens)
         return 0
     res = {s: run(s, args) for s in ("off", "full", "mosaic")}
     ok = True
-    report = {"model": args.model, "dtype": args.dtype, "settings": res, "checks": {}}
+    report = {"model": args.model, "dtype": args.dtype, "batched_tokens": args.batched_tokens,
+              "settings": res, "checks": {}}
     for s in ("off", "full", "mosaic"):
         if res[s]["plugin_active"] != (s != "off"):
             print(f"FAIL: MOSAICKV_VLLM={s}: vLLM's CPU_ATTN is {res[s]['cpu_attn_backend']}")
