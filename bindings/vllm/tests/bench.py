@@ -55,11 +55,26 @@ def worker(args) -> None:
                 started.add(o.request_id)
         if all_started:
             decode.append(dt)
+    # peak (VmHWM) and current (VmRSS, after the last step) resident memory of this process
+    # and of vLLM's engine processes, while they are still alive
+    peak, now = {}, {}
+    import psutil
+
+    for proc in [psutil.Process()] + psutil.Process().children(recursive=True):
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                st = {l.split(":")[0]: l for l in f}
+            name = f"{proc.pid} {proc.name()}"
+            peak[name] = int(st["VmHWM"].split()[1]) * 1024
+            now[name] = int(st["VmRSS"].split()[1]) * 1024
+        except (OSError, KeyError, psutil.Error):
+            pass
     decode = decode[1:]  # the first decode step of a process pays one-time costs
     decode.sort()
     step = decode[len(decode) // 2]
     print("RESULT " + json.dumps({"decode_steps": len(decode), "step_s": step,
-                                   "min_s": decode[0], "max_s": decode[-1]}), flush=True)
+                                   "min_s": decode[0], "max_s": decode[-1],
+                                   "peak_rss_bytes": peak, "rss_bytes": now}), flush=True)
 
 
 def main() -> int:
@@ -95,9 +110,12 @@ def main() -> int:
                 raise SystemExit(f"batch {b}, MOSAICKV_VLLM={s}: failed (rc {p.returncode})")
             r = json.loads(res[-1][7:])
             rows.append({"batch": b, "setting": s, **r})
+            big = max(r.get("peak_rss_bytes", {}).values(), default=0)
+            rss = sum(r.get("rss_bytes", {}).values())
             print(f"batch {b} {s:>7}: {1000 * r['step_s']:8.1f} ms per decode step, median of "
-                  f"{r['decode_steps']} (min {1000 * r['min_s']:.1f}, max {1000 * r['max_s']:.1f})",
-                  flush=True)
+                  f"{r['decode_steps']} (min {1000 * r['min_s']:.1f}, max {1000 * r['max_s']:.1f}); "
+                  f"largest process peak RSS {big / 2**30:.2f} GiB, all processes' RSS after "
+                  f"the last step {rss / 2**30:.2f} GiB", flush=True)
     for b in sorted({r["batch"] for r in rows}):
         t = {r["setting"]: r["step_s"] for r in rows if r["batch"] == b}
         if "off" in t and "mosaic" in t:
