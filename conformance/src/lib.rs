@@ -635,6 +635,7 @@ pub fn check_quantized_rounding_rules(cand: &dyn Backend) -> Check {
                 r,
                 group_size: g,
                 dtype,
+                code_bits: 0,
             };
             let mut rotation = vec![half::f16::ZERO; d * dt];
             for j in 0..dt {
@@ -644,6 +645,7 @@ pub fn check_quantized_rounding_rules(cand: &dyn Backend) -> Check {
                 layout,
                 rotation,
                 fit_loss: 0.0,
+                coding: Vec::new(),
             };
             let mut rows = Array2::<f32>::zeros((24, d));
             // Row 0: every value equal (a = 0: s = 0, all codes 0).
@@ -789,6 +791,7 @@ pub fn check_loss_at_threshold(cand: &dyn Backend, head_dim: usize, n: usize, se
                     layout.kept_dims,
                 ),
                 fit_loss: 0.0,
+                coding: Vec::new(),
             };
             let loss = mosaickv_reference::side_loss(rows.view(), &strategy, side);
             if let mosaickv_spec::ChannelPolicy::LossThreshold {

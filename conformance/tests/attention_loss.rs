@@ -105,6 +105,7 @@ fn every_candidate_loss_is_bit_identical() {
                     layout: *layout,
                     rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, layout.kept_dims),
                     fit_loss: 0.0,
+                    coding: Vec::new(),
                 };
                 let r = mosaickv_reference::strategy::attention_loss(rows.view(), &st, side, ctx)
                     .unwrap();

@@ -78,6 +78,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                 r,
                                 group_size: g,
                                 dtype,
+                                code_bits: 0,
                             };
                             cands.push(Cand {
                                 dtype,
@@ -112,6 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         r: c.r,
                         group_size: c.g,
                         dtype: c.dtype,
+                        code_bits: 0,
                     };
                     let mut codes = vec![0u8; c.r];
                     for xr in &rotated {

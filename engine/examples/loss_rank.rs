@@ -258,6 +258,7 @@ fn main() -> BoxResult<()> {
                         layout: *layout,
                         rotation: trim_rotation(&kr, d, layout.kept_dims),
                         fit_loss: 0.0,
+                        coding: Vec::new(),
                     };
                     let e = errors(k.view(), &side)?;
                     let mut approx = kfull.clone();
@@ -283,6 +284,7 @@ fn main() -> BoxResult<()> {
                         layout: *layout,
                         rotation: trim_rotation(&vr, d, layout.kept_dims),
                         fit_loss: 0.0,
+                        coding: Vec::new(),
                     };
                     let e = errors(v.view(), &side)?;
                     let mut approx = vfull.clone();

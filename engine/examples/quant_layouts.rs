@@ -167,6 +167,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r,
                 group_size: 1,
                 dtype: ValueDtype::F16,
+                code_bits: 0,
             };
             let mut qerr = vec![0f64; opts.len()];
             let (mut dropped, mut total) = (0f64, 0f64);

@@ -183,6 +183,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                     r,
                                     group_size: g,
                                     dtype,
+                                    code_bits: 0,
                                 };
                                 let mut err = 0.0;
                                 for xr in &picked {
@@ -233,6 +234,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                 ValueDtype::F16 => 2 * r,
                                 ValueDtype::Int8 => 4 + r,
                                 ValueDtype::Int4 => 4 + r.div_ceil(2),
+                                ValueDtype::Coded => unreachable!("bitmap schemes only"),
                             };
                             set.push(Setting {
                                 bytes: v.div_ceil(4) * 4,

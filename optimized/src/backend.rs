@@ -123,6 +123,7 @@ impl CpuBackend {
     /// Checks every structural invariant a foreign cache must satisfy before attention reads
     /// it: the spec crate's one validator ([`CompressedCache::validate`]).
     fn check_cache(cache: &CompressedCache) -> Result<()> {
+        crate::refuse_coded_cache(cache)?;
         cache.validate_for_attention()
     }
 }
@@ -165,6 +166,7 @@ impl Backend for CpuBackend {
         key.validate()?;
         Self::check_rows(&keys, key.head_dim(), "keys")?;
         config.validate(key.head_dim())?;
+        crate::refuse_coded_config(config)?;
         if config.block_sizes.len() == 1 {
             return Ok(config.block_sizes[0]);
         }

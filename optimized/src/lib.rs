@@ -64,6 +64,48 @@ pub mod topr;
 pub mod turboquant;
 
 pub use backend::CpuBackend;
+
+use mosaickv_spec::{
+    CompressConfig, CompressedCache, MosaicError, RecordLayout, Result, ValueDtype,
+};
+
+/// SPEC.md section 6.1's coded records run on the reference backend only (`mosaic-ref`): this
+/// backend's kernels read bitmap records. A configuration that allows them is refused before
+/// anything is built, so no fit here silently drops the candidates the SPEC lists.
+pub(crate) fn refuse_coded_config(config: &CompressConfig) -> Result<()> {
+    if config.value_dtypes.contains(&ValueDtype::Coded) {
+        return Err(MosaicError::InvalidConfig(
+            "value dtype `coded` (SPEC.md section 6.1) runs on the reference backend only \
+             (`mosaic-ref`); this backend reads bitmap records (f16, int8, int4)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// [`refuse_coded_config`] for a record layout handed in (a strategy or packed records).
+pub(crate) fn refuse_coded_layout(layout: &RecordLayout) -> Result<()> {
+    if layout.dtype == ValueDtype::Coded {
+        return Err(MosaicError::InvalidConfig(
+            "coded records (SPEC.md section 6.1) run on the reference backend only \
+             (`mosaic-ref`)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// [`refuse_coded_config`] and [`refuse_coded_layout`] for a whole cache handed in.
+pub(crate) fn refuse_coded_cache(cache: &CompressedCache) -> Result<()> {
+    refuse_coded_config(&cache.config)?;
+    for seg in &cache.segments {
+        for head in &seg.heads {
+            refuse_coded_layout(&head.strategy.key.layout)?;
+            refuse_coded_layout(&head.strategy.value.layout)?;
+        }
+    }
+    Ok(())
+}
 pub use baselines::{DenseF16Cache, QuestF16Cache, QUEST_PAGE};
 pub use live::{Coverage, Holder, HostMemory, LiveCache, LiveStats, Mode, PrefillRule, WorkerHold};
 pub use mosaic::{attend_scratch_bytes, OptimizedMosaicCache};

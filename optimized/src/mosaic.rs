@@ -139,6 +139,7 @@ impl OptimizedMosaicCache {
     fn with_path(shape: KvShape, config: CompressConfig, path: Path) -> Result<Self> {
         KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
         config.validate(shape.head_dim)?;
+        crate::refuse_coded_config(&config)?;
         Ok(Self {
             path,
             cache: CompressedCache::new(shape, config),

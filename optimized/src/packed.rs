@@ -166,6 +166,7 @@ pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> R
 /// SPEC 5-6: rotate and pack rows `[n][d]` with a side strategy (parallel over row chunks).
 /// A kept value beyond the f16 range is `NonFinite` (SPEC.md section 14).
 pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
+    crate::refuse_coded_layout(&side.layout)?;
     let layout = side.layout;
     let d = layout.head_dim;
     let dt = layout.kept_dims;
@@ -200,6 +201,7 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
 
 /// SPEC 6: decodes records to dense rotated rows `[n][Dt]` (validating them first).
 pub fn decode_rows(packed: &PackedRows, layout: &RecordLayout) -> Result<Vec<f32>> {
+    crate::refuse_coded_layout(layout)?;
     packed.validate(layout)?;
     let out = decode_trusted(packed, layout);
     if let Some(i) = out.iter().position(|x| !x.is_finite()) {

@@ -604,6 +604,7 @@ pub fn fit_side_rotated_with(
     ctx: Option<mosaickv_spec::query::LossContext<'_>>,
 ) -> Result<(SideStrategy, Vec<f64>)> {
     config.validate(d)?;
+    crate::refuse_coded_config(config)?;
     let c = covariance(rows, d);
     let rotation = rotation_from_covariance(&c, d);
     let rot = mosaickv_spec::layout::rotation_f32(&rotation);
@@ -629,6 +630,7 @@ pub fn fit_side_rotated_with(
             layout: cands[k],
             rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, cands[k].kept_dims),
             fit_loss: losses[k],
+            coding: Vec::new(),
         },
         xr,
     ))

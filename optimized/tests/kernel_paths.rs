@@ -147,6 +147,7 @@ fn quantized_expansion_is_bit_identical_on_every_path() {
                         r,
                         group_size: 1,
                         dtype,
+                        code_bits: 0,
                     };
                     let n = 1 + rng.below(16);
                     let bytes = quant_records(&mut rng, n, &layout);

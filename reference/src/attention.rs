@@ -109,14 +109,14 @@ pub fn attend_selected(
                 let z = if kl.dtype.is_quantized() {
                     f64::from(key_logits_q8(kl, head.keys.record(kl, t), &q_int8, d))
                 } else {
-                    let k_hat = decode_record(kl, head.keys.record(kl, t))?;
+                    let k_hat = decode_record(&head.strategy.key, head.keys.record(kl, t))?;
                     let mut dot = 0.0;
                     for i in 0..k_hat.len() {
                         dot += q_rot[i] * f64::from(k_hat[i]);
                     }
                     dot * scale
                 };
-                let v_hat = decode_record(vl, head.values.record(vl, t))?;
+                let v_hat = decode_record(&head.strategy.value, head.values.record(vl, t))?;
                 let v = v_hat.iter().map(|&x| f64::from(x)).collect();
                 attended.push((z, AttendedValue::Rotated { segment: s, v }));
             }

@@ -1,13 +1,14 @@
 //! SPEC.md section 6: the packed record (encode and decode).
 
-use crate::topr::{rotate_row_f64, select_row};
+use crate::topr::{rotate_row_f64, round_kept, select_row};
 use half::f16;
+use mosaickv_spec::coded::{self, DimCode};
 use mosaickv_spec::layout::{
     bitmap_bit, dequantize, quantize_values, read_code, record_quant, record_value, write_quantized,
 };
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
-use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, SideStrategy};
+use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, SideStrategy, ValueDtype};
 use ndarray::{Array2, ArrayView2};
 
 /// Checks that rows `[n, D]` match the strategy's `D` and are finite.
@@ -41,6 +42,9 @@ pub fn check_rows(rows: &ArrayView2<f32>, side: &SideStrategy, what: &'static st
 pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result<()> {
     let layout = &side.layout;
     let rotated = rotate_row_f64(row, &side.rotation);
+    if layout.dtype == ValueDtype::Coded {
+        return encode_coded_row(&rotated, side, out);
+    }
     let (y, kept) = select_row(&rotated, layout);
     let start = out.len();
     let mut words = vec![0u32; layout.bitmap_bytes() / 4];
@@ -77,6 +81,37 @@ pub fn encode_row(row: &[f32], side: &SideStrategy, out: &mut Vec<u8>) -> Result
         out.resize(start + layout.record_bytes(), 0);
     }
     Ok(())
+}
+
+/// SPEC.md section 6.1: a coded record: `y_j = f16(x'_j)` for every `j < Dt` (an overflow
+/// is `NonFinite`, as for section 6), each dim's code ([`DimCode::encode`]), packed widest
+/// first ([`coded::pack_codes`]), zero padding to a multiple of 4 bytes.
+fn encode_coded_row(rotated: &[f64], side: &SideStrategy, out: &mut Vec<u8>) -> Result<()> {
+    let layout = &side.layout;
+    let y = round_kept(rotated, layout.kept_dims);
+    if let Some(j) = y.iter().position(|v| !v.is_finite()) {
+        return Err(rules::rotated_overflow(0, j, layout.kept_dims));
+    }
+    let codes: Vec<u8> = side
+        .coding
+        .iter()
+        .zip(&y)
+        .map(|(c, &v)| c.encode(v))
+        .collect();
+    let start = out.len();
+    out.resize(start + layout.record_bytes(), 0);
+    coded::pack_codes(&side.coding, &codes, &mut out[start..]);
+    Ok(())
+}
+
+/// SPEC.md section 6.1: a coded record's decoded rotated row (every dim `m_j + c_j s_j`, one
+/// f32 rounding; a 0-bit dim `m_j`).
+pub fn decode_coded(coding: &[DimCode], record: &[u8]) -> Vec<f32> {
+    coded::unpack_codes(coding, record)
+        .into_iter()
+        .zip(coding)
+        .map(|(c, d)| d.decode(c))
+        .collect()
 }
 
 /// The kept rotated dims in ascending order (group by group).
@@ -124,8 +159,20 @@ pub fn encode_rows(rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedR
 
 /// SPEC.md section 6, decode of one (already validated) record: the dense
 /// rotated row `k^` of length Dt, the stored value at kept dims, 0 elsewhere
-/// (for int8/int4 the stored value is `m + code * s`, rounded once to f32).
-pub fn decode_record(layout: &RecordLayout, record: &[u8]) -> Result<Vec<f32>> {
+/// (for int8/int4 the stored value is `m + code * s`, rounded once to f32); a coded record
+/// (section 6.1) decodes every dim from its own offset and step.
+pub fn decode_record(side: &SideStrategy, record: &[u8]) -> Result<Vec<f32>> {
+    let layout = &side.layout;
+    if layout.dtype == ValueDtype::Coded {
+        let out = decode_coded(&side.coding, record);
+        if let Some(j) = out.iter().position(|v| !v.is_finite()) {
+            return Err(MosaicError::NonFinite {
+                what: "decoded value",
+                index: j,
+            });
+        }
+        return Ok(out);
+    }
     let g = layout.group_size;
     let mut out = vec![0.0f32; layout.kept_dims];
     let value = |i: usize| -> f32 {
@@ -166,7 +213,7 @@ pub fn decode_rows(packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f3
     packed.validate(layout)?;
     let mut out = Array2::<f32>::zeros((packed.count, layout.kept_dims));
     for i in 0..packed.count {
-        let row = decode_record(layout, packed.record(layout, i))?;
+        let row = decode_record(side, packed.record(layout, i))?;
         for (j, v) in row.into_iter().enumerate() {
             out[[i, j]] = v;
         }

@@ -3,12 +3,15 @@
 use crate::loss;
 use crate::packed::{decode_rows, dequantized_kept, encode_rows, kept_values};
 use crate::rotation::fit_rotation;
-use crate::topr::{rotate_row_f64, select_row};
+use crate::topr::{rotate_row_f64, round_kept, select_row};
+use mosaickv_spec::coded::{self, DimCode};
 use mosaickv_spec::layout::trim_rotation;
 use mosaickv_spec::query::{attention_config, LossContext};
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
-use mosaickv_spec::{CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy};
+use mosaickv_spec::{
+    f16, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy, ValueDtype,
+};
 use ndarray::ArrayView2;
 
 /// Running sums of SPEC.md section 11.1's loss: `dropped = sum_i sum_{j not
@@ -26,9 +29,14 @@ pub struct LossSums {
 }
 
 impl LossSums {
-    /// Adds one original row and its rotation (f64, at least `Dt` dims, before f16 rounding).
-    pub fn add_rotated(&mut self, row: &[f32], rotated: &[f64], layout: &RecordLayout) {
-        let (dropped, total) = row_loss_terms(row, rotated, layout);
+    /// Adds one original row and its rotation (f64, at least `Dt` dims, before f16 rounding)
+    /// under `side`'s layout (and coding); the rotation itself is not read.
+    pub fn add_rotated(&mut self, row: &[f32], rotated: &[f64], side: &SideStrategy) {
+        let (dropped, total) = if side.layout.dtype.is_bitmap() {
+            row_loss_terms(row, rotated, &side.layout)
+        } else {
+            coded_row_loss_terms(row, rotated, side)
+        };
         self.dropped += dropped;
         self.total += total;
         if self.sum.is_empty() {
@@ -46,7 +54,7 @@ impl LossSums {
 
     /// Adds one original row, rotated with `side`'s R.
     pub fn add_row(&mut self, row: &[f32], side: &SideStrategy) {
-        self.add_rotated(row, &rotate_row_f64(row, &side.rotation), &side.layout);
+        self.add_rotated(row, &rotate_row_f64(row, &side.rotation), side);
     }
 
     /// The rows' spread about their mean, `Q - ||m||^2 / n` (0 without rows).
@@ -74,6 +82,10 @@ impl LossSums {
 /// section 5's, chosen on the f16-rounded values; the energies use the f64
 /// values before rounding.
 pub fn row_loss_terms(row: &[f32], rotated: &[f64], layout: &RecordLayout) -> (f64, f64) {
+    debug_assert!(
+        layout.dtype.is_bitmap(),
+        "coded layouts: coded_row_loss_terms"
+    );
     let (y, kept) = select_row(rotated, layout);
     let g = layout.group_size;
     // Decoded kept values in ascending dim order (only quantized layouts use them).
@@ -105,6 +117,28 @@ pub fn row_loss_terms(row: &[f32], rotated: &[f64], layout: &RecordLayout) -> (f
     (dropped, total)
 }
 
+/// SPEC.md sections 6.1 and 11.1 for a coded side: as [`row_loss_terms`], with every dim
+/// `j < Dt` kept and `e_j = (x'_j - d_j)^2`, `d_j` its decoded value.
+pub fn coded_row_loss_terms(row: &[f32], rotated: &[f64], side: &SideStrategy) -> (f64, f64) {
+    let dt = side.layout.kept_dims;
+    let y = round_kept(rotated, dt);
+    let mut dropped = 0.0;
+    let mut total = 0.0;
+    for (j, &v) in rotated[..dt].iter().enumerate() {
+        let c = side.coding[j];
+        let err = v - f64::from(c.decode(c.encode(y[j])));
+        total += v * v;
+        dropped += err * err;
+    }
+    if dt < side.layout.head_dim {
+        let energy: f64 = row.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let truncated = (energy - total).max(0.0);
+        dropped += truncated;
+        total += truncated;
+    }
+    (dropped, total)
+}
+
 /// SPEC.md section 11.1: `loss = sum_i (dropped energy of row i) / D`, `D` the key rows'
 /// spread about their mean or the value rows' energy `sum_i ||x'_i||^2`, for rows `[n, D]`
 /// under `strategy` (0 when the denominator is 0).
@@ -117,23 +151,89 @@ pub fn side_loss(rows: ArrayView2<f32>, strategy: &SideStrategy, side: Side) -> 
     sums.loss(side)
 }
 
-/// SPEC.md section 11.2: chooses `(r, g)` among the candidates
-/// ([`mosaickv_spec::rules::candidates`]), given the rows and their rotations
-/// with the full R (f64, all D dims). Each candidate's loss is section 11.1's,
-/// rows added in order; the pick is [`mosaickv_spec::rules::choose_candidate`]
-/// (the rule is data, written once in the spec crate). Returns the layout and
-/// its (energy) loss.
+/// SPEC.md sections 6.1 and 11.2: one side's candidates for rows whose rotations (with the
+/// full R, f64) are `rotated`: the policy's bitmap layouts
+/// ([`mosaickv_spec::rules::candidates`]) and, where `value_dtypes` lists `coded`, at its place
+/// ([`mosaickv_spec::rules::coded_candidates_at`]), one coded candidate per step of the ladder
+/// ([`mosaickv_spec::coded::ladder`]) in ladder order, repeats dropped. Each comes as a side
+/// strategy without its rotation (`rotation` empty) or fit loss.
+pub fn side_candidates(
+    rotated: &[Vec<f64>],
+    config: &CompressConfig,
+    head_dim: usize,
+) -> Vec<SideStrategy> {
+    let bare = |layout: RecordLayout, coding: Vec<DimCode>| SideStrategy {
+        layout,
+        rotation: Vec::new(),
+        fit_loss: 0.0,
+        coding,
+    };
+    let mut out: Vec<SideStrategy> = rules::candidates(config, head_dim)
+        .into_iter()
+        .map(|l| bare(l, Vec::new()))
+        .collect();
+    let Some(at) = rules::coded_candidates_at(config, head_dim) else {
+        return out;
+    };
+    let dt = config.kept_dims(head_dim, 1);
+    let rounded: Vec<Vec<f16>> = rotated.iter().map(|x| round_kept(x, dt)).collect();
+    if rounded.iter().flatten().any(|y| !y.is_finite()) {
+        return out; // an overflowing row: no range to code (encoding it is `NonFinite`)
+    }
+    let mut lo = vec![f16::INFINITY; dt];
+    let mut hi = vec![f16::NEG_INFINITY; dt];
+    for y in &rounded {
+        for j in 0..dt {
+            if y[j].to_f64() < lo[j].to_f64() {
+                lo[j] = y[j];
+            }
+            if y[j].to_f64() > hi[j].to_f64() {
+                hi[j] = y[j];
+            }
+        }
+    }
+    if rounded.is_empty() {
+        lo.fill(f16::ZERO);
+        hi.fill(f16::ZERO);
+    }
+    let steps = coded::ladder(&lo, &hi);
+    let mut coded_side: Vec<SideStrategy> = Vec::new();
+    for delta in if steps.is_empty() { vec![1.0] } else { steps } {
+        let coding = coded::coding_for_step(&lo, &hi, delta);
+        if coded_side.iter().any(|c| c.coding == coding) {
+            continue;
+        }
+        let layout = RecordLayout {
+            head_dim,
+            kept_dims: dt,
+            r: dt,
+            group_size: 1,
+            dtype: ValueDtype::Coded,
+            code_bits: coded::code_bits(&coding),
+        };
+        coded_side.push(bare(layout, coding));
+    }
+    out.splice(at..at, coded_side);
+    out
+}
+
+/// SPEC.md section 11.2: chooses among the candidates ([`side_candidates`]), given the rows
+/// and their rotations with the full R (f64, all D dims). Each candidate's loss is section
+/// 11.1's, rows added in order; the pick is [`mosaickv_spec::rules::choose_candidate`] (the
+/// rule is data, written once in the spec crate). Returns the candidate (rotation not
+/// filled in) and its (energy) loss.
 pub fn choose_layout(
     rows: ArrayView2<f32>,
     rotated: &[Vec<f64>],
     side: Side,
     config: &CompressConfig,
     head_dim: usize,
-) -> (RecordLayout, f64) {
-    let candidates = rules::candidates(config, head_dim);
+) -> (SideStrategy, f64) {
+    let candidates = side_candidates(rotated, config, head_dim);
     let losses = energy_losses(rows, rotated, side, &candidates);
-    let k = rules::choose_candidate(&candidates, &losses, side, config);
-    (candidates[k], losses[k])
+    let layouts: Vec<RecordLayout> = candidates.iter().map(|c| c.layout).collect();
+    let k = rules::choose_candidate(&layouts, &losses, side, config);
+    (candidates[k].clone(), losses[k])
 }
 
 /// Section 11.1's loss of each candidate (keys against their spread), rows added in order.
@@ -141,15 +241,15 @@ fn energy_losses(
     rows: ArrayView2<f32>,
     rotated: &[Vec<f64>],
     side: Side,
-    candidates: &[RecordLayout],
+    candidates: &[SideStrategy],
 ) -> Vec<f64> {
     candidates
         .iter()
-        .map(|layout| {
+        .map(|cand| {
             let mut sums = LossSums::default();
             for (row, rot) in rows.rows().into_iter().zip(rotated) {
                 let row: Vec<f32> = row.iter().copied().collect();
-                sums.add_rotated(&row, rot, layout);
+                sums.add_rotated(&row, rot, cand);
             }
             sums.loss(side)
         })
@@ -208,28 +308,28 @@ pub fn fit_side_with(
             rotate_row_f64(&row, &rotation)
         })
         .collect();
-    let candidates = rules::candidates(config, d);
+    let candidates = side_candidates(&rotated, config, d);
     let energy = energy_losses(rows, &rotated, side, &candidates);
+    let layouts: Vec<RecordLayout> = candidates.iter().map(|c| c.layout).collect();
     let k = match (attention_config(config, ctx), ctx) {
         (Some(att), Some(ctx)) => {
             let mut losses = Vec::with_capacity(candidates.len());
-            for layout in &candidates {
+            for cand in &candidates {
                 let st = SideStrategy {
-                    layout: *layout,
-                    rotation: trim_rotation(&rotation, d, layout.kept_dims),
-                    fit_loss: 0.0,
+                    rotation: trim_rotation(&rotation, d, cand.layout.kept_dims),
+                    ..cand.clone()
                 };
                 losses.push(attention_loss(rows, &st, side, ctx)?);
             }
-            rules::choose_candidate(&candidates, &losses, side, &att)
+            rules::choose_candidate(&layouts, &losses, side, &att)
         }
-        _ => rules::choose_candidate(&candidates, &energy, side, config),
+        _ => rules::choose_candidate(&layouts, &energy, side, config),
     };
-    let layout = candidates[k];
+    let chosen = &candidates[k];
     Ok(SideStrategy {
-        layout,
-        rotation: trim_rotation(&rotation, d, layout.kept_dims),
+        rotation: trim_rotation(&rotation, d, chosen.layout.kept_dims),
         fit_loss: energy[k],
+        ..chosen.clone()
     })
 }
 

@@ -128,6 +128,8 @@ impl CompressedCache {
                     let l = &side.layout;
                     m.values += rows.count * l.value_bytes();
                     m.scales += rows.count * l.scale_bytes();
+                    // a coded side's per-dim width, offset and step (SPEC.md section 6.1)
+                    m.scales += crate::coded::CODING_BYTES_PER_DIM * side.coding.len();
                     m.bitmaps += rows.count * l.bitmap_bytes();
                     m.padding += rows.count * l.padding_bytes();
                     m.rotations += 2 * side.rotation.len();
@@ -154,7 +156,8 @@ pub struct MemoryReport {
     /// Retained K/V elements (or the dense f16 rows of an uncompressed cache).
     pub values: usize,
     pub bitmaps: usize,
-    /// Per-record value scales of int8/int4 sides (f16, 2 B per record; SPEC.md section 6).
+    /// Per-record value scales of int8/int4 sides (f16, 2 B per record; SPEC.md section 6), and
+    /// coded sides' per-dim width, offset and step (5 B per dim and segment; section 6.1).
     #[serde(default)]
     pub scales: usize,
     /// Record padding: zero bytes up to a multiple of 4 bytes per record (SPEC.md section 6).

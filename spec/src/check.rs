@@ -221,10 +221,19 @@ impl CompressedCache {
 }
 
 /// SPEC.md section 6, decode of one record into `out` (`kept_dims` long): the stored value
-/// (f16, or `m + code * s` in f32) at each kept dim, 0 elsewhere. The record must be valid
-/// (`PackedRows::validate`).
-fn decode_into(layout: &crate::layout::RecordLayout, rec: &[u8], out: &mut [f32]) {
+/// (f16, or `m + code * s` in f32) at each kept dim, 0 elsewhere; a coded record (section
+/// 6.1) every dim. The record must be valid (`PackedRows::validate`).
+fn decode_into(side: &crate::layout::SideStrategy, rec: &[u8], out: &mut [f32]) {
     use crate::layout::{bitmap_bit, dequantize, read_code, record_quant, record_value};
+    let layout = &side.layout;
+    if layout.dtype == crate::layout::ValueDtype::Coded {
+        // SPEC.md section 6.1: every dim from its own offset and step.
+        let codes = crate::coded::unpack_codes(&side.coding, rec);
+        for ((x, c), d) in out.iter_mut().zip(codes).zip(&side.coding) {
+            *x = d.decode(c);
+        }
+        return;
+    }
     let g = layout.group_size;
     let quant = layout
         .dtype
@@ -263,7 +272,7 @@ impl CompressedCache {
                 let mut row = vec![0.0f32; dt];
                 for t in 0..seg.len {
                     let b = t / meta.block_size;
-                    decode_into(layout, head.keys.record(layout, t), &mut row);
+                    decode_into(&head.strategy.key, head.keys.record(layout, t), &mut row);
                     let s = f64::from(meta.scale[b]);
                     for (j, &x) in row.iter().enumerate() {
                         if !x.is_finite() {

@@ -296,6 +296,16 @@ impl CompressConfig {
                 self.value_dtypes
             ));
         }
+        if self.value_dtypes.contains(&ValueDtype::Coded)
+            && matches!(self.channels, ChannelPolicy::Fixed { .. })
+        {
+            // SPEC.md sections 6.1, 11.2: a coded side's step comes from the loss threshold.
+            return bad(
+                "value dtype `coded` needs the loss_threshold channel policy (its step is the \
+                 largest that passes the threshold), not a fixed retention"
+                    .into(),
+            );
+        }
         if let LossPolicy::Attention {
             key_loss,
             value_loss,

@@ -10,6 +10,11 @@ use serde::{Deserialize, Serialize};
 /// smallest kept value `m` and a scale `s` (both f16) and per kept value an unsigned code
 /// (`[0, 255]`, `[0, 15]`), written by [`quantize_values`]; the decoded value is
 /// `m + code * s` rounded once to f32 ([`dequantize`]).
+///
+/// `Coded` is not a per-value type but a record kind (SPEC.md section 6.1): no bitmap and no
+/// per-record minimum and scale; every rotated dim has a code of its own width, offset and
+/// step, fitted per segment ([`DimCode`], [`SideStrategy::coding`]). The reference backend
+/// implements it; the optimized and CUDA backends refuse it (`InvalidConfig`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[repr(u8)]
@@ -17,49 +22,61 @@ pub enum ValueDtype {
     F16 = 1,
     Int8 = 2,
     Int4 = 3,
+    Coded = 4,
 }
 
 impl ValueDtype {
-    /// Every dtype, in tag order.
+    /// The bitmap records' dtypes (SPEC.md section 6), in tag order.
     pub const ALL: [ValueDtype; 3] = [ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4];
 
     /// Bytes of `r` stored values (SPEC.md section 6): `2 r` (f16), `r` (int8),
-    /// `ceil(r / 2)` (int4, two codes per byte).
+    /// `ceil(r / 2)` (int4, two codes per byte). A coded record's bytes depend on its
+    /// segment's widths ([`RecordLayout::value_bytes`]); here 0.
     pub const fn values_bytes(self, r: usize) -> usize {
         match self {
             ValueDtype::F16 => 2 * r,
             ValueDtype::Int8 => r,
             ValueDtype::Int4 => r.div_ceil(2),
+            ValueDtype::Coded => 0,
         }
     }
 
-    /// Bytes of the per-record minimum and scale: 0 (f16), 4 (two f16, int8 and int4).
+    /// Bytes of the per-record minimum and scale: 0 (f16, coded), 4 (two f16, int8 and int4).
     pub const fn scale_bytes(self) -> usize {
         match self {
-            ValueDtype::F16 => 0,
+            ValueDtype::F16 | ValueDtype::Coded => 0,
             ValueDtype::Int8 | ValueDtype::Int4 => 4,
         }
     }
 
-    /// Largest code: 255 (int8), 15 (int4); 0 for f16 (not quantized).
+    /// Largest code: 255 (int8), 15 (int4); 0 for f16 (not quantized) and coded (per dim).
     pub const fn qmax(self) -> u32 {
         match self {
-            ValueDtype::F16 => 0,
+            ValueDtype::F16 | ValueDtype::Coded => 0,
             ValueDtype::Int8 => 255,
             ValueDtype::Int4 => 15,
         }
     }
 
+    /// Whether records carry a per-record minimum, scale and codes (int8, int4: SPEC.md
+    /// section 6's quantized bitmap records). False for f16 and for coded records.
     pub const fn is_quantized(self) -> bool {
-        !matches!(self, ValueDtype::F16)
+        matches!(self, ValueDtype::Int8 | ValueDtype::Int4)
     }
 
-    /// The name used in configuration files and reports: `f16`, `int8`, `int4`.
+    /// Whether records of this kind have a bitmap and kept values (SPEC.md section 6): every
+    /// kind but coded (section 6.1).
+    pub const fn is_bitmap(self) -> bool {
+        !matches!(self, ValueDtype::Coded)
+    }
+
+    /// The name used in configuration files and reports: `f16`, `int8`, `int4`, `coded`.
     pub const fn name(self) -> &'static str {
         match self {
             ValueDtype::F16 => "f16",
             ValueDtype::Int8 => "int8",
             ValueDtype::Int4 => "int4",
+            ValueDtype::Coded => "coded",
         }
     }
 
@@ -68,6 +85,7 @@ impl ValueDtype {
             1 => Ok(ValueDtype::F16),
             2 => Ok(ValueDtype::Int8),
             3 => Ok(ValueDtype::Int4),
+            4 => Ok(ValueDtype::Coded),
             t => Err(MosaicError::CorruptPacked(format!(
                 "unknown value dtype tag {t}"
             ))),
@@ -187,7 +205,9 @@ pub fn write_quantized(dtype: ValueDtype, p: QuantParams, codes: &[u8], out: &mu
                 }
             }
         }
-        ValueDtype::F16 => unreachable!("f16 records have no scale"),
+        ValueDtype::F16 | ValueDtype::Coded => {
+            unreachable!("{} records have no record scale", dtype.name())
+        }
     }
 }
 
@@ -197,7 +217,7 @@ pub fn read_code(dtype: ValueDtype, v: &[u8], i: usize) -> u8 {
     match dtype {
         ValueDtype::Int8 => v[i],
         ValueDtype::Int4 => (v[i / 2] >> (4 * (i % 2))) & 0x0f,
-        ValueDtype::F16 => unreachable!("f16 records have no codes"),
+        ValueDtype::F16 | ValueDtype::Coded => unreachable!("not a bitmap code: {}", dtype.name()),
     }
 }
 
@@ -216,6 +236,14 @@ pub struct RecordLayout {
     /// Element group size g: one bitmap bit per g adjacent channels.
     pub group_size: usize,
     pub dtype: ValueDtype,
+    /// Coded records only (SPEC.md section 6.1): the bits of one record's codes, the sum of
+    /// its segment's per-dim widths; 0 for every bitmap layout.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub code_bits: usize,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
 }
 
 /// Bytes of bitmap for `groups` groups: whole little-endian `u32` words.
@@ -261,6 +289,30 @@ impl RecordLayout {
     /// Checks the layout's invariants (SPEC.md section 6).
     pub fn validate(&self) -> Result<()> {
         let g = self.group_size;
+        if self.dtype == ValueDtype::Coded {
+            // SPEC.md section 6.1: every rotated dim has a code (r = Dt, g = 1), of at most
+            // 8 bits.
+            if self.kept_dims == 0
+                || self.kept_dims > self.head_dim
+                || g != 1
+                || self.r != self.kept_dims
+                || self.code_bits > 8 * self.kept_dims
+            {
+                return Err(MosaicError::InvalidConfig(format!(
+                    "coded layout (D {}, Dt {}, r {}, g {}, {} code bits): needs 0 < Dt <= D, \
+                     g = 1, r = Dt and at most 8 bits per dim (SPEC.md section 6.1)",
+                    self.head_dim, self.kept_dims, self.r, g, self.code_bits
+                )));
+            }
+            return Ok(());
+        }
+        if self.code_bits != 0 {
+            return Err(MosaicError::InvalidConfig(format!(
+                "a {} layout has no code bits (got {})",
+                self.dtype.name(),
+                self.code_bits
+            )));
+        }
         if g == 0 || self.head_dim % g != 0 {
             return Err(MosaicError::GroupSizeNotDivisor {
                 head_dim: self.head_dim,
@@ -292,14 +344,21 @@ impl RecordLayout {
     pub fn bitmap_words(&self) -> usize {
         bitmap_words_for(self.groups())
     }
-    /// Stored bitmap bytes (whole `u32` words); the values start here.
+    /// Stored bitmap bytes (whole `u32` words); the values start here. 0 for coded records.
     #[inline]
     pub fn bitmap_bytes(&self) -> usize {
+        if self.dtype == ValueDtype::Coded {
+            return 0;
+        }
         bitmap_bytes_for(self.groups())
     }
-    /// Bytes of the stored values (codes for int8/int4, without the scale).
+    /// Bytes of the stored values (codes for int8/int4, without the scale; a coded record's
+    /// bit-packed codes, `ceil(code_bits / 8)`).
     #[inline]
     pub fn value_bytes(&self) -> usize {
+        if self.dtype == ValueDtype::Coded {
+            return self.code_bits.div_ceil(8);
+        }
         self.dtype.values_bytes(self.r)
     }
     /// Bytes of the per-record minimum and scale (0 for f16, 4 for int8/int4).
@@ -314,6 +373,9 @@ impl RecordLayout {
     }
     #[inline]
     pub fn record_bytes(&self) -> usize {
+        if self.dtype == ValueDtype::Coded {
+            return self.code_bits.div_ceil(32) * 4;
+        }
         record_bytes_for(self.kept_dims, self.r, self.group_size, self.dtype)
     }
     pub fn padding_bytes(&self) -> usize {
@@ -334,6 +396,10 @@ pub struct SideStrategy {
     /// Relative dropped energy (with the quantization error of an int8/int4 layout) of the
     /// rows this strategy was fitted on (SPEC.md sections 10, 11.1).
     pub fit_loss: f64,
+    /// A coded layout's per-dim widths, offsets and steps (SPEC.md section 6.1), `Dt` of
+    /// them; empty for every bitmap layout.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coding: Vec<crate::coded::DimCode>,
 }
 
 impl SideStrategy {
@@ -344,6 +410,16 @@ impl SideStrategy {
     /// Checks the layout and the rotation's size and finiteness.
     pub fn validate(&self) -> Result<()> {
         self.layout.validate()?;
+        if self.layout.dtype == ValueDtype::Coded {
+            crate::coded::check_coding(&self.coding, self.layout.kept_dims, self.layout.code_bits)
+                .map_err(|m| MosaicError::InvalidConfig(format!("coded side strategy: {m}")))?;
+        } else if !self.coding.is_empty() {
+            return Err(MosaicError::InvalidConfig(format!(
+                "a {} side strategy has no per-dim coding (got {} dims)",
+                self.layout.dtype.name(),
+                self.coding.len()
+            )));
+        }
         let d = self.layout.head_dim;
         if self.rotation.len() != d * self.layout.kept_dims {
             return Err(MosaicError::ShapeMismatch {
@@ -493,6 +569,18 @@ pub fn record_quant(layout: &RecordLayout, record: &[u8]) -> QuantParams {
 }
 
 fn check_record(layout: &RecordLayout, rec: &[u8]) -> std::result::Result<(), String> {
+    if layout.dtype == ValueDtype::Coded {
+        // SPEC.md section 6.1: any code of its width is valid; the bits past the last code
+        // and the padding bytes are zero.
+        let bits = layout.code_bits;
+        if bits % 8 != 0 && rec[bits / 8] >> (bits % 8) != 0 {
+            return Err("non-zero bits after the last code".into());
+        }
+        if rec[bits.div_ceil(8)..].iter().any(|&b| b != 0) {
+            return Err("non-zero padding".into());
+        }
+        return Ok(());
+    }
     let groups = layout.groups();
     let mut ones = 0usize;
     for w in 0..layout.bitmap_words() {
@@ -716,6 +804,7 @@ mod tests {
                 r: 1,
                 group_size: 1,
                 dtype: ValueDtype::F16,
+                code_bits: 0,
             },
             // column 0 = e_0, column 1 = col1 (row-major D x Dt)
             rotation: (0..d)
@@ -723,6 +812,7 @@ mod tests {
                 .map(f16::from_f32)
                 .collect(),
             fit_loss: 0.0,
+            coding: Vec::new(),
         };
         // unit columns, and a unit vector rounded to f16 entry by entry, are accepted
         assert!(side([0.0, 1.0, 0.0, 0.0]).validate().is_ok());
@@ -866,6 +956,7 @@ mod tests {
                 r,
                 group_size: 1,
                 dtype,
+                code_bits: 0,
             };
             let mut rec = vec![0u8; layout.record_bytes()];
             for k in 0..r {
@@ -900,6 +991,7 @@ mod tests {
             r,
             group_size: 1,
             dtype,
+            code_bits: 0,
         };
         let good = |l: &RecordLayout| {
             let mut rec = vec![0u8; l.record_bytes()];

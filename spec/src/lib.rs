@@ -7,6 +7,7 @@
 pub mod atomic;
 pub mod cache;
 pub mod check;
+pub mod coded;
 pub mod config;
 pub mod error;
 pub mod kvq;

@@ -279,10 +279,11 @@ impl Method {
                                 .map(|name| {
                                     ValueDtype::ALL
                                         .into_iter()
+                                        .chain([ValueDtype::Coded])
                                         .find(|d| d.name() == name)
                                         .ok_or_else(|| {
                                             MosaicError::InvalidConfig(format!(
-                                                "method {spec:?}: dt={v}: {name:?} is not f16, int8 or int4"
+                                                "method {spec:?}: dt={v}: {name:?} is not f16, int8, int4 or coded"
                                             ))
                                         })
                                 })

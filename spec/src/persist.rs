@@ -230,9 +230,15 @@ fn side_payload(b: &mut Buf, s: &SideStrategy) -> Result<()> {
     b.u32(small(l.r, "r")?);
     b.u32(small(l.group_size, "group_size")?);
     b.u32(l.dtype as u32);
-    b.u32(0);
+    // reserved for bitmap sides; a coded side's `code_bits` (SPEC.md sections 6.1, 15.3)
+    b.u32(small(l.code_bits, "code_bits")?);
     b.f64(s.fit_loss);
     b.f16s(&s.rotation);
+    if l.dtype == ValueDtype::Coded {
+        b.0.extend(s.coding.iter().map(|c| c.bits));
+        b.f16s(&s.coding.iter().map(|c| c.min).collect::<Vec<_>>());
+        b.f16s(&s.coding.iter().map(|c| c.scale).collect::<Vec<_>>());
+    }
     Ok(())
 }
 
@@ -596,7 +602,9 @@ fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
         .and_then(|t| {
             ValueDtype::from_tag(t).map_err(|_| bad(format!("unknown value dtype tag {tag}")))
         })?;
-    if c.u32()? != 0 {
+    // reserved (0) for bitmap sides; a coded side's `code_bits` (SPEC.md section 15.3)
+    let code_bits = c.u32()? as usize;
+    if dtype != ValueDtype::Coded && code_bits != 0 {
         return Err(bad(format!("{}: reserved field is not zero", c.what)));
     }
     let fit_loss = c.f64()?;
@@ -611,6 +619,19 @@ fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
         .checked_mul(kept_dims)
         .ok_or_else(|| bad("rotation size overflows"))?;
     let rotation = c.f16s(n, "rotation")?;
+    let coding = if dtype == ValueDtype::Coded {
+        let widths = c.array(kept_dims, 1, "coded widths")?.to_vec();
+        let mins = c.f16s(kept_dims, "coded offsets")?;
+        let steps = c.f16s(kept_dims, "coded steps")?;
+        widths
+            .into_iter()
+            .zip(mins)
+            .zip(steps)
+            .map(|((bits, min), scale)| crate::coded::DimCode { bits, min, scale })
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(SideStrategy {
         layout: RecordLayout {
             head_dim,
@@ -618,9 +639,11 @@ fn parse_side(c: &mut Cursor, shape: &KvShape) -> Result<SideStrategy> {
             r,
             group_size,
             dtype,
+            code_bits,
         },
         rotation,
         fit_loss,
+        coding,
     })
 }
 

@@ -206,9 +206,16 @@ pub fn prompt_segments(
 /// record of the policy's largest candidate layout (value dtype and scales included) and the
 /// key block metadata at the smallest block size with every dim kept (`ceil((2 D + 4) / b)`).
 pub fn worst_token_bytes(config: &CompressConfig, head_dim: usize) -> usize {
+    // A coded record (SPEC.md section 6.1) holds at most 8 bits per rotated dim.
+    let coded = if config.value_dtypes.contains(&ValueDtype::Coded) {
+        config.kept_dims(head_dim, 1).div_ceil(4) * 4
+    } else {
+        0
+    };
     let record = candidates(config, head_dim)
         .iter()
         .map(|l| l.record_bytes())
+        .chain([coded])
         .max()
         .unwrap_or(0);
     let b_min = config.block_sizes.iter().copied().min().unwrap_or(1).max(1);
@@ -238,6 +245,7 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
             r,
             group_size: g,
             dtype,
+            code_bits: 0,
         }
     };
     let mut out: Vec<RecordLayout> = Vec::new();
@@ -264,7 +272,9 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
             group_sizes,
             ..
         } => {
-            for &dtype in &config.value_dtypes {
+            // Coded candidates (SPEC.md section 6.1) depend on the rows, so each backend adds
+            // them at `coded`'s place in `value_dtypes` (`coded_candidates_at`).
+            for &dtype in config.value_dtypes.iter().filter(|d| d.is_bitmap()) {
                 for &g in group_sizes {
                     for &f in retentions {
                         push(layout(f, g, dtype));
@@ -274,6 +284,26 @@ pub fn candidates(config: &CompressConfig, head_dim: usize) -> Vec<RecordLayout>
         }
     }
     out
+}
+
+/// SPEC.md sections 6.1 and 11.2: where a policy's coded candidates go in its candidate list:
+/// after the bitmap candidates of the dtypes listed before `coded` in `value_dtypes` (`None`
+/// when `coded` is not listed). Coded candidates depend on the rows (one per step of the
+/// ladder, [`crate::coded::ladder`]), so each backend builds them and inserts them here.
+pub fn coded_candidates_at(config: &CompressConfig, head_dim: usize) -> Option<usize> {
+    let at = config
+        .value_dtypes
+        .iter()
+        .position(|&d| d == ValueDtype::Coded)?;
+    let before = CompressConfig {
+        value_dtypes: config.value_dtypes[..at].to_vec(),
+        ..config.clone()
+    };
+    Some(if at == 0 {
+        0
+    } else {
+        candidates(&before, head_dim).len()
+    })
 }
 
 /// SPEC.md section 11.2: the index of the chosen candidate, given each
@@ -485,6 +515,7 @@ mod tests {
             r: 8,
             group_size: g,
             dtype: ValueDtype::F16,
+            code_bits: 0,
         };
         let twins = vec![small(2), small(1)];
         assert_eq!(twins[0].record_bytes(), twins[1].record_bytes());

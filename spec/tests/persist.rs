@@ -85,12 +85,14 @@ fn side(rng: &mut Rng, kept_dims: usize, r: usize, g: usize) -> SideStrategy {
             r,
             group_size: g,
             dtype,
+            code_bits: 0,
         },
         // columns shorter than a unit vector (SideStrategy::validate bounds their norm)
         rotation: (0..D * kept_dims)
             .map(|_| half::f16::from_f32(rng.f32() / D as f32))
             .collect(),
         fit_loss: rng.f32().abs() as f64 / 7.0,
+        coding: Vec::new(),
     }
 }
 

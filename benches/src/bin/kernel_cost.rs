@@ -199,6 +199,7 @@ fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
         r,
         group_size,
         dtype: ValueDtype::Int8,
+        code_bits: 0,
     };
     let (kl, vl) = (layout(1, 80), layout(4, 16));
     let keys = pack_rotated(&rows, d, &kl).expect("valid key layout").bytes;

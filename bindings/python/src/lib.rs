@@ -305,6 +305,7 @@ fn side_info(s: &SideStrategy) -> SideStrategy {
         layout: s.layout.clone(),
         rotation: Vec::new(),
         fit_loss: s.fit_loss,
+        coding: s.coding.clone(),
     }
 }
 
@@ -319,9 +320,13 @@ fn side_dict<'py>(py: Python<'py>, s: &SideStrategy) -> PyResult<Bound<'py, PyDi
             ValueDtype::F16 => "float16",
             ValueDtype::Int8 => "int8",
             ValueDtype::Int4 => "int4",
+            ValueDtype::Coded => "coded",
         },
     )?;
     d.set_item("kept_dims", l.kept_dims)?;
+    if l.dtype == ValueDtype::Coded {
+        d.set_item("code_bits", l.code_bits)?;
+    }
     d.set_item("record_bytes", l.record_bytes())?;
     d.set_item("fit_loss", s.fit_loss)?;
     Ok(d)

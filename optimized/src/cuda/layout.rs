@@ -120,6 +120,9 @@ impl HostTables {
     /// tokens can be appended on the device one at a time, segment slots and block entries
     /// so a swap can change a sequence's segments in place ([`super::CudaCache`]).
     pub fn build_reserved(caches: &[&CompressedCache], reserve: Reserve) -> Result<Self> {
+        for cache in caches {
+            crate::refuse_coded_cache(cache)?;
+        }
         let spare = reserve.rows;
         let first = caches.first().ok_or(MosaicError::EmptyCache)?;
         let shape = first.shape;

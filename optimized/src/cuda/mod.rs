@@ -221,6 +221,7 @@ impl Backend for CudaBackend {
     /// Device: `mkv_encode` (SPEC.md 5, 6; f16, int8 and int4 records).
     fn encode(&self, rows: ArrayView2<f32>, side: &SideStrategy) -> Result<PackedRows> {
         side.validate()?;
+        crate::refuse_coded_layout(&side.layout)?;
         let l = side.layout;
         check_rows(&rows, l.head_dim, "rows")?;
         head_dim_supported(l.head_dim)?;
@@ -283,6 +284,7 @@ impl Backend for CudaBackend {
     /// values decoded as `m + code * s` in f32.
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
         side.validate()?;
+        crate::refuse_coded_layout(&side.layout)?;
         packed.validate(&side.layout)?;
         let l = side.layout;
         head_dim_supported(l.head_dim)?;
@@ -332,6 +334,7 @@ impl Backend for CudaBackend {
                 "block_size must be positive".into(),
             ));
         }
+        crate::refuse_coded_layout(&key.layout)?;
         keys.validate(&key.layout)?;
         let l = key.layout;
         head_dim_supported(l.head_dim)?;

@@ -35,6 +35,7 @@ fn fit_side_from_cov(
             layout: cands[k],
             rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, cands[k].kept_dims),
             fit_loss: losses[k],
+            coding: Vec::new(),
         },
         xr,
     ))

@@ -308,6 +308,7 @@ mod tests {
                     r,
                     group_size: g,
                     dtype,
+                    code_bits: 0,
                 };
                 layout.validate().unwrap();
                 let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
@@ -364,6 +365,7 @@ mod tests {
                     r,
                     group_size: g,
                     dtype,
+                    code_bits: 0,
                 };
                 layout.validate().unwrap();
                 assert!(Path::Avx512.sparse_values(&layout, heads), "{layout:?}");
@@ -451,6 +453,7 @@ mod tests {
                     r,
                     group_size: g,
                     dtype,
+                    code_bits: 0,
                 };
                 layout.validate().unwrap();
                 v.push(layout);
@@ -614,6 +617,7 @@ mod tests {
                 r: 8,
                 group_size: 1,
                 dtype,
+                code_bits: 0,
             };
             let mut rec = vec![0u8; layout.record_bytes() * 2];
             let rb = layout.record_bytes();

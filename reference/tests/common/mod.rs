@@ -30,8 +30,10 @@ pub fn identity_side(d: usize, kept_dims: usize, r: usize, g: usize) -> SideStra
             r,
             group_size: g,
             dtype: ValueDtype::F16,
+            code_bits: 0,
         },
         rotation,
         fit_loss: 0.0,
+        coding: Vec::new(),
     }
 }
