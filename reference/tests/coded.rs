@@ -242,11 +242,17 @@ fn generated_tokens_flush_and_close_under_coded_strategies() {
     let mut cache = MosaicCache::new(shape, cfg).unwrap();
     let mut full = FullCache::new(shape);
     let p = 300;
-    cache.prefill(k.slice(s![..p, .., ..]), v.slice(s![..p, .., ..])).unwrap();
-    full.prefill(k.slice(s![..p, .., ..]), v.slice(s![..p, .., ..])).unwrap();
+    cache
+        .prefill(k.slice(s![..p, .., ..]), v.slice(s![..p, .., ..]))
+        .unwrap();
+    full.prefill(k.slice(s![..p, .., ..]), v.slice(s![..p, .., ..]))
+        .unwrap();
     for t in p..n {
-        cache.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..])).unwrap();
-        full.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..])).unwrap();
+        cache
+            .append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..]))
+            .unwrap();
+        full.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..]))
+            .unwrap();
     }
     let segs = &cache.compressed().segments;
     assert!(segs.len() >= 4, "{} segments", segs.len());
