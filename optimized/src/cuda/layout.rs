@@ -38,6 +38,9 @@ pub fn dtype_tag(l: &mosaickv_spec::RecordLayout) -> i32 {
         ValueDtype::F16 => mosaickv_kernels::DTYPE_F16,
         ValueDtype::Int8 => mosaickv_kernels::DTYPE_INT8,
         ValueDtype::Int4 => mosaickv_kernels::DTYPE_INT4,
+        // refused before any table is built (`refuse_coded_cache` in `build_reserved`, and in
+        // every encode/decode entry): the kernels read bitmap records only (SPEC.md 6.1)
+        ValueDtype::Coded => unreachable!("coded records never reach the CUDA tables"),
     }
 }
 

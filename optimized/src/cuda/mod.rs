@@ -380,6 +380,7 @@ impl Backend for CudaBackend {
     /// Device: `mkv_rotate_queries` (SPEC.md 8.1) with a one-segment table: `[m, Dt]`.
     fn rotate_queries(&self, queries: ArrayView2<f32>, key: &SideStrategy) -> Result<Array2<f32>> {
         key.validate()?;
+        crate::refuse_coded_layout(&key.layout)?;
         let d = key.head_dim();
         check_rows(&queries, d, "queries")?;
         head_dim_supported(d)?;
