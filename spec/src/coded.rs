@@ -96,7 +96,7 @@ pub fn coding_for_step(lo: &[f16], hi: &[f16], delta: f64) -> Vec<DimCode> {
             if bits == 0 {
                 DimCode {
                     bits,
-                    min: f16::from_f64((l.to_f64() + h.to_f64()) / 2.0 + 0.0),
+                    min: mid_range(l, h),
                     scale: f16::ZERO,
                 }
             } else {
@@ -108,6 +108,22 @@ pub fn coding_for_step(lo: &[f16], hi: &[f16], delta: f64) -> Vec<DimCode> {
             }
         })
         .collect()
+}
+
+/// The f16 nearest to `(l + h) / 2` (exact in f64: two f16 values need at most 40 significant
+/// bits), rounded once, ties to even, `+0` for a zero. Not `half`'s `from_f64`, which goes
+/// through f32 on CPUs with F16C and could round twice (SPEC.md notation).
+fn mid_range(l: f16, h: f16) -> f16 {
+    let x = (l.to_f64() + h.to_f64()) / 2.0;
+    if x == 0.0 {
+        return f16::ZERO;
+    }
+    // The f16 values near x are the multiples of q = 2^(e - 10), e = floor(log2 |x|) clamped
+    // below at -14 (subnormals share the smallest normal binade's quantum); x / q is exact.
+    let e = (((x.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(-14);
+    let q = 2f64.powi(e - 10);
+    // an f16 value (|x| <= 65504 as the mean of two finite f16), exact in f32 and in f16
+    f16::from_f32(((x / q).round_ties_even() * q) as f32)
 }
 
 /// SPEC.md section 6.1: the ladder of steps a fit tries, `delta_k = span * 2^(-k / 8)` for `k =
@@ -276,6 +292,23 @@ mod tests {
         // A value outside the fitted range clamps to the nearest end.
         assert_eq!(coding[3].encode(f16::from_f32(9.0)), 15);
         assert_eq!(coding[3].encode(f16::from_f32(-9.0)), 0);
+    }
+
+    #[test]
+    fn the_mid_range_is_rounded_once() {
+        let f = f16::from_f32;
+        assert_eq!(mid_range(f(1.0), f(3.0)), f(2.0));
+        // +0, never -0
+        assert_eq!(mid_range(f(-2.0), f(2.0)).to_bits(), 0);
+        // 65504 and the smallest subnormal: the exact mean 32752 + 2^-25 needs 40 bits; rounded
+        // once it is 32752
+        assert_eq!(mid_range(f16::from_bits(1), f16::MAX), f(32752.0));
+        // the mean of two neighbouring f16 is a tie: to the even one
+        let (a, b) = (f16::from_bits(0x3c01), f16::from_bits(0x3c02));
+        assert_eq!(mid_range(a, b), b);
+        // a subnormal mean
+        let (a, b) = (f16::from_bits(1), f16::from_bits(3));
+        assert_eq!(mid_range(a, b), f16::from_bits(2));
     }
 
     #[test]
