@@ -182,8 +182,8 @@ fn through_cli(word: &str, method: &Method, dir: &Path) -> Result<Vec<f32>, Stri
     std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
     let cache = dir.join("cache");
     let s = |p: &Path| p.to_str().unwrap().to_string();
-    // `mosaic-ref` compresses with the implementation it names (the reference alone has
-    // SPEC.md section 6.1's coded records); the two write the same bytes otherwise
+    // `mosaic-ref` compresses with the implementation it names (the two write the same
+    // bytes)
     let backend = match method {
         Method::Mosaic {
             implementation: mosaickv_spec::Implementation::Reference,

@@ -143,6 +143,12 @@ pub fn check_fit_side(
             want.layout, got.layout
         ));
     }
+    if want.coding != got.coding {
+        return Err(format!(
+            "coding (SPEC 6.1) differs: reference {:?}, candidate {:?}",
+            want.coding, got.coding
+        ));
+    }
     let d = rows.ncols();
     // The stored rotations are D x Dt (SPEC 3 step 4), with the same Dt (layouts compared above).
     let dt = want.layout.kept_dims;
@@ -878,10 +884,44 @@ macro_rules! conformance_suite {
                 vec![CompressConfig::default(), f16_default, small, fixed, int8, int4, mixed]
             }
 
-            /// The configurations every backend is held to: every value dtype, on the CPU
-            /// paths and on the CUDA kernels alike.
-            fn configs_for(_b: &dyn Backend) -> Vec<CompressConfig> {
-                configs()
+            /// SPEC.md section 6.1's coded records: beside the default's dtypes (the loss
+            /// rule picks per segment, head and side), and alone on the small geometry.
+            fn coded_configs() -> Vec<CompressConfig> {
+                use mosaickv_spec::ValueDtype::Coded;
+                let mut beside = CompressConfig::default();
+                beside.value_dtypes.push(Coded);
+                let only = CompressConfig { value_dtypes: vec![Coded], ..configs()[2].clone() };
+                vec![beside, only]
+            }
+
+            /// The configurations a backend is held to: every value dtype on the CPU paths;
+            /// the CUDA kernels read bitmap records only and refuse coded ones
+            /// (`coded_records_refused_or_run`).
+            fn configs_for(b: &dyn Backend) -> Vec<CompressConfig> {
+                let mut c = configs();
+                if !b.name().starts_with("cuda") {
+                    c.extend(coded_configs());
+                }
+                c
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn coded_records_refused_or_run() {
+                let Some(b) = backend("coded_records_refused_or_run") else { return };
+                let rows = $crate::structured_rows(300, 64, 3);
+                for cfg in coded_configs() {
+                    let got = b.fit_side(rows.view(), mosaickv_spec::Side::Key, &cfg);
+                    if b.name().starts_with("cuda") {
+                        assert!(
+                            matches!(got, Err(mosaickv_spec::MosaicError::InvalidConfig(_))),
+                            "{}: {got:?}", b.name()
+                        );
+                    } else {
+                        $crate::check_fit_side(b.as_ref(), rows.view(), mosaickv_spec::Side::Key, &cfg)
+                            .unwrap_or_else(|e| panic!("{e}"));
+                    }
+                }
             }
 
             $(#[$attr])*

@@ -9,7 +9,7 @@ use mosaickv_reference::MosaicCache;
 use mosaickv_spec::query::LossContext;
 use mosaickv_spec::{
     rules, CompressConfig, CompressedCache, KvCache, KvShape, LossPolicy, QueryStats, Side,
-    SideStrategy,
+    SideStrategy, ValueDtype,
 };
 use ndarray::{s, Array3};
 
@@ -51,6 +51,13 @@ fn prompt(n: usize, seed: u64) -> (Array3<f32>, Array3<f32>, QueryStats) {
     (k, v, stats)
 }
 
+/// [`config`] with SPEC.md section 6.1's coded records beside the default's dtypes.
+fn coded_config() -> CompressConfig {
+    let mut c = config();
+    c.value_dtypes.push(ValueDtype::Coded);
+    c
+}
+
 fn strategies(c: &CompressedCache) -> Vec<(usize, usize, String)> {
     c.segments
         .iter()
@@ -60,8 +67,12 @@ fn strategies(c: &CompressedCache) -> Vec<(usize, usize, String)> {
                     s.start,
                     s.len,
                     format!(
-                        "{:?} {:?} {}",
-                        h.strategy.key.layout, h.strategy.value.layout, h.strategy.block_size
+                        "{:?} {:?} {:?} {:?} {}",
+                        h.strategy.key.layout,
+                        h.strategy.value.layout,
+                        h.strategy.key.coding,
+                        h.strategy.value.coding,
+                        h.strategy.block_size
                     ),
                 )
             })
@@ -73,7 +84,8 @@ fn strategies(c: &CompressedCache) -> Vec<(usize, usize, String)> {
 fn every_candidate_loss_is_bit_identical() {
     let (k, v, stats) = prompt(300, 3);
     let d = SHAPE.2;
-    let cfg = config();
+    let cfg = coded_config();
+    let mut coded_seen = 0;
     for h in 0..SHAPE.0 {
         for (side, rows) in [(Side::Key, &k), (Side::Value, &v)] {
             let rows = rows.slice(s![4..300, h, ..]).to_owned();
@@ -85,7 +97,6 @@ fn every_candidate_loss_is_bit_identical() {
                 start: 4,
                 len: 296,
             };
-            let cands = rules::candidates(&cfg, d);
             // the rows' rotated coordinates, as the strategy search computes them once
             let mut xr = vec![0f64; flat.len()];
             mosaickv_optimized::rotation::rotate_rows_f64(
@@ -95,17 +106,29 @@ fn every_candidate_loss_is_bit_identical() {
                 d,
                 &mut xr,
             );
+            // every candidate, the coded ones (SPEC 6.1) at their place: the reference's list,
+            // which the optimized backend's coded candidates match
+            let rotated: Vec<Vec<f64>> = xr.chunks_exact(d).map(|r| r.to_vec()).collect();
+            let cands = mosaickv_reference::strategy::side_candidates(&rotated, &cfg, d);
+            let (at, coded) = mosaickv_optimized::coded::coded_candidates(&xr, d, &cfg, d).unwrap();
+            assert!(!coded.is_empty());
+            assert_eq!(
+                &cands[at..at + coded.len()],
+                &coded[..],
+                "head {h} {side:?}"
+            );
+            assert_eq!(cands.len(), rules::candidates(&cfg, d).len() + coded.len());
+            coded_seen += coded.len();
             let opt = mosaickv_optimized::loss::attention_losses(
                 &flat, &xr, &rotation, &cands, side, ctx,
             )
             .unwrap();
             let mut distinct = std::collections::BTreeSet::new();
-            for (layout, o) in cands.iter().zip(&opt) {
+            for (cand, o) in cands.iter().zip(&opt) {
+                let layout = cand.layout;
                 let st = SideStrategy {
-                    layout: *layout,
                     rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, layout.kept_dims),
-                    fit_loss: 0.0,
-                    coding: Vec::new(),
+                    ..cand.clone()
                 };
                 let r = mosaickv_reference::strategy::attention_loss(rows.view(), &st, side, ctx)
                     .unwrap();
@@ -122,15 +145,42 @@ fn every_candidate_loss_is_bit_identical() {
                 distinct.insert(r.to_bits());
             }
             assert!(distinct.len() > cands.len() / 2, "losses barely differ");
+            // the energy losses of the coded candidates, batched, equal the reference's
+            let energy = mosaickv_optimized::coded::coded_losses(&flat, &xr, d, &coded, side);
+            for (cand, e) in coded.iter().zip(&energy) {
+                let st = SideStrategy {
+                    rotation: mosaickv_spec::layout::trim_rotation(
+                        &rotation,
+                        d,
+                        cand.layout.kept_dims,
+                    ),
+                    ..cand.clone()
+                };
+                let r = mosaickv_reference::strategy::side_loss(rows.view(), &st, side);
+                assert_eq!(
+                    r.to_bits(),
+                    e.to_bits(),
+                    "head {h} {side:?} energy {:?}",
+                    cand.layout
+                );
+            }
         }
     }
+    assert!(coded_seen >= 8, "{coded_seen} coded candidates");
 }
 
 #[test]
 fn caches_choose_the_same_strategies_with_statistics() {
     let (kv, qh, d) = SHAPE;
     let shape = KvShape::new(kv, qh, d).unwrap();
-    for (n, seed) in [(300usize, 1u64), (1000, 2), (40, 3)] {
+    for (n, seed, config) in [
+        (300usize, 1u64, config()),
+        (1000, 2, config()),
+        (40, 3, config()),
+        (300, 4, coded_config()),
+        (1000, 5, coded_config()),
+    ] {
+        let config = || config.clone();
         let (k, v, stats) = prompt(n, seed);
         let mut r = MosaicCache::new(shape, config()).unwrap();
         let mut o = OptimizedMosaicCache::new(shape, config()).unwrap();
@@ -149,6 +199,13 @@ fn caches_choose_the_same_strategies_with_statistics() {
             "energy (fallback: no query statistics)"
         );
         let want = strategies(r.compressed());
+        if config().value_dtypes.contains(&ValueDtype::Coded) {
+            // coded candidates are chosen somewhere (else they would go untested here)
+            assert!(
+                want.iter().any(|w| w.2.contains("Coded")),
+                "n = {n}: {want:?}"
+            );
+        }
         assert_eq!(want, strategies(o.compressed()), "optimized, n = {n}");
         assert_eq!(want, strategies(l.compressed()), "live, n = {n}");
         if n >= 300 {

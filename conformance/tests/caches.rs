@@ -91,6 +91,8 @@ fn same_structure(r: &MosaicCache, o: &OptimizedMosaicCache) -> Result<(), Strin
         for (h, (ha, hb)) in sa.heads.iter().zip(&sb.heads).enumerate() {
             if ha.strategy.key.layout != hb.strategy.key.layout
                 || ha.strategy.value.layout != hb.strategy.value.layout
+                || ha.strategy.key.coding != hb.strategy.key.coding
+                || ha.strategy.value.coding != hb.strategy.value.coding
                 || ha.strategy.block_size != hb.strategy.block_size
             {
                 return Err(format!("segment {i} head {h}: strategy parameters differ"));
@@ -120,6 +122,13 @@ fn mosaic_lifecycle_matches_reference() {
                 mosaickv_spec::ValueDtype::Int4,
                 mosaickv_spec::ValueDtype::Int8,
             ];
+            c
+        },
+        {
+            // SPEC.md section 6.1's coded records beside the bitmap dtypes, chosen by the
+            // loss rule.
+            let mut c = small_config();
+            c.value_dtypes.push(mosaickv_spec::ValueDtype::Coded);
             c
         },
     ]

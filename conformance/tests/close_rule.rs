@@ -110,15 +110,23 @@ fn close_exactly_at_the_rule() {
     ];
     // f16, and quantized values whose error the loss includes (SPEC 11.1): the live cache
     // takes it from its packed records, the others from the f16 values they quantize.
-    let dtypes: [&[ValueDtype]; 3] = [
+    // ... and SPEC 6.1's coded records (under the loss rule only: with `fixed` they are
+    // refused), whose loss counts every dim's decoding error.
+    let dtypes: [&[ValueDtype]; 5] = [
         &[ValueDtype::F16],
         &[ValueDtype::Int4],
         &[ValueDtype::Int8, ValueDtype::Int4, ValueDtype::F16],
+        &[ValueDtype::Coded],
+        &[ValueDtype::F16, ValueDtype::Coded],
     ];
     let mut edges_tested = 0;
     let mut quantized_edges = 0;
+    let mut coded_edges = 0;
     for (pi, policy) in policies.iter().enumerate() {
         for dt in dtypes {
+            if dt.contains(&ValueDtype::Coded) && matches!(policy, ChannelPolicy::Fixed { .. }) {
+                continue;
+            }
             for seed in 0..6u64 {
                 let shape = KvShape::new(2, 2, 32).unwrap();
                 let (k, v) = structured_kv(PROMPT + BUFFER, 2, 32, 1000 + seed);
@@ -177,6 +185,12 @@ fn close_exactly_at_the_rule() {
                 }) {
                     quantized_edges += 1;
                 }
+                if seg.heads.iter().any(|h| {
+                    h.strategy.key.layout.dtype == ValueDtype::Coded
+                        || h.strategy.value.layout.dtype == ValueDtype::Coded
+                }) {
+                    coded_edges += 1;
+                }
             }
         }
     }
@@ -184,5 +198,9 @@ fn close_exactly_at_the_rule() {
     assert!(
         quantized_edges >= 6,
         "only {quantized_edges} exact edges with quantized values"
+    );
+    assert!(
+        coded_edges >= 4,
+        "only {coded_edges} exact edges with coded records"
     );
 }

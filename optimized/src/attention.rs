@@ -24,7 +24,7 @@ use crate::select::{
 };
 use crate::simd::{fast_exp, pad8, q8_stride, Path, SparsePlan, TILE};
 use half::f16;
-use mosaickv_spec::{CompressedCache, MosaicError, RecordLayout, Result, Selection};
+use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection, SideStrategy, ValueDtype};
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::time::Instant;
@@ -460,16 +460,17 @@ pub(crate) struct KeyQueries<'a> {
     pub inv_sqrt_d: f64,
 }
 
-/// SPEC 9 key logits of one tile: `n` key records of layout `kl` (record 0 at `kb[0]`) against
+/// SPEC 9 key logits of one tile: `n` key records of side `ks` (record 0 at `kb[0]`) against
 /// the queries `kq` of their segment, scaled, into `lg` (`[g][TILE]`). int8/int4 records take
 /// the integer logits of the int8 query ([`Path::key_logits_q8`]), on the codes as stored;
 /// f16 records are expanded into the key tile `kt` first (to f16 where `half_keys`, read by
-/// the f16 logits kernel; to f32 otherwise) and multiplied by the f32 rotated queries.
+/// the f16 logits kernel; to f32 otherwise) and multiplied by the f32 rotated queries, as are
+/// coded records (SPEC 6.1), decoded into the f32 tile ([`crate::coded::expand_coded`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub(crate) fn tile_key_logits(
     path: Path,
-    kl: &RecordLayout,
+    ks: &SideStrategy,
     kb: &[u8],
     n: usize,
     kq: KeyQueries<'_>,
@@ -480,9 +481,13 @@ pub(crate) fn tile_key_logits(
     kt: &mut [f32],
     lg: &mut [f32],
 ) {
+    let kl = &ks.layout;
     let krb = kl.record_bytes();
     let q = kq.rotated;
-    if kl.dtype.is_quantized() {
+    if kl.dtype == ValueDtype::Coded {
+        crate::coded::expand_coded(kb, n, krb, &ks.coding, dpk, kt);
+        path.tile_logits(q, g, dpk, kt, n, scale, lg);
+    } else if kl.dtype.is_quantized() {
         let qs = q8_stride(kl.kept_dims);
         path.key_logits_q8(kq.int8, qs, kq.int8_scale, g, kb, kl, n, kq.inv_sqrt_d, lg);
     } else if half_keys {
@@ -531,8 +536,11 @@ pub(crate) fn attend_unit(
 ) {
     let hs = &cache.segments[u.seg].heads[u.head];
     let seg_len = cache.segments[u.seg].len;
-    let (kl, vl) = (&hs.strategy.key.layout, &hs.strategy.value.layout);
+    let (ks, vs) = (&hs.strategy.key, &hs.strategy.value);
+    let (kl, vl) = (&ks.layout, &vs.layout);
     let (krb, vrb) = (kl.record_bytes(), vl.record_bytes());
+    // Coded records (SPEC 6.1) are decoded into the f32 tiles (the generic path).
+    let (coded_k, coded_v) = (kl.dtype == ValueDtype::Coded, vl.dtype == ValueDtype::Coded);
     let dpmax = gm.dpk.max(gm.dpv);
     partial_init(&mut st[..partial_len(g, gm.dpv)], g);
     // Values expanded in registers straight into the accumulators where the path can.
@@ -540,20 +548,22 @@ pub(crate) fn attend_unit(
     // The fused and f16-tile kernels read f16 values; int8/int4 records are
     // expanded to f32 tiles of decoded values (`Path::expand_records_q`).
     let fused_v = g <= corr.len()
+        && !coded_v
         && !vl.dtype.is_quantized()
         && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
     // Sparse int8/int4 values: only the kept dims are accumulated, into a
     // head-minor accumulator (in the value tile's buffer) for the whole unit.
     // (`plan.len(dtv) <= 16 dtv`, inside the value tile's TILE * dpmax floats.)
-    let sparse = if path.sparse_values(vl, g) {
+    let sparse = if !coded_v && path.sparse_values(vl, g) {
         SparsePlan::new(vl.group_size, g)
     } else {
         None
     };
     // AVX2: int8/int4 values that keep at most half their dims are added at those dims only.
-    let kept_v = sparse.is_none() && !fused_v && path.kept_values_q(vl);
-    let half_keys =
-        !kl.dtype.is_quantized() && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
+    let kept_v = sparse.is_none() && !fused_v && !coded_v && path.kept_values_q(vl);
+    let half_keys = !coded_k
+        && !kl.dtype.is_quantized()
+        && path.half_tile(kl.group_size, kl.kept_dims, kl.r, gm.dpk);
     with_tiles(dpmax, g, |kt, vt, lg| {
         let mut lap = Lap::new(clocks);
         // Software prefetch PREFETCH_AHEAD selected blocks ahead (their records are
@@ -581,7 +591,7 @@ pub(crate) fn attend_unit(
             while t < t1 {
                 let n = (t1 - t).min(TILE);
                 let kb = &hs.keys.bytes[t * krb..];
-                tile_key_logits(path, kl, kb, n, q, g, gm.dpk, scale, half_keys, kt, lg);
+                tile_key_logits(path, ks, kb, n, q, g, gm.dpk, scale, half_keys, kt, lg);
                 lap.lap(Stage::KeyLogits);
                 let st = &mut st[..partial_len(g, gm.dpv)];
                 let vb = &hs.values.bytes[t * vrb..];
@@ -621,7 +631,9 @@ pub(crate) fn attend_unit(
                 } else {
                     // values expanded to a tile, then the softmax and the accumulation of
                     // `online_update`
-                    if vl.dtype.is_quantized() {
+                    if coded_v {
+                        crate::coded::expand_coded(vb, n, vrb, &vs.coding, gm.dpv, vt);
+                    } else if vl.dtype.is_quantized() {
                         path.expand_records_q(vb, n, vl, gm.dpv, vt);
                     } else {
                         path.expand_records(

@@ -123,7 +123,6 @@ impl CpuBackend {
     /// Checks every structural invariant a foreign cache must satisfy before attention reads
     /// it: the spec crate's one validator ([`CompressedCache::validate`]).
     fn check_cache(cache: &CompressedCache) -> Result<()> {
-        crate::refuse_coded_cache(cache)?;
         cache.validate_for_attention()
     }
 }
@@ -166,12 +165,11 @@ impl Backend for CpuBackend {
         key.validate()?;
         Self::check_rows(&keys, key.head_dim(), "keys")?;
         config.validate(key.head_dim())?;
-        crate::refuse_coded_config(config)?;
         if config.block_sizes.len() == 1 {
             return Ok(config.block_sizes[0]);
         }
         let packed = packed::encode_rows(&contig(&keys), key)?;
-        let dense = packed::decode_rows(&packed, &key.layout)?;
+        let dense = packed::decode_rows(&packed, key)?;
         Ok(strategy::block_size_dense(
             &dense,
             key.layout.kept_dims,
@@ -188,7 +186,7 @@ impl Backend for CpuBackend {
     fn decode(&self, packed: &PackedRows, side: &SideStrategy) -> Result<Array2<f32>> {
         side.validate()?;
         let dt = side.layout.kept_dims;
-        let v = packed::decode_rows(packed, &side.layout)?;
+        let v = packed::decode_rows(packed, side)?;
         Array2::from_shape_vec((packed.count, dt), v).map_err(|e| MosaicError::ShapeMismatch {
             what: "decoded",
             expected: format!("[{}, {dt}]", packed.count),
@@ -208,7 +206,7 @@ impl Backend for CpuBackend {
                 "block_size must be positive".into(),
             ));
         }
-        let dense = packed::decode_rows(keys, &key.layout)?;
+        let dense = packed::decode_rows(keys, key)?;
         Ok(meta::block_meta_dense(
             &dense,
             key.layout.kept_dims,

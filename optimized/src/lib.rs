@@ -26,6 +26,7 @@
 //! | [`rotation`] | 3 (rotation fit), the f64 rotation of rows |
 //! | [`topr`] | 4-5 (group importances, per-vector top-r) |
 //! | [`packed`] | 6 (record encode / decode) |
+//! | [`coded`] | 6.1 (coded records: candidates, losses, encode, decode) |
 //! | [`meta`] | 7 (block metadata) |
 //! | [`select`] | 8 (rotated queries, block scores, top blocks under a token budget) |
 //! | [`attention`] | 9 (PackedAttention: key logits, online softmax, values, merge) |
@@ -47,6 +48,7 @@
 pub mod attention;
 pub mod backend;
 pub mod baselines;
+pub mod coded;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod live;
@@ -65,37 +67,43 @@ pub mod turboquant;
 
 pub use backend::CpuBackend;
 
+#[cfg(feature = "cuda")]
 use mosaickv_spec::{
     CompressConfig, CompressedCache, MosaicError, RecordLayout, Result, ValueDtype,
 };
 
-/// SPEC.md section 6.1's coded records run on the reference backend only (`mosaic-ref`): this
-/// backend's kernels read bitmap records. A configuration that allows them is refused before
-/// anything is built, so no fit here silently drops the candidates the SPEC lists.
+/// SPEC.md section 6.1's coded records run on the reference and CPU backends; the CUDA
+/// backend's kernels read bitmap records only, so it refuses a configuration that allows
+/// coded records before anything is built, and no fit there silently drops the candidates the
+/// SPEC lists.
+#[cfg(feature = "cuda")]
 pub(crate) fn refuse_coded_config(config: &CompressConfig) -> Result<()> {
     if config.value_dtypes.contains(&ValueDtype::Coded) {
         return Err(MosaicError::InvalidConfig(
-            "value dtype `coded` (SPEC.md section 6.1) runs on the reference backend only \
-             (`mosaic-ref`); this backend reads bitmap records (f16, int8, int4)"
+            "value dtype `coded` (SPEC.md section 6.1) runs on the reference and CPU backends \
+             only; the CUDA kernels read bitmap records (f16, int8, int4)"
                 .into(),
         ));
     }
     Ok(())
 }
 
-/// [`refuse_coded_config`] for a record layout handed in (a strategy or packed records).
+/// [`refuse_coded_config`] for a record layout handed to the CUDA backend.
+#[cfg(feature = "cuda")]
 pub(crate) fn refuse_coded_layout(layout: &RecordLayout) -> Result<()> {
     if layout.dtype == ValueDtype::Coded {
         return Err(MosaicError::InvalidConfig(
-            "coded records (SPEC.md section 6.1) run on the reference backend only \
-             (`mosaic-ref`)"
+            "coded records (SPEC.md section 6.1) run on the reference and CPU backends only, \
+             not on the CUDA backend"
                 .into(),
         ));
     }
     Ok(())
 }
 
-/// [`refuse_coded_config`] and [`refuse_coded_layout`] for a whole cache handed in.
+/// [`refuse_coded_config`] and [`refuse_coded_layout`] for a whole cache handed to the CUDA
+/// backend.
+#[cfg(feature = "cuda")]
 pub(crate) fn refuse_coded_cache(cache: &CompressedCache) -> Result<()> {
     refuse_coded_config(&cache.config)?;
     for seg in &cache.segments {

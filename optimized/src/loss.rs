@@ -10,7 +10,7 @@
 
 use crate::packed;
 use mosaickv_spec::query::LossContext;
-use mosaickv_spec::{MosaicError, PackedRows, RecordLayout, Result, Side, SideStrategy};
+use mosaickv_spec::{MosaicError, PackedRows, Result, Side, SideStrategy};
 use rayon::prelude::*;
 
 /// Rows per rayon task.
@@ -140,21 +140,21 @@ fn row_weights(ctx: &LossContext<'_>, n: usize) -> Result<Vec<f64>> {
     Ok(w)
 }
 
-/// The loss of rows `[n][d]` packed as `packed` (layout `layout`): decode, rotate back with
+/// The loss of rows `[n][d]` packed as `packed` (under `side`): decode, rotate back with
 /// `rot_t` (the first `Dt` columns of the rotation, transposed: `[Dt][d]` f64), then the key
 /// or value form. `m_t` is the transposed query moment for keys, `None` for values.
 fn loss_of_packed(
     rows: &[f32],
     packed: &PackedRows,
-    layout: &RecordLayout,
+    side: &SideStrategy,
     rot_t: &[f64],
     m_t: Option<&[f64]>,
     w: &[f64],
     output_sq: f64,
 ) -> f64 {
-    let (d, dt) = (layout.head_dim, layout.kept_dims);
+    let (d, dt) = (side.layout.head_dim, side.layout.kept_dims);
     let n = rows.len() / d;
-    let dense = packed::decode_trusted(packed, layout);
+    let dense = packed::decode_trusted(packed, side);
     let path = crate::simd::Path::detect();
     // Every row's error (and key term) in parallel; the sums below run over the rows in order.
     let mut errors = vec![0f64; n * d];
@@ -218,7 +218,7 @@ pub fn attention_loss(
     Ok(loss_of_packed(
         rows,
         &packed,
-        &layout,
+        side_strategy,
         &rot_t,
         m_t.as_deref(),
         &w,
@@ -236,11 +236,11 @@ pub fn attention_losses(
     rows: &[f32],
     xr: &[f64],
     rotation: &[half::f16],
-    candidates: &[RecordLayout],
+    candidates: &[SideStrategy],
     side: Side,
     ctx: LossContext<'_>,
 ) -> Result<Vec<f64>> {
-    let Some(d) = candidates.first().map(|l| l.head_dim) else {
+    let Some(d) = candidates.first().map(|c| c.layout.head_dim) else {
         return Ok(Vec::new());
     };
     let n = rows.len() / d;
@@ -251,13 +251,13 @@ pub fn attention_losses(
     let o2 = ctx.stats.output_sq[ctx.head];
     candidates
         .par_iter()
-        .map(|layout| {
-            let packed = packed::pack_rotated(xr, d, layout)?;
-            let rt = &rot_t[..layout.kept_dims * d];
+        .map(|cand| {
+            let packed = packed::pack_rotated(xr, d, cand)?;
+            let rt = &rot_t[..cand.layout.kept_dims * d];
             Ok(loss_of_packed(
                 rows,
                 &packed,
-                layout,
+                cand,
                 rt,
                 m_t.as_deref(),
                 &w,

@@ -42,12 +42,12 @@ pub(crate) fn encode_segment(
     ctx: Option<LossContext<'_>>,
 ) -> Result<HeadSegment> {
     let (ks, kr) = strategy::fit_side_rotated_with(keys, d, Side::Key, config, ctx)?;
-    let packed_k = packed::pack_rotated(&kr, d, &ks.layout)?;
+    let packed_k = packed::pack_rotated(&kr, d, &ks)?;
     drop(kr);
     let (vs, vr) = strategy::fit_side_rotated_with(values, d, Side::Value, config, ctx)?;
-    let packed_v = packed::pack_rotated(&vr, d, &vs.layout)?;
+    let packed_v = packed::pack_rotated(&vr, d, &vs)?;
     drop(vr);
-    let dense = packed::decode_trusted(&packed_k, &ks.layout);
+    let dense = packed::decode_trusted(&packed_k, &ks);
     let block_size = strategy::block_size_dense(&dense, ks.layout.kept_dims, config);
     let meta = meta::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
     Ok(HeadSegment {
@@ -82,7 +82,7 @@ pub(crate) fn first_strategies(
                 let (ks, _) = strategy::fit_side_rotated(&k, d, Side::Key, config)?;
                 let (vs, _) = strategy::fit_side_rotated(&v, d, Side::Value, config)?;
                 let packed = packed::encode_rows(&k, &ks)?;
-                let dense = packed::decode_trusted(&packed, &ks.layout);
+                let dense = packed::decode_trusted(&packed, &ks);
                 let block_size = strategy::block_size_dense(&dense, ks.layout.kept_dims, config);
                 Ok(Strategy {
                     key: ks,
@@ -139,7 +139,6 @@ impl OptimizedMosaicCache {
     fn with_path(shape: KvShape, config: CompressConfig, path: Path) -> Result<Self> {
         KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
         config.validate(shape.head_dim)?;
-        crate::refuse_coded_config(&config)?;
         Ok(Self {
             path,
             cache: CompressedCache::new(shape, config),
@@ -228,7 +227,7 @@ impl OptimizedMosaicCache {
                     let v = gather(bv, kv, d, h, 0, n);
                     let pk = packed::encode_rows(&k, &st.key)?;
                     let pv = packed::encode_rows(&v, &st.value)?;
-                    let dense = packed::decode_trusted(&pk, &st.key.layout);
+                    let dense = packed::decode_trusted(&pk, &st.key);
                     Ok((
                         pk,
                         pv,
@@ -325,7 +324,7 @@ impl OptimizedMosaicCache {
                         debug_assert_eq!(m.tokens, n);
                         hs.meta.append(&m);
                     } else {
-                        let all = packed::decode_trusted(&hs.keys, &hs.strategy.key.layout);
+                        let all = packed::decode_trusted(&hs.keys, &hs.strategy.key);
                         hs.meta = meta::block_meta_dense(&all, dt, b);
                     }
                 }

@@ -1,5 +1,6 @@
 //! SPEC.md section 6: packing rotated rows into records (bitmap, kept values in f16 or
-//! int8/int4 with their minimum and scale) and decoding them back.
+//! int8/int4 with their minimum and scale; section 6.1's coded records through
+//! [`crate::coded`]) and decoding them back.
 //!
 //! Written for throughput but producing the spec's exact bytes: every f64 sum runs over the
 //! same index in the same ascending order as the spec's definition, with separate multiply
@@ -12,7 +13,9 @@ use half::f16;
 use mosaickv_spec::layout::{
     dequantize, quantize_values, read_code, record_quant, write_quantized,
 };
-use mosaickv_spec::{rules, MosaicError, PackedRows, RecordLayout, Result, SideStrategy};
+use mosaickv_spec::{
+    rules, MosaicError, PackedRows, RecordLayout, Result, SideStrategy, ValueDtype,
+};
 use rayon::prelude::*;
 
 /// Rows per rayon task when encoding.
@@ -133,25 +136,46 @@ impl PackBufs {
     }
 }
 
-/// Packs rows whose rotated coordinates are given (`[n][stride]`, stride >= Dt), in parallel.
-/// A kept value beyond the f16 range is `NonFinite` (SPEC.md section 14).
-pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> Result<PackedRows> {
+/// One record of `side` (SPEC.md section 6, or 6.1 for a coded side) from a row's rotated
+/// coordinates: [`pack_record`] or [`crate::coded::pack_coded_record`].
+#[inline]
+fn pack_side_record(
+    x: &[f64],
+    side: &SideStrategy,
+    out: &mut [u8],
+    b: &mut PackBufs,
+) -> Option<usize> {
+    if side.layout.dtype == ValueDtype::Coded {
+        crate::coded::pack_coded_record(x, side, out, &mut b.codes)
+    } else {
+        pack_record(x, &side.layout, out, b)
+    }
+}
+
+/// Packs rows whose rotated coordinates are given (`[n][stride]`, stride >= Dt), in parallel,
+/// under `side`'s layout (and coding; its rotation is not read). A kept value beyond the f16
+/// range is `NonFinite` (SPEC.md section 14).
+pub fn pack_rotated(rot_rows: &[f64], stride: usize, side: &SideStrategy) -> Result<PackedRows> {
+    let layout = &side.layout;
     let n = rot_rows.len() / stride.max(1);
     let rb = layout.record_bytes();
-    let mut bytes = vec![0u8; n * rb];
+    // A coded side whose dims are all 0-bit has 0-byte records: each packs into one scratch
+    // byte (still checked for overflow), dropped at the end.
+    let rbx = rb.max(1);
+    let mut bytes = vec![0u8; n * rbx];
     let d = layout.head_dim;
     let overflows: Vec<Option<(usize, usize)>> = bytes
-        .par_chunks_mut(rb * ROWS_PER_TASK)
+        .par_chunks_mut(rbx * ROWS_PER_TASK)
         .zip(rot_rows.par_chunks(stride * ROWS_PER_TASK))
         .map(|(out, x)| {
             let mut b = PackBufs::new(d);
             let mut first = None;
             for (i, (o, row)) in out
-                .chunks_exact_mut(rb)
+                .chunks_exact_mut(rbx)
                 .zip(x.chunks_exact(stride))
                 .enumerate()
             {
-                let bad = pack_record(row, layout, o, &mut b);
+                let bad = pack_side_record(row, side, &mut o[..rb], &mut b);
                 if let (None, Some(j)) = (first, bad) {
                     first = Some((i, j));
                 }
@@ -160,22 +184,24 @@ pub fn pack_rotated(rot_rows: &[f64], stride: usize, layout: &RecordLayout) -> R
         })
         .collect();
     first_overflow(overflows, layout)?;
+    bytes.truncate(n * rb);
     Ok(PackedRows { count: n, bytes })
 }
 
 /// SPEC 5-6: rotate and pack rows `[n][d]` with a side strategy (parallel over row chunks).
 /// A kept value beyond the f16 range is `NonFinite` (SPEC.md section 14).
 pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
-    crate::refuse_coded_layout(&side.layout)?;
     let layout = side.layout;
     let d = layout.head_dim;
     let dt = layout.kept_dims;
     let n = rows.len() / d;
     let rb = layout.record_bytes();
-    let mut bytes = vec![0u8; n * rb];
+    // 0-byte records (an all-0-bit coded side) pack into one scratch byte each, as above.
+    let rbx = rb.max(1);
+    let mut bytes = vec![0u8; n * rbx];
     let rot = mosaickv_spec::layout::rotation_f32(&side.rotation);
     let overflows: Vec<Option<(usize, usize)>> = bytes
-        .par_chunks_mut(rb * ROWS_PER_TASK)
+        .par_chunks_mut(rbx * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .map(|(out, x)| {
             let mut b = PackBufs::new(d);
@@ -183,11 +209,11 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
             rotate_rows_f64(&rot, d, x, dt, &mut xr);
             let mut first = None;
             for (i, (o, row)) in out
-                .chunks_exact_mut(rb)
+                .chunks_exact_mut(rbx)
                 .zip(xr.chunks_exact(dt))
                 .enumerate()
             {
-                let bad = pack_record(row, &layout, o, &mut b);
+                let bad = pack_side_record(row, side, &mut o[..rb], &mut b);
                 if let (None, Some(j)) = (first, bad) {
                     first = Some((i, j));
                 }
@@ -196,14 +222,15 @@ pub fn encode_rows(rows: &[f32], side: &SideStrategy) -> Result<PackedRows> {
         })
         .collect();
     first_overflow(overflows, &layout)?;
+    bytes.truncate(n * rb);
     Ok(PackedRows { count: n, bytes })
 }
 
-/// SPEC 6: decodes records to dense rotated rows `[n][Dt]` (validating them first).
-pub fn decode_rows(packed: &PackedRows, layout: &RecordLayout) -> Result<Vec<f32>> {
-    crate::refuse_coded_layout(layout)?;
-    packed.validate(layout)?;
-    let out = decode_trusted(packed, layout);
+/// SPEC 6 (6.1 for a coded side): decodes records to dense rotated rows `[n][Dt]` (validating
+/// them first).
+pub fn decode_rows(packed: &PackedRows, side: &SideStrategy) -> Result<Vec<f32>> {
+    packed.validate(&side.layout)?;
+    let out = decode_trusted(packed, side);
     if let Some(i) = out.iter().position(|x| !x.is_finite()) {
         return Err(MosaicError::NonFinite {
             what: "decoded values",
@@ -213,12 +240,23 @@ pub fn decode_rows(packed: &PackedRows, layout: &RecordLayout) -> Result<Vec<f32
     Ok(out)
 }
 
-/// SPEC 6 decode of records this crate wrote itself (no validation, no finiteness check).
-pub fn decode_trusted(packed: &PackedRows, layout: &RecordLayout) -> Vec<f32> {
+/// SPEC 6 (6.1 for a coded side) decode of records this crate wrote itself (no validation, no
+/// finiteness check).
+pub fn decode_trusted(packed: &PackedRows, side: &SideStrategy) -> Vec<f32> {
+    let layout = &side.layout;
     let dt = layout.kept_dims;
     let dp = dt.div_ceil(8) * 8;
     let mut tmp = vec![0f32; packed.count * dp];
-    if layout.dtype.is_quantized() {
+    if layout.dtype == ValueDtype::Coded {
+        crate::coded::expand_coded(
+            &packed.bytes,
+            packed.count,
+            layout.record_bytes(),
+            &side.coding,
+            dp,
+            &mut tmp,
+        );
+    } else if layout.dtype.is_quantized() {
         crate::simd::Path::Portable.expand_records_q(
             &packed.bytes,
             packed.count,

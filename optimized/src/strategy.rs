@@ -604,7 +604,6 @@ pub fn fit_side_rotated_with(
     ctx: Option<mosaickv_spec::query::LossContext<'_>>,
 ) -> Result<(SideStrategy, Vec<f64>)> {
     config.validate(d)?;
-    crate::refuse_coded_config(config)?;
     let c = covariance(rows, d);
     let rotation = rotation_from_covariance(&c, d);
     let rot = mosaickv_spec::layout::rotation_f32(&rotation);
@@ -613,27 +612,50 @@ pub fn fit_side_rotated_with(
     xr.par_chunks_mut(d * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .for_each(|(o, x)| rotate_rows_f64(&rot, d, x, d, o));
-    let cands = rules::candidates(config, d);
-    for l in &cands {
+    let chosen = choose_side(rows, &xr, &rotation, d, side, config, ctx)?;
+    Ok((chosen, xr))
+}
+
+/// SPEC 11.2: one side's strategy among every candidate, given the rows `[n][d]`, their
+/// rotation `rotation` (`D x D`) and their rotated coordinates under it (`xr`, `[n][d]` f64):
+/// the bitmap layouts of [`rules::candidates`] and, where `value_dtypes` lists `coded`, the
+/// coded candidates of SPEC.md section 6.1 at its place ([`crate::coded::coded_candidates`]),
+/// compared by their energy loss, or by their attention loss ([`crate::loss`]) under
+/// `LossPolicy::Attention` with statistics; `fit_loss` is the chosen one's energy loss.
+pub fn choose_side(
+    rows: &[f32],
+    xr: &[f64],
+    rotation: &[half::f16],
+    d: usize,
+    side: Side,
+    config: &CompressConfig,
+    ctx: Option<mosaickv_spec::query::LossContext<'_>>,
+) -> Result<SideStrategy> {
+    let layouts = rules::candidates(config, d);
+    for l in &layouts {
         l.validate()?;
     }
-    let losses = candidate_losses(rows, &xr, d, &cands, side);
+    let mut losses = candidate_losses(rows, xr, d, &layouts, side);
+    let mut cands: Vec<SideStrategy> = layouts.iter().map(|&l| SideStrategy::bare(l)).collect();
+    if let Some((at, coded)) = crate::coded::coded_candidates(xr, d, config, d) {
+        let coded_losses = crate::coded::coded_losses(rows, xr, d, &coded, side);
+        losses.splice(at..at, coded_losses);
+        cands.splice(at..at, coded);
+    }
+    let layouts: Vec<RecordLayout> = cands.iter().map(|c| c.layout).collect();
     let k = match (mosaickv_spec::query::attention_config(config, ctx), ctx) {
         (Some(att), Some(ctx)) => {
-            let attn = crate::loss::attention_losses(rows, &xr, &rotation, &cands, side, ctx)?;
-            rules::choose_candidate(&cands, &attn, side, &att)
+            let attn = crate::loss::attention_losses(rows, xr, rotation, &cands, side, ctx)?;
+            rules::choose_candidate(&layouts, &attn, side, &att)
         }
-        _ => rules::choose_candidate(&cands, &losses, side, config),
+        _ => rules::choose_candidate(&layouts, &losses, side, config),
     };
-    Ok((
-        SideStrategy {
-            layout: cands[k],
-            rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, cands[k].kept_dims),
-            fit_loss: losses[k],
-            coding: Vec::new(),
-        },
-        xr,
-    ))
+    let chosen = &cands[k];
+    Ok(SideStrategy {
+        rotation: mosaickv_spec::layout::trim_rotation(rotation, d, chosen.layout.kept_dims),
+        fit_loss: losses[k],
+        ..chosen.clone()
+    })
 }
 
 /// SPEC 11.1 sums for rows `[n][d]` under an existing strategy (`total = K + T` per row, rows
@@ -646,12 +668,34 @@ pub fn loss_sums(rows: &[f32], side: &SideStrategy) -> LossSums {
     xr.par_chunks_mut(dt * ROWS_PER_TASK)
         .zip(rows.par_chunks(d * ROWS_PER_TASK))
         .for_each(|(o, x)| rotate_rows_f64(&rot, d, x, dt, o));
-    let (dropped, total) = loss_sums_rotated(rows, &xr, dt, &side.layout);
+    let (dropped, total) = if side.layout.dtype == mosaickv_spec::ValueDtype::Coded {
+        coded_loss_sums(rows, &xr, side)
+    } else {
+        loss_sums_rotated(rows, &xr, dt, &side.layout)
+    };
     LossSums {
         dropped,
         total,
         spread: SpreadSums::of_rows(rows, d),
     }
+}
+
+/// SPEC 6.1 and 11.1 sums `(dropped, total)` of rows `[n][d]` with rotated coordinates `xr`
+/// (`[n][Dt]`) under a coded side: each row's terms
+/// ([`crate::coded::coded_row_loss_terms`]) in parallel, added in row order.
+fn coded_loss_sums(rows: &[f32], xr: &[f64], side: &SideStrategy) -> (f64, f64) {
+    let (d, dt) = (side.layout.head_dim, side.layout.kept_dims);
+    let terms: Vec<(f64, f64)> = xr
+        .par_chunks(dt.max(1))
+        .zip(rows.par_chunks(d))
+        .map(|(r, x)| crate::coded::coded_row_loss_terms(x, r, side))
+        .collect();
+    let (mut dropped, mut total) = (0f64, 0f64);
+    for (a, b) in terms {
+        dropped += a;
+        total += b;
+    }
+    (dropped, total)
 }
 
 /// SPEC 11.1 for rows `[n][d]` under an existing strategy of side `which`.

@@ -122,8 +122,10 @@ fn mid_range(l: f16, h: f16) -> f16 {
     // below at -14 (subnormals share the smallest normal binade's quantum); x / q is exact.
     let e = (((x.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(-14);
     let q = 2f64.powi(e - 10);
-    // an f16 value (|x| <= 65504 as the mean of two finite f16), exact in f32 and in f16
-    f16::from_f32(((x / q).round_ties_even() * q) as f32)
+    // an f16 value (|x| <= 65504 as the mean of two finite f16), exact in f32 and in f16; a
+    // mean that rounds to zero (e.g. -2^-25, half the smallest subnormal, ties to even) is
+    // +0, never -0
+    f16::from_f32(((x / q).round_ties_even() * q) as f32 + 0.0)
 }
 
 /// SPEC.md section 6.1: the ladder of steps a fit tries, `delta_k = span * 2^(-k / 8)` for `k =
@@ -309,6 +311,10 @@ mod tests {
         // a subnormal mean
         let (a, b) = (f16::from_bits(1), f16::from_bits(3));
         assert_eq!(mid_range(a, b), f16::from_bits(2));
+        // a negative mean that rounds to zero is +0 (a -0 offset is refused by check_coding)
+        let neg_tiny = f16::from_bits(0x8001);
+        assert_eq!(mid_range(neg_tiny, f16::ZERO).to_bits(), 0);
+        assert_eq!(mid_range(neg_tiny, f16::NEG_ZERO).to_bits(), 0);
     }
 
     #[test]

@@ -403,6 +403,17 @@ pub struct SideStrategy {
 }
 
 impl SideStrategy {
+    /// A bitmap layout (SPEC.md section 6) as a side strategy without rotation, fit loss or
+    /// coding: what encoding already-rotated rows reads.
+    pub fn bare(layout: RecordLayout) -> Self {
+        Self {
+            layout,
+            rotation: Vec::new(),
+            fit_loss: 0.0,
+            coding: Vec::new(),
+        }
+    }
+
     pub fn head_dim(&self) -> usize {
         self.layout.head_dim
     }

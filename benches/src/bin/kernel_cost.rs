@@ -202,8 +202,11 @@ fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
         code_bits: 0,
     };
     let (kl, vl) = (layout(1, 80), layout(4, 16));
-    let keys = pack_rotated(&rows, d, &kl).expect("valid key layout").bytes;
-    let values = pack_rotated(&rows, d, &vl)
+    let side = mosaickv_spec::SideStrategy::bare;
+    let keys = pack_rotated(&rows, d, &side(kl))
+        .expect("valid key layout")
+        .bytes;
+    let values = pack_rotated(&rows, d, &side(vl))
         .expect("valid value layout")
         .bytes;
     let q: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();

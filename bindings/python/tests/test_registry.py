@@ -63,8 +63,7 @@ def test_a_method_string_builds_the_cache_mosaickv_attend_builds(cli, data, word
         got = e
     cfg = cache.config.to_json() if isinstance(got, np.ndarray) and isinstance(cache, mosaickv.Cache) else "{}"
     (d / "cfg.json").write_text(cfg)
-    # `mosaic-ref` compresses with the implementation it names (only the reference has SPEC
-    # section 6.1's coded records; the two write the same bytes otherwise)
+    # `mosaic-ref` compresses with the implementation it names (the two write the same bytes)
     backend = "reference" if word.split(":")[0] == "mosaic-ref" else "optimized"
     rc, _, err = run_cli(cli, "compress", "--keys", d / "k.npy", "--values", d / "v.npy", "--config", d / "cfg.json",
                          "--backend", backend, "--out", d / "c")

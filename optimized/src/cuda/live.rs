@@ -133,6 +133,8 @@ impl CudaLiveBatch {
             ));
         }
         for (b, l) in lives.iter_mut().enumerate() {
+            // the kernels read bitmap records only (SPEC.md section 6.1)
+            crate::refuse_coded_config(&l.compressed().config)?;
             l.apply_arrived()?;
             let view = l.compressed();
             if view.sink.tokens < view.config.sink_tokens {

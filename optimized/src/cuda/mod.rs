@@ -205,6 +205,7 @@ impl Backend for CudaBackend {
         side: Side,
         config: &CompressConfig,
     ) -> Result<SideStrategy> {
+        crate::refuse_coded_config(config)?;
         self.host.fit_side(rows, side, config)
     }
 
@@ -215,6 +216,8 @@ impl Backend for CudaBackend {
         key: &SideStrategy,
         config: &CompressConfig,
     ) -> Result<usize> {
+        crate::refuse_coded_config(config)?;
+        crate::refuse_coded_layout(&key.layout)?;
         self.host.fit_block_size(keys, key, config)
     }
 

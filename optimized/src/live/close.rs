@@ -5,7 +5,7 @@
 
 use super::covariance::mirrored;
 use crate::{meta, packed, rotation, strategy};
-use mosaickv_spec::{rules, CompressConfig, HeadSegment, Result, Side, SideStrategy, Strategy};
+use mosaickv_spec::{CompressConfig, HeadSegment, Result, Side, SideStrategy, Strategy};
 use rayon::prelude::*;
 
 /// SPEC 3, 4, 11 for one side from an accumulated covariance: what
@@ -24,21 +24,8 @@ fn fit_side_from_cov(
     xr.par_chunks_mut(d * 256)
         .zip(rows.par_chunks(d * 256))
         .for_each(|(o, x)| rotation::rotate_rows_f64(&rot, d, x, d, o));
-    let cands = rules::candidates(config, d);
-    for l in &cands {
-        l.validate()?;
-    }
-    let losses = strategy::candidate_losses(rows, &xr, d, &cands, side);
-    let k = rules::choose_candidate(&cands, &losses, side, config);
-    Ok((
-        SideStrategy {
-            layout: cands[k],
-            rotation: mosaickv_spec::layout::trim_rotation(&rotation, d, cands[k].kept_dims),
-            fit_loss: losses[k],
-            coding: Vec::new(),
-        },
-        xr,
-    ))
+    let chosen = strategy::choose_side(rows, &xr, &rotation, d, side, config, None)?;
+    Ok((chosen, xr))
 }
 
 /// SPEC 10.3 close: the segment's own strategy, its records and metadata (as `mosaic::encode_segment`).
@@ -51,12 +38,12 @@ pub(super) fn finalize_head(
     config: &CompressConfig,
 ) -> Result<HeadSegment> {
     let (ks, kr) = fit_side_from_cov(keys, ck, d, Side::Key, config)?;
-    let packed_k = packed::pack_rotated(&kr, d, &ks.layout)?;
+    let packed_k = packed::pack_rotated(&kr, d, &ks)?;
     drop(kr);
     let (vs, vr) = fit_side_from_cov(values, cv, d, Side::Value, config)?;
-    let packed_v = packed::pack_rotated(&vr, d, &vs.layout)?;
+    let packed_v = packed::pack_rotated(&vr, d, &vs)?;
     drop(vr);
-    let dense = packed::decode_trusted(&packed_k, &ks.layout);
+    let dense = packed::decode_trusted(&packed_k, &ks);
     let block_size = strategy::block_size_dense(&dense, ks.layout.kept_dims, config);
     let meta = meta::block_meta_dense(&dense, ks.layout.kept_dims, block_size);
     Ok(HeadSegment {

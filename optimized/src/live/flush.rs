@@ -15,7 +15,7 @@ use std::sync::Arc;
 fn encode_part(k: &[f32], v: &[f32], st: &Strategy) -> Result<Part> {
     let keys = packed::encode_rows(k, &st.key)?;
     let values = packed::encode_rows(v, &st.value)?;
-    let dense = packed::decode_trusted(&keys, &st.key.layout);
+    let dense = packed::decode_trusted(&keys, &st.key);
     let meta = meta::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
     Ok(Part { keys, values, meta })
 }

@@ -263,7 +263,6 @@ impl LiveCache {
     ) -> Result<Self> {
         let shape = KvShape::new(shape.kv_heads, shape.q_heads, shape.head_dim)?;
         config.validate(shape.head_dim)?;
-        crate::refuse_coded_config(&config)?;
         let host_bytes = Arc::new(AtomicUsize::new(0));
         let cov_bytes = Arc::new(AtomicUsize::new(0));
         let state = match worker {

@@ -12,7 +12,8 @@ use crate::strategy::LossSums;
 use crate::{meta, packed, rotation, strategy};
 use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::{
-    CompressConfig, KvShape, MosaicError, PackedRows, RecordLayout, Result, Side, Strategy,
+    CompressConfig, KvShape, MosaicError, PackedRows, Result, Side, SideStrategy, Strategy,
+    ValueDtype,
 };
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -51,25 +52,31 @@ pub(super) struct WorkerState {
 
 /// SPEC 11.1 per-row terms `(dropped, total)` of rows `[n][d]` with rotated coordinates `xr`
 /// (`[n][Dt]`, f64), whose kept groups are read from their packed records (SPEC 5's
-/// selection, done by `pack_rotated`).
+/// selection, done by `pack_rotated`); a coded side (SPEC 6.1) keeps every dim and measures
+/// each one's decoded value.
 fn add_loss_terms(
     sums: &mut LossSums,
     rows: &[f32],
     xr: &[f64],
     packed: &PackedRows,
-    layout: &RecordLayout,
+    side: &SideStrategy,
 ) {
+    let layout = &side.layout;
     let (d, dt) = (layout.head_dim, layout.kept_dims);
     let rb = layout.record_bytes();
     let mut deq = Vec::new();
-    for (i, (row, x)) in xr.chunks_exact(dt).zip(rows.chunks_exact(d)).enumerate() {
-        let rec = &packed.bytes[i * rb..(i + 1) * rb];
-        if layout.dtype.is_quantized() {
-            // The decoded values this record stores are the ones the loss measures (SPEC 11.1).
-            packed::record_dequantized(rec, layout, &mut deq);
-        }
-        let (dropped, total) =
-            strategy::row_loss_terms(x, row, layout, |k| bitmap_bit(rec, k), &deq);
+    for (i, (rot, x)) in xr.chunks_exact(dt).zip(rows.chunks_exact(d)).enumerate() {
+        let (dropped, total) = if layout.dtype == ValueDtype::Coded {
+            crate::coded::coded_row_loss_terms(x, rot, side)
+        } else {
+            let rec = &packed.bytes[i * rb..(i + 1) * rb];
+            if layout.dtype.is_quantized() {
+                // The decoded values this record stores are the ones the loss measures (SPEC
+                // 11.1).
+                packed::record_dequantized(rec, layout, &mut deq);
+            }
+            strategy::row_loss_terms(x, rot, layout, |k| bitmap_bit(rec, k), &deq)
+        };
         sums.dropped += dropped;
         sums.total += total;
     }
@@ -143,14 +150,14 @@ impl WorkerState {
                     let mut xr = vec![0f64; n * dt];
                     let rot = mosaickv_spec::layout::rotation_f32(&side.rotation);
                     rotation::rotate_rows_f64(&rot, d, rows, dt, &mut xr);
-                    let p = packed::pack_rotated(&xr, dt, &side.layout)?;
-                    add_loss_terms(&mut sides[s].loss, rows, &xr, &p, &side.layout);
+                    let p = packed::pack_rotated(&xr, dt, side)?;
+                    add_loss_terms(&mut sides[s].loss, rows, &xr, &p, side);
                     packed.push(p);
                 }
                 Ok(want_parts.then(|| {
                     let values = packed.pop().expect("value records");
                     let keys = packed.pop().expect("key records");
-                    let dense = packed::decode_trusted(&keys, &st.key.layout);
+                    let dense = packed::decode_trusted(&keys, &st.key);
                     let meta =
                         meta::block_meta_dense(&dense, st.key.layout.kept_dims, st.block_size);
                     Part { keys, values, meta }

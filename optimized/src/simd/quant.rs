@@ -268,7 +268,7 @@ impl Path {
 mod tests {
     use super::*;
     use crate::packed::pack_rotated;
-    use mosaickv_spec::ValueDtype;
+    use mosaickv_spec::{SideStrategy, ValueDtype};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -312,7 +312,7 @@ mod tests {
                 };
                 layout.validate().unwrap();
                 let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
-                let packed = pack_rotated(&rows, d, &layout).unwrap();
+                let packed = pack_rotated(&rows, d, &SideStrategy::bare(layout)).unwrap();
                 let dp = d;
                 let mut slow = vec![2f32; n * dp];
                 Path::Portable.expand_records_q(&packed.bytes, n, &layout, dp, &mut slow);
@@ -370,7 +370,7 @@ mod tests {
                 layout.validate().unwrap();
                 assert!(Path::Avx512.sparse_values(&layout, heads), "{layout:?}");
                 let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
-                let packed = pack_rotated(&rows, d, &layout).unwrap();
+                let packed = pack_rotated(&rows, d, &SideStrategy::bare(layout)).unwrap();
                 let p: Vec<f32> = (0..heads * TILE).map(|_| rng.gen_range(0.0..1.0)).collect();
                 let dp = crate::simd::pad8(dt);
                 // Dense: expanded tile, FMAs over every dim.
@@ -475,7 +475,7 @@ mod tests {
             let d = layout.head_dim;
             let dt = layout.kept_dims;
             let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
-            let packed = pack_rotated(&rows, d, &layout).unwrap();
+            let packed = pack_rotated(&rows, d, &SideStrategy::bare(layout)).unwrap();
             let qs = q8_stride(dt);
             let inv = mosaickv_spec::layout::inv_sqrt_d(d);
             for (g, n) in [
@@ -582,7 +582,7 @@ mod tests {
                 let (mut dense, mut kept) = (start.clone(), start);
                 for _tile in 0..3 {
                     let rows: Vec<f64> = (0..TILE * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
-                    let packed = pack_rotated(&rows, d, &layout).unwrap();
+                    let packed = pack_rotated(&rows, d, &SideStrategy::bare(layout)).unwrap();
                     let p: Vec<f32> = (0..g * TILE).map(|_| rng.gen_range(0.0..1.0)).collect();
                     let mut tile = vec![0f32; TILE * dp];
                     Path::Avx2.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);

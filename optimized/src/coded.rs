@@ -1,0 +1,324 @@
+//! SPEC.md section 6.1 on the CPU: coded records (every rotated dim its own width, offset and
+//! step for the segment; a record is its codes alone). One function per step:
+//!
+//! | step | function |
+//! |---|---|
+//! | the candidates of section 11.2 (one per distinct ladder coding) | [`coded_candidates`] |
+//! | their section 11.1 losses, equal to the reference's bit for bit | [`coded_losses`] |
+//! | one row's section 11.1 terms (the lifecycle's running sums) | [`coded_row_loss_terms`] |
+//! | encode: one record from a row's rotated coordinates | [`pack_coded_record`] |
+//! | decode: records to dense rotated rows (what attention reads) | [`expand_coded`] |
+//!
+//! The arithmetic is the spec crate's ([`mosaickv_spec::coded`]): the ladder, the fitted
+//! coding, each dim's encode and decode. What this file adds is speed: a segment's codings
+//! differ only in each dim's width, and a dim's parameters depend on its width alone, so each
+//! row's squared error at every width is computed once and every candidate's loss is a sum of
+//! them, added in the spec's order.
+
+use crate::round::{f16_from_f64, f16_to_f64};
+use half::f16;
+use mosaickv_spec::coded::{self, DimCode, WIDTHS};
+use mosaickv_spec::{rules, CompressConfig, RecordLayout, Side, SideStrategy, ValueDtype};
+use rayon::prelude::*;
+
+/// SPEC.md sections 6.1 and 11.2: where `config` lists `coded`, the index among the bitmap
+/// candidates ([`rules::candidates`]) at which the coded ones go, and the coded candidates of
+/// rows whose rotated coordinates are `xr` (`[n][w]` f64, `w >= Dt`): one per distinct coding
+/// of the ladder, in ladder order, each a side strategy without rotation or fit loss. `None`
+/// when `config` does not list `coded`; no candidates when a row's f16 rounding overflows (it
+/// cannot be encoded, SPEC.md section 14). The same list as the reference's
+/// `strategy::side_candidates`.
+pub fn coded_candidates(
+    xr: &[f64],
+    w: usize,
+    config: &CompressConfig,
+    head_dim: usize,
+) -> Option<(usize, Vec<SideStrategy>)> {
+    let at = rules::coded_candidates_at(config, head_dim)?;
+    let dt = config.kept_dims(head_dim, 1);
+    let mut lo = vec![f16::INFINITY; dt];
+    let mut hi = vec![f16::NEG_INFINITY; dt];
+    let mut rows = 0usize;
+    for x in xr.chunks_exact(w.max(1)) {
+        rows += 1;
+        for j in 0..dt {
+            let y = f16_from_f64(x[j]);
+            if !y.is_finite() {
+                return Some((at, Vec::new()));
+            }
+            if f16_to_f64(y) < f16_to_f64(lo[j]) {
+                lo[j] = y;
+            }
+            if f16_to_f64(y) > f16_to_f64(hi[j]) {
+                hi[j] = y;
+            }
+        }
+    }
+    if rows == 0 {
+        lo.fill(f16::ZERO);
+        hi.fill(f16::ZERO);
+    }
+    let steps = coded::ladder(&lo, &hi);
+    let mut out: Vec<SideStrategy> = Vec::new();
+    for delta in if steps.is_empty() { vec![1.0] } else { steps } {
+        let coding = coded::coding_for_step(&lo, &hi, delta);
+        if out.iter().any(|c| c.coding == coding) {
+            continue;
+        }
+        out.push(SideStrategy {
+            layout: RecordLayout {
+                head_dim,
+                kept_dims: dt,
+                r: dt,
+                group_size: 1,
+                dtype: ValueDtype::Coded,
+                code_bits: coded::code_bits(&coding),
+            },
+            rotation: Vec::new(),
+            fit_loss: 0.0,
+            coding,
+        });
+    }
+    Some((at, out))
+}
+
+/// The index of `bits` in [`WIDTHS`].
+#[inline]
+fn width_index(bits: u8) -> usize {
+    WIDTHS
+        .iter()
+        .position(|&b| b == bits)
+        .expect("a checked width")
+}
+
+/// SPEC.md sections 6.1 and 11.1 for one row `x` (`[D]`) with rotated coordinates `xr` (at
+/// least `Dt`, f64) under a coded side: every dim kept, `e_j = (x'_j - d_j)^2` with `d_j` the
+/// decoded value of the row's code, `total` the energies, plus the truncated dims' energy
+/// `max(0, ||x||^2 - sum_{j<Dt} x'_j^2)` on both when `Dt < D`. The reference's
+/// `coded_row_loss_terms`, operation for operation.
+pub fn coded_row_loss_terms(x: &[f32], xr: &[f64], side: &SideStrategy) -> (f64, f64) {
+    let dt = side.layout.kept_dims;
+    let (mut dropped, mut total) = (0f64, 0f64);
+    for (&v, c) in xr[..dt].iter().zip(&side.coding) {
+        let err = v - f64::from(c.decode(c.encode(f16_from_f64(v))));
+        total += v * v;
+        dropped += err * err;
+    }
+    if dt < side.layout.head_dim {
+        let energy: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let truncated = (energy - total).max(0.0);
+        dropped += truncated;
+        total += truncated;
+    }
+    (dropped, total)
+}
+
+/// SPEC.md section 11.1's energy loss of every coded candidate on rows `[n][D]` with rotated
+/// coordinates `xr` (`[n][w]`): per row [`coded_row_loss_terms`], rows added in order, keys
+/// against their spread. Equal bit for bit to that per candidate: a dim's decoded value depends
+/// on its width only (its offset and step come from the segment's range and the width), so
+/// each row's squared error and energy at each of the five widths are computed once, and a
+/// candidate's row sum adds the ones of its widths in ascending j, as the row form does.
+pub fn coded_losses(
+    rows: &[f32],
+    xr: &[f64],
+    w: usize,
+    cands: &[SideStrategy],
+    side: Side,
+) -> Vec<f64> {
+    let Some(first) = cands.first() else {
+        return Vec::new();
+    };
+    let (d, dt) = (first.layout.head_dim, first.layout.kept_dims);
+    let n = rows.len() / d.max(1);
+    // The parameters of dim j at each width: from any candidate that gives j that width.
+    let mut by_width: Vec<[Option<DimCode>; WIDTHS.len()]> = vec![[None; WIDTHS.len()]; dt];
+    for c in cands {
+        for (j, dc) in c.coding.iter().enumerate() {
+            by_width[j][width_index(dc.bits)].get_or_insert(*dc);
+        }
+    }
+    // Per row: the squared errors `[Dt][5]` (0 where no candidate uses the width), the
+    // energies of the kept dims (ascending j) and the row's energy (for the truncated dims).
+    let widths = WIDTHS.len();
+    let mut sq_err = vec![0f64; n * dt * widths];
+    let mut energy = vec![0f64; n * dt];
+    let mut row_energy = vec![0f64; n];
+    sq_err
+        .par_chunks_mut(dt * widths)
+        .zip(energy.par_chunks_mut(dt))
+        .zip(row_energy.par_iter_mut())
+        .enumerate()
+        .for_each(|(i, ((se, en), re))| {
+            let x = &xr[i * w..i * w + dt];
+            for j in 0..dt {
+                let v = x[j];
+                let y = f16_from_f64(v);
+                en[j] = v * v;
+                for (k, dc) in by_width[j].iter().enumerate() {
+                    if let Some(dc) = dc {
+                        let err = v - f64::from(dc.decode(dc.encode(y)));
+                        se[j * widths + k] = err * err;
+                    }
+                }
+            }
+            if dt < d {
+                *re = rows[i * d..(i + 1) * d]
+                    .iter()
+                    .map(|&v| f64::from(v) * f64::from(v))
+                    .sum();
+            }
+        });
+    let spread = match side {
+        Side::Key => crate::strategy::SpreadSums::of_rows(rows, d).spread(),
+        Side::Value => 0.0,
+    };
+    cands
+        .par_iter()
+        .map(|c| {
+            let ks: Vec<usize> = c.coding.iter().map(|dc| width_index(dc.bits)).collect();
+            let (mut dropped_all, mut total_all) = (0f64, 0f64);
+            for i in 0..n {
+                let se = &sq_err[i * dt * widths..(i + 1) * dt * widths];
+                let en = &energy[i * dt..(i + 1) * dt];
+                let (mut dropped, mut total) = (0f64, 0f64);
+                for j in 0..dt {
+                    total += en[j];
+                    dropped += se[j * widths + ks[j]];
+                }
+                if dt < d {
+                    let truncated = (row_energy[i] - total).max(0.0);
+                    dropped += truncated;
+                    total += truncated;
+                }
+                dropped_all += dropped;
+                total_all += total;
+            }
+            rules::side_loss(side, dropped_all, total_all, spread)
+        })
+        .collect()
+}
+
+/// SPEC.md section 6.1: one coded record from a row's rotated coordinates `x` (at least `Dt`,
+/// f64) into `out` (`record_bytes`; zeroed here), `codes` scratch of at least `Dt` bytes.
+/// Returns the first dim whose f16 value overflows (SPEC.md section 14); the record's bytes
+/// are then meaningless and the caller reports the error.
+pub(crate) fn pack_coded_record(
+    x: &[f64],
+    side: &SideStrategy,
+    out: &mut [u8],
+    codes: &mut [u8],
+) -> Option<usize> {
+    let dt = side.layout.kept_dims;
+    out.fill(0);
+    for (j, (c, dc)) in codes[..dt].iter_mut().zip(&side.coding).enumerate() {
+        let y = f16_from_f64(x[j]);
+        if !y.is_finite() {
+            return Some(j);
+        }
+        *c = dc.encode(y);
+    }
+    coded::pack_codes(&side.coding, &codes[..dt], out);
+    None
+}
+
+/// Where each dim's code sits in a coded record, and how it decodes: built once per call of
+/// [`expand_coded`] from the coding (SPEC.md section 6.1's order: widest first, LSB first).
+struct Unpack {
+    /// Per stored code, in storage order: (dim, byte, shift, mask).
+    at: Vec<(u16, u16, u8, u8)>,
+    /// Per dim: the offset and step as f32 (a 0-bit dim: its offset, step 0).
+    min: Vec<f32>,
+    scale: Vec<f32>,
+}
+
+impl Unpack {
+    fn new(coding: &[DimCode]) -> Self {
+        let mut at = Vec::with_capacity(coding.len());
+        let mut bit = 0usize;
+        for j in coded::code_order(coding) {
+            let b = coding[j].bits;
+            at.push((
+                j as u16,
+                (bit / 8) as u16,
+                (bit % 8) as u8,
+                ((1u32 << b) - 1) as u8,
+            ));
+            bit += usize::from(b);
+        }
+        Self {
+            at,
+            min: coding.iter().map(|c| c.min.to_f32()).collect(),
+            scale: coding.iter().map(|c| c.scale.to_f32()).collect(),
+        }
+    }
+}
+
+/// SPEC.md section 6.1 decode: `n` coded records (record `i` at `records[i * rb..]`) into
+/// dense rotated rows `out` (`[n][dp]`, `dp >= Dt`; dims past `Dt` set to 0). Each dim is
+/// `f32(m_j) + f32(c_j) * f32(s_j)`: the product is exact (an 8-bit code times an 11-bit
+/// significand), so the one rounding is the add's, as [`DimCode::decode`] computes it.
+pub fn expand_coded(
+    records: &[u8],
+    n: usize,
+    rb: usize,
+    coding: &[DimCode],
+    dp: usize,
+    out: &mut [f32],
+) {
+    let u = Unpack::new(coding);
+    let dt = coding.len();
+    for (i, row) in out.chunks_exact_mut(dp.max(1)).take(n).enumerate() {
+        // (an all-0-bit coding has 0-byte records: every row is the offsets)
+        let rec = &records[i * rb..(i + 1) * rb];
+        row[..dt].copy_from_slice(&u.min);
+        row[dt..].fill(0.0);
+        for &(j, byte, shift, mask) in &u.at {
+            let j = usize::from(j);
+            let c = (rec[usize::from(byte)] >> shift) & mask;
+            row[j] = u.min[j] + f32::from(c) * u.scale[j];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expand_decodes_every_dim_as_the_spec_does() {
+        let f = f16::from_f32;
+        let coding = vec![
+            DimCode {
+                bits: 4,
+                min: f(-1.0),
+                scale: f(0.125),
+            },
+            DimCode {
+                bits: 0,
+                min: f(0.5),
+                scale: f16::ZERO,
+            },
+            DimCode {
+                bits: 8,
+                min: f(2.0),
+                scale: f(0.01),
+            },
+            DimCode {
+                bits: 1,
+                min: f(3.0),
+                scale: f(1.0),
+            },
+        ];
+        let codes = [9u8, 0, 200, 1];
+        let rb = 4;
+        let mut rec = vec![0u8; rb];
+        coded::pack_codes(&coding, &codes, &mut rec);
+        let mut out = vec![7f32; 8];
+        expand_coded(&rec, 1, rb, &coding, 8, &mut out);
+        for j in 0..4 {
+            assert_eq!(out[j], coding[j].decode(codes[j]), "dim {j}");
+        }
+        assert_eq!(&out[4..], &[0.0; 4]);
+    }
+}
