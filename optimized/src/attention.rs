@@ -17,6 +17,7 @@
 //! reusable [`MosaicScratch`] or in per-thread tile buffers, so a decode step
 //! allocates nothing once the buffers have grown to the cache's size.
 
+use crate::coded::CodedPlan;
 use crate::profile::{Lap, Stage, StageClocks, StepProfile};
 use crate::select::{
     given_blocks, rotate_and_select, segment_geometry, segment_of, selection_of, SegGeom,
@@ -465,12 +466,13 @@ pub(crate) struct KeyQueries<'a> {
 /// the integer logits of the int8 query ([`Path::key_logits_q8`]), on the codes as stored;
 /// f16 records are expanded into the key tile `kt` first (to f16 where `half_keys`, read by
 /// the f16 logits kernel; to f32 otherwise) and multiplied by the f32 rotated queries, as are
-/// coded records (SPEC 6.1), decoded into the f32 tile ([`crate::coded::expand_coded`]).
+/// coded records (SPEC 6.1; `kc` their plan), decoded into the f32 tile ([`CodedPlan::expand`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub(crate) fn tile_key_logits(
     path: Path,
     ks: &SideStrategy,
+    kc: Option<&CodedPlan>,
     kb: &[u8],
     n: usize,
     kq: KeyQueries<'_>,
@@ -484,8 +486,8 @@ pub(crate) fn tile_key_logits(
     let kl = &ks.layout;
     let krb = kl.record_bytes();
     let q = kq.rotated;
-    if kl.dtype == ValueDtype::Coded {
-        crate::coded::expand_coded(kb, n, krb, &ks.coding, dpk, kt);
+    if let Some(plan) = kc {
+        plan.expand(kb, n, krb, dpk, kt);
         path.tile_logits(q, g, dpk, kt, n, scale, lg);
     } else if kl.dtype.is_quantized() {
         let qs = q8_stride(kl.kept_dims);
@@ -541,6 +543,8 @@ pub(crate) fn attend_unit(
     let (krb, vrb) = (kl.record_bytes(), vl.record_bytes());
     // Coded records (SPEC 6.1) are decoded into the f32 tiles (the generic path).
     let (coded_k, coded_v) = (kl.dtype == ValueDtype::Coded, vl.dtype == ValueDtype::Coded);
+    let kplan = coded_k.then(|| CodedPlan::new(&ks.coding));
+    let vplan = coded_v.then(|| CodedPlan::new(&vs.coding));
     let dpmax = gm.dpk.max(gm.dpv);
     partial_init(&mut st[..partial_len(g, gm.dpv)], g);
     // Values expanded in registers straight into the accumulators where the path can.
@@ -591,7 +595,8 @@ pub(crate) fn attend_unit(
             while t < t1 {
                 let n = (t1 - t).min(TILE);
                 let kb = &hs.keys.bytes[t * krb..];
-                tile_key_logits(path, ks, kb, n, q, g, gm.dpk, scale, half_keys, kt, lg);
+                let kc = kplan.as_ref();
+                tile_key_logits(path, ks, kc, kb, n, q, g, gm.dpk, scale, half_keys, kt, lg);
                 lap.lap(Stage::KeyLogits);
                 let st = &mut st[..partial_len(g, gm.dpv)];
                 let vb = &hs.values.bytes[t * vrb..];
@@ -631,8 +636,8 @@ pub(crate) fn attend_unit(
                 } else {
                     // values expanded to a tile, then the softmax and the accumulation of
                     // `online_update`
-                    if coded_v {
-                        crate::coded::expand_coded(vb, n, vrb, &vs.coding, gm.dpv, vt);
+                    if let Some(plan) = &vplan {
+                        plan.expand(vb, n, vrb, gm.dpv, vt);
                     } else if vl.dtype.is_quantized() {
                         path.expand_records_q(vb, n, vl, gm.dpv, vt);
                     } else {

@@ -7,7 +7,7 @@
 //! | their section 11.1 losses, equal to the reference's bit for bit | [`coded_losses`] |
 //! | one row's section 11.1 terms (the lifecycle's running sums) | [`coded_row_loss_terms`] |
 //! | encode: one record from a row's rotated coordinates | [`pack_coded_record`] |
-//! | decode: records to dense rotated rows (what attention reads) | [`expand_coded`] |
+//! | decode: records to dense rotated rows (what attention reads) | [`CodedPlan::expand`], [`expand_coded`] |
 //!
 //! The arithmetic is the spec crate's ([`mosaickv_spec::coded`]): the ladder, the fitted
 //! coding, each dim's encode and decode. What this file adds is speed: a segment's codings
@@ -222,9 +222,10 @@ pub(crate) fn pack_coded_record(
     None
 }
 
-/// Where each dim's code sits in a coded record, and how it decodes: built once per call of
-/// [`expand_coded`] from the coding (SPEC.md section 6.1's order: widest first, LSB first).
-struct Unpack {
+/// Where each dim's code sits in a coded record and how it decodes (SPEC.md section 6.1's
+/// order: widest first, least significant bit first): built once per coding, then used for
+/// every tile of records ([`CodedPlan::expand`]).
+pub struct CodedPlan {
     /// Per stored code, in storage order: (dim, byte, shift, mask).
     at: Vec<(u16, u16, u8, u8)>,
     /// Per dim: the offset and step as f32 (a 0-bit dim: its offset, step 0).
@@ -232,8 +233,8 @@ struct Unpack {
     scale: Vec<f32>,
 }
 
-impl Unpack {
-    fn new(coding: &[DimCode]) -> Self {
+impl CodedPlan {
+    pub fn new(coding: &[DimCode]) -> Self {
         let mut at = Vec::with_capacity(coding.len());
         let mut bit = 0usize;
         for j in coded::code_order(coding) {
@@ -252,12 +253,29 @@ impl Unpack {
             scale: coding.iter().map(|c| c.scale.to_f32()).collect(),
         }
     }
+
+    /// SPEC.md section 6.1 decode: `n` coded records of `rb` bytes (record `i` at
+    /// `records[i * rb..]`) into dense rotated rows `out` (`[n][dp]`, `dp >= Dt`; dims past `Dt`
+    /// set to 0). Each dim is `f32(m_j) + f32(c_j) * f32(s_j)`: the product is exact (an 8-bit
+    /// code times an 11-bit significand), so the one rounding is the add's, as
+    /// [`DimCode::decode`] computes it.
+    pub fn expand(&self, records: &[u8], n: usize, rb: usize, dp: usize, out: &mut [f32]) {
+        let dt = self.min.len();
+        for (i, row) in out.chunks_exact_mut(dp.max(1)).take(n).enumerate() {
+            // (an all-0-bit coding has 0-byte records: every row is the offsets)
+            let rec = &records[i * rb..(i + 1) * rb];
+            row[..dt].copy_from_slice(&self.min);
+            row[dt..].fill(0.0);
+            for &(j, byte, shift, mask) in &self.at {
+                let j = usize::from(j);
+                let c = (rec[usize::from(byte)] >> shift) & mask;
+                row[j] = self.min[j] + f32::from(c) * self.scale[j];
+            }
+        }
+    }
 }
 
-/// SPEC.md section 6.1 decode: `n` coded records (record `i` at `records[i * rb..]`) into
-/// dense rotated rows `out` (`[n][dp]`, `dp >= Dt`; dims past `Dt` set to 0). Each dim is
-/// `f32(m_j) + f32(c_j) * f32(s_j)`: the product is exact (an 8-bit code times an 11-bit
-/// significand), so the one rounding is the add's, as [`DimCode::decode`] computes it.
+/// [`CodedPlan::expand`] under `coding` (the plan built for this call).
 pub fn expand_coded(
     records: &[u8],
     n: usize,
@@ -266,19 +284,7 @@ pub fn expand_coded(
     dp: usize,
     out: &mut [f32],
 ) {
-    let u = Unpack::new(coding);
-    let dt = coding.len();
-    for (i, row) in out.chunks_exact_mut(dp.max(1)).take(n).enumerate() {
-        // (an all-0-bit coding has 0-byte records: every row is the offsets)
-        let rec = &records[i * rb..(i + 1) * rb];
-        row[..dt].copy_from_slice(&u.min);
-        row[dt..].fill(0.0);
-        for &(j, byte, shift, mask) in &u.at {
-            let j = usize::from(j);
-            let c = (rec[usize::from(byte)] >> shift) & mask;
-            row[j] = u.min[j] + f32::from(c) * u.scale[j];
-        }
-    }
+    CodedPlan::new(coding).expand(records, n, rb, dp, out)
 }
 
 #[cfg(test)]
