@@ -18,7 +18,7 @@
 use crate::round::{f16_from_f64, f16_to_f64};
 use half::f16;
 use mosaickv_spec::coded::{self, DimCode, WIDTHS};
-use mosaickv_spec::{rules, CompressConfig, RecordLayout, Side, SideStrategy, ValueDtype};
+use mosaickv_spec::{rules, CompressConfig, Side, SideStrategy};
 use rayon::prelude::*;
 
 /// SPEC.md sections 6.1 and 11.2: where `config` lists `coded`, the index among the bitmap
@@ -58,28 +58,7 @@ pub fn coded_candidates(
         lo.fill(f16::ZERO);
         hi.fill(f16::ZERO);
     }
-    let steps = coded::ladder(&lo, &hi);
-    let mut out: Vec<SideStrategy> = Vec::new();
-    for delta in if steps.is_empty() { vec![1.0] } else { steps } {
-        let coding = coded::coding_for_step(&lo, &hi, delta);
-        if out.iter().any(|c| c.coding == coding) {
-            continue;
-        }
-        out.push(SideStrategy {
-            layout: RecordLayout {
-                head_dim,
-                kept_dims: dt,
-                r: dt,
-                group_size: 1,
-                dtype: ValueDtype::Coded,
-                code_bits: coded::code_bits(&coding),
-            },
-            rotation: Vec::new(),
-            fit_loss: 0.0,
-            coding,
-        });
-    }
-    Some((at, out))
+    Some((at, coded::candidates(&lo, &hi, head_dim)))
 }
 
 /// The index of `bits` in [`WIDTHS`].

@@ -9,9 +9,7 @@ use mosaickv_spec::layout::trim_rotation;
 use mosaickv_spec::query::{attention_config, LossContext};
 use mosaickv_spec::rules;
 use mosaickv_spec::validate::finite;
-use mosaickv_spec::{
-    f16, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy, ValueDtype,
-};
+use mosaickv_spec::{f16, CompressConfig, RecordLayout, Result, Side, SideStrategy, Strategy};
 use ndarray::ArrayView2;
 
 /// Running sums of SPEC.md section 11.1's loss: `dropped = sum_i sum_{j not
@@ -155,7 +153,7 @@ pub fn side_loss(rows: ArrayView2<f32>, strategy: &SideStrategy, side: Side) -> 
 /// full R, f64) are `rotated`: the policy's bitmap layouts
 /// ([`mosaickv_spec::rules::candidates`]) and, where `value_dtypes` lists `coded`, at its place
 /// ([`mosaickv_spec::rules::coded_candidates_at`]), one coded candidate per step of the ladder
-/// ([`mosaickv_spec::coded::ladder`]) in ladder order, repeats dropped. Each comes as a side
+/// ([`mosaickv_spec::coded::candidates`]) in ladder order, repeats dropped. Each comes as a side
 /// strategy without its rotation (`rotation` empty) or fit loss.
 pub fn side_candidates(
     rotated: &[Vec<f64>],
@@ -196,23 +194,7 @@ pub fn side_candidates(
         lo.fill(f16::ZERO);
         hi.fill(f16::ZERO);
     }
-    let steps = coded::ladder(&lo, &hi);
-    let mut coded_side: Vec<SideStrategy> = Vec::new();
-    for delta in if steps.is_empty() { vec![1.0] } else { steps } {
-        let coding = coded::coding_for_step(&lo, &hi, delta);
-        if coded_side.iter().any(|c| c.coding == coding) {
-            continue;
-        }
-        let layout = RecordLayout {
-            head_dim,
-            kept_dims: dt,
-            r: dt,
-            group_size: 1,
-            dtype: ValueDtype::Coded,
-            code_bits: coded::code_bits(&coding),
-        };
-        coded_side.push(bare(layout, coding));
-    }
+    let coded_side = coded::candidates(&lo, &hi, head_dim);
     out.splice(at..at, coded_side);
     out
 }

@@ -145,6 +145,35 @@ pub fn ladder(lo: &[f16], hi: &[f16]) -> Vec<f64> {
         .collect()
 }
 
+/// SPEC.md sections 6.1 and 11.2: the coded candidates of a segment whose rotated dims range
+/// over `[lo_j, hi_j]` (f16, finite): one per distinct coding of the [`ladder`]
+/// ([`coding_for_step`]), in ladder order, or the one all-0-bit coding when the ladder is
+/// empty; each a side strategy of head dimension `head_dim` (`r = Dt = lo.len()`, `g = 1`)
+/// without rotation or fit loss. Every backend's coded candidates come from here.
+pub fn candidates(lo: &[f16], hi: &[f16], head_dim: usize) -> Vec<crate::SideStrategy> {
+    let steps = ladder(lo, hi);
+    let mut out: Vec<crate::SideStrategy> = Vec::new();
+    for delta in if steps.is_empty() { vec![1.0] } else { steps } {
+        let coding = coding_for_step(lo, hi, delta);
+        if out.iter().any(|c| c.coding == coding) {
+            continue;
+        }
+        let layout = crate::RecordLayout {
+            head_dim,
+            kept_dims: lo.len(),
+            r: lo.len(),
+            group_size: 1,
+            dtype: crate::ValueDtype::Coded,
+            code_bits: code_bits(&coding),
+        };
+        out.push(crate::SideStrategy {
+            coding,
+            ..crate::SideStrategy::bare(layout)
+        });
+    }
+    out
+}
+
 /// The bits of one record under `coding`: `sum_j b_j`.
 pub fn code_bits(coding: &[DimCode]) -> usize {
     coding.iter().map(|c| usize::from(c.bits)).sum()
