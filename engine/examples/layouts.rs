@@ -64,6 +64,8 @@ fn main() -> BoxResult<()> {
         .collect::<Result<_, _>>()?;
     let mut counts: [BTreeMap<String, usize>; 2] = Default::default();
     let mut blocks: BTreeMap<usize, usize> = BTreeMap::new();
+    // coded sides (SPEC.md section 6.1): how many dims get each width
+    let mut widths: [BTreeMap<u8, usize>; 2] = Default::default();
     let mut sum = MemoryReport::default();
     for task in &tasks {
         for seed in 0..args.samples {
@@ -79,6 +81,11 @@ fn main() -> BoxResult<()> {
                         *counts[0].entry(key(&h.strategy.key.layout)).or_default() += 1;
                         *counts[1].entry(key(&h.strategy.value.layout)).or_default() += 1;
                         *blocks.entry(h.strategy.block_size).or_default() += 1;
+                        for (w, side) in widths.iter_mut().zip([&h.strategy.key, &h.strategy.value]) {
+                            for c in &side.coding {
+                                *w.entry(c.bits).or_default() += 1;
+                            }
+                        }
                     }
                 }
                 sum += c.memory();
@@ -98,6 +105,11 @@ fn main() -> BoxResult<()> {
         }
     }
     println!("\nblock sizes: {blocks:?}");
+    for (name, w) in ["keys", "values"].iter().zip(&widths) {
+        if !w.is_empty() {
+            println!("coded {name}: dims per width (bits: count) {w:?}");
+        }
+    }
     let t = sum.tokens.max(1) as f64;
     println!(
         "\nB/token per layer: values {:.1}, scales {:.1}, bitmaps {:.1}, padding {:.1}, block meta {:.1}, rotations {:.1}, dense rows {:.1}, headers {:.1}; total {:.1} (dense f16 {})",
