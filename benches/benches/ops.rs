@@ -93,5 +93,40 @@ fn fit(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, ops, fit);
+/// SPEC 6.1's coded records decoded to f32 rows (`coded::expand_coded`, what the CPU backend
+/// does to every selected tile before its logits and values): 4,096 records of head_dim 64 with
+/// SmolLM2's key widths (9 dims of 8 bits, 53 of 4, 2 of 2: 36 B a record), widths falling with
+/// the dim (code order is dim order, the usual case) and the same widths shuffled.
+fn coded(c: &mut Criterion) {
+    use mosaickv_optimized::coded::expand_coded;
+    use mosaickv_spec::coded::DimCode;
+    let mut g = c.benchmark_group("coded");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let (n, d) = (4096usize, 64usize);
+    let sorted: Vec<u8> = [8u8; 9].into_iter().chain([4; 53]).chain([2; 2]).collect();
+    // a fixed permutation (multiplication by 37 mod 64 is a bijection)
+    let shuffled: Vec<u8> = (0..d).map(|j| sorted[(j * 37) % d]).collect();
+    for (name, bits) in [("sorted", sorted), ("shuffled", shuffled)] {
+        let coding: Vec<DimCode> = bits
+            .iter()
+            .enumerate()
+            .map(|(j, &b)| DimCode {
+                bits: b,
+                min: half::f16::from_f32(-0.5 - j as f32 / 64.0),
+                scale: half::f16::from_f32(if b == 0 { 0.0 } else { 1.0 / f32::from(b) }),
+            })
+            .collect();
+        let rb = bits.iter().map(|&b| usize::from(b)).sum::<usize>().div_ceil(8);
+        let records: Vec<u8> = (0..n * rb).map(|i| (i * 2_654_435_761usize >> 7) as u8).collect();
+        let mut out = vec![0f32; n * d];
+        g.bench_function(format!("cpu/expand_coded/{name}/{n}x{d}"), |b| {
+            b.iter(|| expand_coded(&records, n, rb, &coding, d, &mut out))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, ops, fit, coded);
 criterion_main!(benches);
