@@ -64,8 +64,8 @@ pub struct Args {
     /// `never`.
     #[arg(long, value_enum, default_value_t = StorePrefills::Auto)]
     pub store_prefills: StorePrefills,
-    /// Ignore (and replace) the results of an earlier run with the same arguments instead of
-    /// resuming from them.
+    /// Measure every result again instead of resuming from the run log (the log keeps the old
+    /// lines, other runs' included; the new results supersede them where measured).
     #[arg(long)]
     pub fresh: bool,
     /// Run nothing: report (tables, --json) the results an earlier or still running run with
@@ -136,7 +136,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
         );
     } else if !log.is_empty() {
         eprintln!(
-            "eval: resuming: {} results of an earlier run with the same arguments and code in {} (--fresh ignores them)",
+            "eval: resuming: {} results in the run log {} (runs of this model with the same code and seed; this run reuses those of its prompts and methods, --fresh ignores them)",
             log.len(),
             log.path().display()
         );

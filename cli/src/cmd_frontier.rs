@@ -72,8 +72,9 @@ pub struct Args {
     /// Store each prompt's dense prefill and reuse it (as `eval --store-prefills`).
     #[arg(long, value_enum, default_value_t = StorePrefills::Auto)]
     pub store_prefills: StorePrefills,
-    /// Ignore (and replace) the results of an earlier run instead of resuming from them
-    /// (frontier shares `eval`'s run log: a method measured by either is not run again).
+    /// Measure every result again instead of resuming from the run log (frontier shares
+    /// `eval`'s run log, where a method measured by either is not run again; the log keeps
+    /// the old lines, and the new results supersede them where measured).
     #[arg(long)]
     pub fresh: bool,
 }

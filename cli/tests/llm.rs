@@ -74,7 +74,7 @@ fn eval_report_only_reports_the_run_log_and_runs_nothing() {
         assert_eq!(r["method"], method);
         assert_eq!(r["samples"], 1, "only the measured prompt");
     }
-    // --report-only runs nothing, so --fresh (which would discard the log) is refused
+    // --report-only runs nothing, so --fresh (which would ignore the log) is refused
     let o = with(&["--samples", "1", "--report-only", "--fresh"]);
     assert_eq!(o.code, 2, "{}", o.stderr);
 }

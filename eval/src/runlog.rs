@@ -35,7 +35,11 @@ pub struct RunLog {
 }
 
 impl RunLog {
-    /// Opens (or, with `fresh`, replaces) the log at `path`, reading what it holds.
+    /// Opens the log at `path`, reading what it holds. With `fresh` nothing already there is
+    /// read (this run measures every result again), but nothing is removed either: the log is
+    /// shared by every run of the model with the same code and seed (other tasks, lengths,
+    /// methods), and a later line supersedes an earlier one with the same key when the log is
+    /// next read, so the fresh results replace the old ones only where they were measured.
     pub fn open(path: &Path, fresh: bool) -> Result<Self> {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(d).map_err(|e| io(d, e))?;
@@ -54,14 +58,12 @@ impl RunLog {
         }
         let mut file = std::fs::OpenOptions::new()
             .create(true)
-            .append(!fresh)
-            .write(true)
-            .truncate(fresh)
+            .append(true)
             .open(path)
             .map_err(|e| io(path, e))?;
         // a line cut short by a kill gets its end, so the next result starts a line of its own
         let len = file.metadata().map_err(|e| io(path, e))?.len();
-        if !fresh && len > 0 {
+        if len > 0 {
             let mut last = [0u8; 1];
             let mut r = std::fs::File::open(path).map_err(|e| io(path, e))?;
             std::io::Seek::seek(&mut r, std::io::SeekFrom::Start(len - 1))
@@ -173,10 +175,17 @@ mod tests {
         log.push(d("kvq4", 0.0)).unwrap();
         drop(log);
         assert_eq!(RunLog::open(&path, false).unwrap().len(), 3);
-        // --fresh: nothing is read, the file is replaced
-        let log = RunLog::open(&path, true).unwrap();
+        // --fresh: nothing is read and nothing removed; what it measures again supersedes
+        // the old line, the results it does not measure (another run's) stay
+        let before = std::fs::read(&path).unwrap();
+        let mut log = RunLog::open(&path, true).unwrap();
         assert!(log.is_empty());
+        log.push(d("mosaic", 1.0)).unwrap();
         drop(log);
-        assert_eq!(std::fs::read(&path).unwrap().len(), 0);
+        assert!(std::fs::read(&path).unwrap().starts_with(&before));
+        let log = RunLog::open(&path, false).unwrap();
+        assert_eq!(log.len(), 3);
+        assert_eq!(log.get("vt", 4096, 3, "mosaic"), Some(&d("mosaic", 1.0)));
+        assert_eq!(log.get("vt", 4096, 3, "kvq4"), Some(&d("kvq4", 0.0)));
     }
 }
