@@ -109,7 +109,7 @@ pub fn run(a: Args) -> Result<(), CliError> {
     } = resolve_suite(&a.request(), defaults)?;
     lengths_fit(&model, &suite.lengths)?;
     eprintln!(
-        "eval: {} (default suite of {}), {} tasks x {:?} x {} samples, {} methods, KL over {} tokens",
+        "eval: {} (options not given: the default suite of {}), {} tasks x {:?} x {} samples, {} methods, KL over {} tokens",
         a.model
             .as_deref()
             .map_or("default model".into(), |p| p.display().to_string()),
