@@ -118,8 +118,14 @@ fn coded(c: &mut Criterion) {
                 scale: half::f16::from_f32(if b == 0 { 0.0 } else { 1.0 / f32::from(b) }),
             })
             .collect();
-        let rb = bits.iter().map(|&b| usize::from(b)).sum::<usize>().div_ceil(8);
-        let records: Vec<u8> = (0..n * rb).map(|i| (i * 2_654_435_761usize >> 7) as u8).collect();
+        let rb = bits
+            .iter()
+            .map(|&b| usize::from(b))
+            .sum::<usize>()
+            .div_ceil(8);
+        let records: Vec<u8> = (0..n * rb)
+            .map(|i| (i * 2_654_435_761usize >> 7) as u8)
+            .collect();
         let mut out = vec![0f32; n * d];
         g.bench_function(format!("cpu/expand_coded/{name}/{n}x{d}"), |b| {
             b.iter(|| expand_coded(&records, n, rb, &coding, d, &mut out))

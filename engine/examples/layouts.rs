@@ -81,7 +81,8 @@ fn main() -> BoxResult<()> {
                         *counts[0].entry(key(&h.strategy.key.layout)).or_default() += 1;
                         *counts[1].entry(key(&h.strategy.value.layout)).or_default() += 1;
                         *blocks.entry(h.strategy.block_size).or_default() += 1;
-                        for (w, side) in widths.iter_mut().zip([&h.strategy.key, &h.strategy.value]) {
+                        for (w, side) in widths.iter_mut().zip([&h.strategy.key, &h.strategy.value])
+                        {
                             for c in &side.coding {
                                 *w.entry(c.bits).or_default() += 1;
                             }

@@ -287,7 +287,12 @@ impl CodedPlan {
                     }
                 }
             }
-            for (((v, &c), &m), &s) in vals.iter_mut().zip(&codes).zip(&self.minc).zip(&self.scalec) {
+            for (((v, &c), &m), &s) in vals
+                .iter_mut()
+                .zip(&codes)
+                .zip(&self.minc)
+                .zip(&self.scalec)
+            {
                 *v = m + f32::from(c) * s;
             }
             if self.in_place {
@@ -329,7 +334,9 @@ mod tests {
         for trial in 0..300 {
             let dt = rng.gen_range(1..=80);
             let sorted = trial % 3 == 0; // widths falling with the dim: code order is dim order
-            let mut bits: Vec<u8> = (0..dt).map(|_| WIDTHS[rng.gen_range(0..WIDTHS.len())]).collect();
+            let mut bits: Vec<u8> = (0..dt)
+                .map(|_| WIDTHS[rng.gen_range(0..WIDTHS.len())])
+                .collect();
             if sorted {
                 bits.sort_by(|a, b| b.cmp(a));
                 if trial % 6 == 0 {
@@ -341,7 +348,11 @@ mod tests {
                 .map(|&b| DimCode {
                     bits: b,
                     min: f16::from_f32(rng.gen_range(-4.0f32..4.0)),
-                    scale: if b == 0 { f16::ZERO } else { f16::from_f32(rng.gen_range(0.001f32..0.5)) },
+                    scale: if b == 0 {
+                        f16::ZERO
+                    } else {
+                        f16::from_f32(rng.gen_range(0.001f32..0.5))
+                    },
                 })
                 .collect();
             let code_bits: usize = bits.iter().map(|&b| usize::from(b)).sum();
@@ -353,7 +364,13 @@ mod tests {
             for i in 0..n {
                 let codes: Vec<u8> = coding
                     .iter()
-                    .map(|c| if c.bits == 0 { 0 } else { rng.gen_range(0..=c.qmax()) as u8 })
+                    .map(|c| {
+                        if c.bits == 0 {
+                            0
+                        } else {
+                            rng.gen_range(0..=c.qmax()) as u8
+                        }
+                    })
                     .collect();
                 coded::pack_codes(&coding, &codes, &mut records[i * rb..(i + 1) * rb]);
                 let back = coded::unpack_codes(&coding, &records[i * rb..]);
@@ -365,7 +382,11 @@ mod tests {
             for (i, codes) in want.iter().enumerate() {
                 let row = &out[i * dp..(i + 1) * dp];
                 for j in 0..dt {
-                    assert_eq!(row[j].to_bits(), coding[j].decode(codes[j]).to_bits(), "trial {trial} row {i} dim {j}");
+                    assert_eq!(
+                        row[j].to_bits(),
+                        coding[j].decode(codes[j]).to_bits(),
+                        "trial {trial} row {i} dim {j}"
+                    );
                 }
                 assert!(row[dt..].iter().all(|&x| x == 0.0));
             }
