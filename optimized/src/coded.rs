@@ -208,9 +208,10 @@ pub(crate) fn pack_coded_record(
 /// The codes of one width are contiguous in a record, so a record is read width group by
 /// width group: an 8-bit group is its bytes, a 4-bit group that starts on a byte (always, since
 /// only 8-bit codes come before it) is two codes per byte; the narrower groups are read code by
-/// code. Offsets and steps are kept in code order, so the decode of a group is one loop the
-/// compiler vectorizes, and the values go to their dims by one permuted store (none when code
-/// order is dim order, the usual case: widths fall with the dim's energy).
+/// code. When code order is dim order (the usual case: widths fall with the dim's energy) the
+/// codes land in the row as floats and one loop the compiler vectorizes decodes the row;
+/// otherwise each code is decoded straight to its dim. No scratch: nothing is allocated per
+/// tile.
 pub struct CodedPlan {
     /// Width groups in storage order: (first code, codes, bits, first bit in the record).
     groups: Vec<(usize, usize, u8, usize)>,
@@ -257,53 +258,54 @@ impl CodedPlan {
     /// [`DimCode::decode`] computes it.
     pub fn expand(&self, records: &[u8], n: usize, rb: usize, dp: usize, out: &mut [f32]) {
         let dt = self.min.len();
-        let coded = self.dims.len();
-        // codes, then values, of one record in code order
-        let mut codes = vec![0u8; coded];
-        let mut vals = vec![0f32; coded];
         for (i, row) in out.chunks_exact_mut(dp.max(1)).take(n).enumerate() {
             // (an all-0-bit coding has 0-byte records: every row is the offsets)
             let rec = &records[i * rb..(i + 1) * rb];
-            for &(first, count, bits, bit) in &self.groups {
-                let c = &mut codes[first..first + count];
-                match bits {
-                    8 => c.copy_from_slice(&rec[bit / 8..bit / 8 + count]),
-                    4 if bit % 8 == 0 => {
-                        let bytes = &rec[bit / 8..];
-                        for (pair, &x) in c.chunks_mut(2).zip(bytes) {
-                            pair[0] = x & 15;
-                            if let Some(hi) = pair.get_mut(1) {
-                                *hi = x >> 4;
-                            }
-                        }
-                    }
-                    _ => {
-                        let mask = (1u8 << bits) - 1;
-                        let w = usize::from(bits);
-                        for (k, ck) in c.iter_mut().enumerate() {
-                            let at = bit + k * w;
-                            *ck = (rec[at / 8] >> (at % 8)) & mask;
-                        }
-                    }
-                }
-            }
-            for (((v, &c), &m), &s) in vals
-                .iter_mut()
-                .zip(&codes)
-                .zip(&self.minc)
-                .zip(&self.scalec)
-            {
-                *v = m + f32::from(c) * s;
-            }
+            let (vals, pad) = row.split_at_mut(dt);
             if self.in_place {
-                row[..dt].copy_from_slice(&vals);
+                // the codes as floats at their dims, then one decode loop over the row
+                self.codes(rec, |k, c| vals[k] = f32::from(c));
+                for ((v, &m), &s) in vals.iter_mut().zip(&self.minc).zip(&self.scalec) {
+                    *v = m + *v * s;
+                }
             } else {
-                row[..dt].copy_from_slice(&self.min);
-                for (&j, &v) in self.dims.iter().zip(&vals) {
-                    row[usize::from(j)] = v;
+                vals.copy_from_slice(&self.min);
+                self.codes(rec, |k, c| {
+                    vals[usize::from(self.dims[k])] = self.minc[k] + f32::from(c) * self.scalec[k]
+                });
+            }
+            pad.fill(0.0);
+        }
+    }
+
+    /// Every code of record `rec` in code order, as `put(k, code)`, width group by width group.
+    #[inline(always)]
+    fn codes(&self, rec: &[u8], mut put: impl FnMut(usize, u8)) {
+        for &(first, count, bits, bit) in &self.groups {
+            match bits {
+                8 => {
+                    for (k, &x) in rec[bit / 8..bit / 8 + count].iter().enumerate() {
+                        put(first + k, x);
+                    }
+                }
+                4 if bit % 8 == 0 => {
+                    for (k, &x) in rec[bit / 8..bit / 8 + count / 2].iter().enumerate() {
+                        put(first + 2 * k, x & 15);
+                        put(first + 2 * k + 1, x >> 4);
+                    }
+                    if count % 2 == 1 {
+                        put(first + count - 1, rec[bit / 8 + count / 2] & 15);
+                    }
+                }
+                _ => {
+                    let mask = (1u8 << bits) - 1;
+                    let w = usize::from(bits);
+                    for k in 0..count {
+                        let at = bit + k * w;
+                        put(first + k, (rec[at / 8] >> (at % 8)) & mask);
+                    }
                 }
             }
-            row[dt..].fill(0.0);
         }
     }
 }
