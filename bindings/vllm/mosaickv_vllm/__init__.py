@@ -44,4 +44,8 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-    logger.info("mosaickv_vllm: CPU_ATTN -> %s, method %r", BACKEND_PATH, m)
+    from . import batch
+
+    rows = batch.install()
+    logger.info("mosaickv_vllm: CPU_ATTN -> %s, method %r, sequences keyed by %s", BACKEND_PATH, m,
+                "request id" if rows else "first block (the V1 runner's _update_states is absent)")

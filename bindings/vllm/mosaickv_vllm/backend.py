@@ -7,12 +7,15 @@ cache (the ``mosaickv`` package, Rust): the prompt's K/V go in as its prefill (S
 generated token is appended (SPEC 10.2) and its query attended on the compressed cache (SPEC
 8-9); that output replaces vLLM's for the decode token.
 
-A sequence is known by the first physical block of its block table (vLLM's attention metadata
-carries no request ids; a live sequence owns its first block). Whenever the cache held for that
-block does not have exactly the tokens before this step (a new request that reuses the block, a
-prefix-cache hit, a chunked or resumed prefill, a preempted sequence), it is rebuilt from vLLM's
-pages, which hold every token: the pages are the source of truth, the MosaicKV caches a derived
-store. Sequences not scheduled in a step are dropped (rebuilt from the pages if they return).
+A sequence is known by its request id, which the model runner publishes for each step's rows
+(`batch.py`: vLLM's attention metadata carries none); its caches are freed when the request
+finishes or is preempted, and kept while it is merely not scheduled. Where the runner's rows are
+not known (another runner, a dummy run), a row is known by the first physical block of its block
+table (a live sequence owns its first block) and sequences not scheduled in a step are dropped.
+Whenever the cache held for a sequence does not have exactly the tokens before this step (a new
+request that reuses the block, a prefix-cache hit, a chunked or resumed prefill, a preempted
+sequence), it is rebuilt from vLLM's pages, which hold every token: the pages are the source of
+truth, the MosaicKV caches a derived store.
 
 What vLLM's memory accounting sees is unchanged in this phase: its pages stay dense, and the
 MosaicKV caches come on top (docs/VLLM.md, section 2 (a)).
@@ -37,6 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 import mosaickv
 
+from . import batch
 from . import method as configured_method
 
 
@@ -147,6 +151,20 @@ def _release_freed_heap() -> None:
                                 "rss": rss, "arena": mi.arena, "free_held": mi.fordblks}) + "\n")
 
 
+_announced: set[bool] = set()
+
+
+def _announce_keying(by_request: bool) -> None:
+    """Logs once per process and kind how a step's rows were keyed (the checks read it)."""
+    if by_request in _announced:
+        return
+    _announced.add(by_request)
+    from vllm.logger import init_logger
+
+    init_logger("vllm.plugins.mosaickv").info(
+        "mosaickv_vllm: rows keyed by %s", "request id" if by_request else "first block")
+
+
 def _f32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).contiguous().numpy()
 
@@ -155,7 +173,8 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.method = configured_method() or "full"
-        self.caches: dict[int, object] = {}
+        self.caches: dict[object, object] = {}
+        self.seen_step = 0
         if self.attn_type != AttentionType.DECODER:
             return  # encoder attention keeps vLLM's path
         refused = []
@@ -219,13 +238,23 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
         table = attn_metadata.block_table
         n = attn_metadata.num_actual_tokens
         heads = output[:n].view(n, self.num_heads, self.head_size)
+        # Request ids of the rows, when the runner published this step's (batch.py).
+        rows = batch.rows
+        active = max((i + 1 for i in range(len(lens)) if starts[i + 1] > starts[i]), default=0)
+        by_request = active <= len(rows) <= len(lens)
+        if active:
+            _announce_keying(by_request)
+        if by_request:
+            self.seen_step, gone = batch.ended_since(self.seen_step)
+            for seq in [s for s in self.caches if s in gone or isinstance(s, tuple)]:
+                del self.caches[seq]  # ended, or keyed by block before the rows were known
         live = set()
         built = 0
         for i, total in enumerate(lens):
             a, b = starts[i], starts[i + 1]
             if b <= a:
                 continue
-            seq = int(table[i, 0])
+            seq = rows[i] if by_request else ("block", int(table[i, 0]))
             live.add(seq)
             cache = self.caches.get(seq)
             if b - a > 1:
@@ -249,8 +278,9 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
             self.caches[seq] = cache
             o = cache.attend(_f32(query[a]))
             heads[a].copy_(torch.from_numpy(o).to(heads.dtype))
-        for seq in [s for s in self.caches if s not in live]:
-            del self.caches[seq]
+        if not by_request:
+            for seq in [s for s in self.caches if s not in live]:
+                del self.caches[seq]
         if built:
             _release_freed_heap()
         return output

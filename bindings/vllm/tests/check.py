@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -99,6 +100,8 @@ def run(setting: str, args) -> dict:
     r = json.loads(lines[-1][len("RESULT "):])
     r["plugin_active"] = r["cpu_attn_backend"] == "mosaickv_vllm.backend.MosaicKVBackend"
     r["kv_cache_line"] = next((l.strip() for l in log.splitlines() if "KV cache size" in l), None)
+    # how the plugin keyed the steps' rows (request id from the runner, or first block)
+    r["rows_keyed_by"] = sorted(set(re.findall(r"rows keyed by (request id|first block)", log)))
     return r
 
 
@@ -128,6 +131,12 @@ def main() -> int:
         if res[s]["plugin_active"] != (s != "off"):
             print(f"FAIL: MOSAICKV_VLLM={s}: vLLM's CPU_ATTN is {res[s]['cpu_attn_backend']}")
             ok = False
+        if s != "off":
+            keyed = res[s]["rows_keyed_by"]
+            print(f"MOSAICKV_VLLM={s}: rows keyed by {keyed}")
+            if "request id" not in keyed:
+                print(f"FAIL: MOSAICKV_VLLM={s}: the runner's request ids never reached the backend")
+                ok = False
     same_full = [a == b for a, b in zip(res["off"]["ids"], res["full"]["ids"])]
     same_mosaic = [a == b for a, b in zip(res["off"]["ids"], res["mosaic"]["ids"])]
     report["checks"] = {"full_equals_vllm": same_full, "mosaic_equals_vllm": same_mosaic}
