@@ -239,10 +239,12 @@ class MosaicKVImpl(CPUAttentionBackendImpl):
         n = attn_metadata.num_actual_tokens
         heads = output[:n].view(n, self.num_heads, self.head_size)
         # Request ids of the rows, when the runner published this step's (batch.py).
-        rows = batch.rows
-        active = max((i + 1 for i in range(len(lens)) if starts[i + 1] > starts[i]), default=0)
-        by_request = active <= len(rows) <= len(lens)
-        if active:
+        qlens = [b - a for a, b in zip(starts, starts[1:])]
+        while qlens and qlens[-1] == 0:
+            qlens.pop()  # padding rows
+        rows = batch.rows_for(qlens)
+        by_request = rows is not None
+        if qlens:
             _announce_keying(by_request)
         if by_request:
             self.seen_step, gone = batch.ended_since(self.seen_step)

@@ -17,23 +17,33 @@ import collections
 import threading
 
 _lock = threading.Lock()
-#: Request ids of the current step's rows, in the metadata's order.
-rows: list[str] = []
+#: The latest step's rows: request ids in the metadata's order, and the tokens the scheduler
+#: gave each (one assignment, so a reader never sees the ids of one step with another's counts).
+current: tuple[list[str], list[int]] = ([], [])
 #: Steps recorded so far (a forward pass reads the rows of the latest one).
 step = 0
 #: ``(step, ids)`` of requests that ended (finished or preempted) at each recent step.
 ended: collections.deque = collections.deque(maxlen=4096)
 
 
-def record(req_ids, finished, preempted) -> None:
-    """Publishes one step's row order and the requests that ended before it."""
-    global rows, step
+def record(req_ids, tokens, finished, preempted) -> None:
+    """Publishes one step's row order with each row's scheduled tokens, and the requests that
+    ended before it."""
+    global current, step
     with _lock:
         step += 1
-        rows = list(req_ids)
+        current = (list(req_ids), [int(t) for t in tokens])
         gone = set(finished or ()) | set(preempted or ())
         if gone:
             ended.append((step, frozenset(gone)))
+
+
+def rows_for(query_lens: list[int]) -> list[str] | None:
+    """The request ids of a forward pass whose rows have ``query_lens`` tokens, or None when the
+    latest published step is not this pass (another row count or other token counts: a dummy
+    run, a runner that does not publish), so that rows are never keyed by a stale step."""
+    ids, tokens = current
+    return ids if tokens == list(query_lens) and len(ids) == len(tokens) else None
 
 
 def ended_since(seen: int) -> tuple[int, set[str]]:
@@ -61,8 +71,9 @@ def install() -> bool:
 
     def _update_states(self, scheduler_output):
         out = original(self, scheduler_output)
-        batch = self.input_batch
-        record(batch.req_ids[: batch.num_reqs], scheduler_output.finished_req_ids,
+        ids = self.input_batch.req_ids[: self.input_batch.num_reqs]
+        scheduled = scheduler_output.num_scheduled_tokens
+        record(ids, [scheduled.get(r, 0) for r in ids], scheduler_output.finished_req_ids,
                getattr(scheduler_output, "preempted_req_ids", None))
         return out
 
