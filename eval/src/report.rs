@@ -31,6 +31,9 @@ pub struct Summary {
     pub accuracy: f64,
     pub accuracy_loss: Option<f64>,
     pub kv_bytes_per_token: f64,
+    /// Host-side bytes per token (the f32 rows of open segments), mean over the method's
+    /// cells; null when a cell's is unknown (run log lines written before it was recorded).
+    pub host_bytes_per_token: Option<f64>,
     pub decode_ms: f64,
     /// Teacher-forced `KL(full || method)` on natural text, and top-1 agreement.
     pub kl: Option<f64>,
@@ -90,12 +93,23 @@ pub fn summarize(records: &[Record], forced: &[ForcedRecord]) -> Vec<Summary> {
                 accuracy,
                 accuracy_loss: full_acc.filter(|&f| f > 0.0).map(|f| 1.0 - accuracy / f),
                 kv_bytes_per_token: mean(m, &|r| r.kv_bytes_per_token),
+                host_bytes_per_token: records
+                    .iter()
+                    .filter(|r| &r.method == m)
+                    .map(|r| r.host_bytes_per_token)
+                    .collect::<Option<Vec<f64>>>()
+                    .map(|v| v.iter().sum::<f64>() / v.len().max(1) as f64),
                 decode_ms: mean(m, &|r| r.decode_ms),
                 kl: f.map(|f| f.kl),
                 top1: f.map(|f| f.top1),
             }
         })
         .collect()
+}
+
+/// Host bytes per token: `-` where unknown (results from before it was recorded).
+fn host_cell(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.1}"))
 }
 
 fn pct(x: Option<f64>) -> String {
@@ -121,11 +135,11 @@ pub fn paired_cell(p: &Option<Paired>) -> String {
 /// The table as Markdown (what `eval` prints).
 pub fn table(records: &[Record]) -> String {
     let mut s = String::from(
-        "| task | length | method | accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | KV B/token | decode ms/step |\n|---|---:|---|---:|---:|---:|---:|\n",
+        "| task | length | method | accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | KV B/token | host B/token | decode ms/step |\n|---|---:|---|---:|---:|---:|---:|---:|\n",
     );
     for r in records {
         s += &format!(
-            "| {} | {} | {} | {} | {} | {:.1} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {:.1} |\n",
             r.task,
             r.length,
             r.method,
@@ -136,6 +150,7 @@ pub fn table(records: &[Record]) -> String {
                 paired_cell(&r.vs_full)
             },
             r.kv_bytes_per_token,
+            host_cell(r.host_bytes_per_token),
             r.decode_ms
         );
     }
@@ -163,11 +178,11 @@ pub fn summary_table(records: &[Record], sum: &[Summary]) -> String {
         cells.len(),
         if cells.is_empty() { "none".into() } else { names(&cells) }
     );
-    s += "| method | headline accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | mean accuracy, all cells | loss vs full | KV B/token | decode ms/step | KL(full‖method) | top-1 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    s += "| method | headline accuracy [95 % CI] (n) | vs full: diff [95 % CI], lost-won, p | mean accuracy, all cells | loss vs full | KV B/token | host B/token | decode ms/step | KL(full‖method) | top-1 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
     for m in sum {
         s += &format!(
-            "| {} | {} | {} | {:.3} | {} | {:.1} | {:.1} | {} | {} |\n",
+            "| {} | {} | {} | {:.3} | {} | {:.1} | {} | {:.1} | {} | {} |\n",
             m.method,
             m.headline
                 .map_or("-".into(), |a| acc_cell(a.mean, a.low, a.high, a.n)),
@@ -179,6 +194,7 @@ pub fn summary_table(records: &[Record], sum: &[Summary]) -> String {
             m.accuracy,
             pct(m.accuracy_loss),
             m.kv_bytes_per_token,
+            host_cell(m.host_bytes_per_token),
             m.decode_ms,
             opt(m.kl, 4),
             opt(m.top1, 3),
@@ -321,6 +337,7 @@ mod tests {
             vs_full: Some(paired(scores, full)),
             accuracy_loss: None,
             kv_bytes_per_token: 1.0,
+            host_bytes_per_token: Some(0.5),
             decode_ms: 1.0,
             samples: scores.len(),
             prompt_tokens: 1000.0,

@@ -17,6 +17,11 @@ pub struct Done {
     pub method: String,
     pub score: f64,
     pub bytes_per_token: f64,
+    /// Host-side bytes per cached token (the f32 rows a MosaicKV cache keeps for its open
+    /// segment, SPEC.md section 13's `host_rows`), over layers like `bytes_per_token`; absent
+    /// from lines written before it was recorded (2026-12-07), unknown there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_bytes_per_token: Option<f64>,
     /// Sum of the decode steps' wall times (s) and their count.
     pub step_s: f64,
     pub steps: usize,
@@ -151,6 +156,7 @@ mod tests {
             method: method.into(),
             score,
             bytes_per_token: 300.0,
+            host_bytes_per_token: Some(12.0),
             step_s: 1.5,
             steps: 30,
             prompt_tokens: 4000,

@@ -69,6 +69,11 @@ pub struct Record {
     pub accuracy_loss: Option<f64>,
     /// Device bytes per cached token at the end of decoding, mean over layers and samples.
     pub kv_bytes_per_token: f64,
+    /// Host-side bytes per cached token at the end of decoding (the f32 rows of open
+    /// segments, SPEC.md section 13's `host_rows`; 0 for caches that keep none), mean over
+    /// layers and samples; null when a sample's result predates this figure (run log lines
+    /// before 2026-12-07). Every byte a cache holds is `kv_bytes_per_token` plus this.
+    pub host_bytes_per_token: Option<f64>,
     /// Mean wall time of one decode step (all 30 layers), ms.
     pub decode_ms: f64,
     pub samples: usize,
@@ -145,6 +150,9 @@ impl Observer for () {}
 struct Acc {
     scores: Vec<f64>,
     bytes: f64,
+    /// Sum of the samples' host bytes per token, and how many samples had one.
+    host: f64,
+    host_known: usize,
     step_s: f64,
     steps: usize,
     n: usize,
@@ -155,6 +163,10 @@ impl Acc {
     fn add(&mut self, d: &Done) {
         self.scores.push(d.score);
         self.bytes += d.bytes_per_token;
+        if let Some(h) = d.host_bytes_per_token {
+            self.host += h;
+            self.host_known += 1;
+        }
         self.step_s += d.step_s;
         self.steps += d.steps;
         self.n += 1;
@@ -224,6 +236,13 @@ pub fn run_suite(
                             method: names[mi].clone(),
                             score,
                             bytes_per_token: d.bytes_per_token,
+                            // over layers and tokens as `bytes_per_token`: each layer's cache
+                            // holds the prompt and every token a decode step appended
+                            host_bytes_per_token: Some(
+                                d.host_bytes as f64
+                                    / (model.config().n_layers * (ids.len() + d.step_s.len()))
+                                        .max(1) as f64,
+                            ),
                             step_s: d.step_s.iter().sum::<f64>(),
                             steps: d.step_s.len(),
                             prompt_tokens: ids.len(),
@@ -277,6 +296,7 @@ pub fn run_suite(
                     vs_full: full_scores.as_ref().map(|f| paired(&a.scores, f)),
                     accuracy_loss: full_acc.filter(|&f| f > 0.0).map(|f| 1.0 - accuracy / f),
                     kv_bytes_per_token: a.bytes / a.n as f64,
+                    host_bytes_per_token: (a.host_known == a.n).then(|| a.host / a.n as f64),
                     decode_ms: if a.steps > 0 {
                         1e3 * a.step_s / a.steps as f64
                     } else {

@@ -1,10 +1,22 @@
 //! KV memory budget: what a request may need at worst, and what it may still need once running.
 //!
-//! Every figure is in the bytes [`mosaickv_engine::LayerKv::bytes`] reports: the device bytes of
-//! `memory()` (SPEC.md section 13, every byte counted: retained values, bitmaps, padding, block
-//! metadata, rotations, dense sink and buffer rows, headers). Host-side f32 rows kept for
-//! background compression are not device memory and are not charged (`memory()` reports them
-//! apart, `host_rows`).
+//! Every figure counts every byte a request's KV rows take in this process: the device bytes of
+//! `memory()` (SPEC.md section 13: retained values, bitmaps, padding, block metadata,
+//! rotations, dense sink and buffer rows, headers, [`mosaickv_engine::LayerKv::bytes`]) plus
+//! the host-side rows beside them, which on a CPU server are the same RAM:
+//!
+//! * the f32 rows a MosaicKV cache keeps for its open segment and update buffer until a close
+//!   re-fits them (SPEC 10.2-10.3, `memory().host_rows`, [`mosaickv_engine::LayerKv::host_bytes`]):
+//!   `8 * head_dim` bytes (f32 K and V) per appended token, layer and KV head, twice a dense
+//!   f16 row, so a generated token costs more than a dense cache's until its segment closes
+//!   ([`Footprint::host_per_token`]);
+//!
+//! Outside the budget, as vLLM keeps its forward pass's activations outside its KV pool: the
+//! prompt's f32 K/V rows that the model's prefill hands to the caches (a chunked prompt's
+//! [`mosaickv_engine::ChunkedPrefill`]), `8 * head_dim` bytes per prompt token, layer and KV
+//! head for every method, held until the caches are filled. The engine prefills one prompt at
+//! a time, so they are one prompt's worth at most (8K tokens on SmolLM2: 354 MB, beside 186 MB
+//! of its dense f16 cache).
 //!
 //! * `full`: exactly `4 * kv_heads * head_dim` bytes per token per layer (f16 K and V).
 //! * `kvq8` / `kvq4` (llama.cpp's `q8_0` / `q4_0` KV cache): exactly `2 * kv_heads *
@@ -25,14 +37,15 @@
 //!   `floor(max_tokens / L_min)` closes; each one fits a new strategy for the closed segment
 //!   and the next open segment copies it).
 //!
-//! Admission reserves [`Footprint::worst_case`] for the prompt plus `max_tokens`. Once the
-//! prompt is in the cache, the scheduler lowers the reservation after each step to the bound
-//! the caches give from their real state ([`mosaickv_engine::LayerKv::bytes_bound`]: for the
-//! live MosaicKV cache, the measured bytes plus the remaining tokens at the fitted strategies'
-//! own rate while no close can happen; `mosaickv_optimized::LiveCache::device_bytes_bound`),
-//! or, for a cache that gives none, to [`Footprint::still_needed`]. The reservation never
-//! rises, and the measured bytes never exceed it (the engine counts any step where they do,
-//! and the tests check that count is zero).
+//! Admission reserves [`Footprint::worst_case`] for the prompt plus `max_tokens`. Once the prompt is in the cache, the scheduler lowers the reservation
+//! after each step to the bound the caches give from their real state
+//! ([`mosaickv_engine::LayerKv::bytes_bound`]: for the live MosaicKV cache, the measured bytes
+//! plus the remaining tokens at the fitted strategies' own rate while no close can happen;
+//! `mosaickv_optimized::LiveCache::device_bytes_bound`), or, for a cache that gives none, to
+//! [`Footprint::still_needed`], plus the host rows held now and
+//! [`Footprint::host_per_token`] for each token still to come. The reservation never rises,
+//! and the measured bytes (device and host) never exceed it (the engine counts any step where
+//! they do, and the tests check that count is zero).
 
 use mosaickv_engine::{Config, Method};
 use mosaickv_spec::kvq::KVQ_BLOCK;
@@ -52,6 +65,10 @@ pub struct Footprint {
     pub min_segment_len: usize,
     /// Tokens kept in the dense sink (not in any segment).
     pub sink_tokens: usize,
+    /// Host bytes per appended token, all layers: the f32 K/V rows a MosaicKV cache keeps for
+    /// its update buffer and open segment until a close (0 for caches that keep none). An
+    /// upper bound: a close drops them.
+    pub host_per_token: usize,
 }
 
 /// Methods the server runs.
@@ -63,6 +80,8 @@ impl Footprint {
     /// server does not run (see [`SERVED_METHODS`]).
     pub fn of(method: &Method, cfg: &Config) -> Option<Self> {
         let (layers, kvh, d) = (cfg.n_layers, cfg.kv_heads, cfg.head_dim);
+        // f32 K and V of one token, all layers
+        let rows = layers * kvh * 8 * d;
         match method {
             Method::Full => Some(Self {
                 per_token: layers * kvh * 4 * d,
@@ -71,6 +90,7 @@ impl Footprint {
                 input_segment_len: 1,
                 min_segment_len: 1,
                 sink_tokens: 0,
+                host_per_token: 0,
             }),
             Method::Kvq { format, .. } => Some(Self {
                 per_token: layers * kvh * 2 * d.div_ceil(KVQ_BLOCK) * format.block_bytes(),
@@ -79,6 +99,7 @@ impl Footprint {
                 input_segment_len: 1,
                 min_segment_len: 1,
                 sink_tokens: 0,
+                host_per_token: 0,
             }),
             // vLLM's slots in the compressed layers, dense f16 in its boundary layers (the
             // engine's own dense cache), the f32 key codebook once per compressed layer
@@ -100,6 +121,7 @@ impl Footprint {
                     input_segment_len: 1,
                     min_segment_len: 1,
                     sink_tokens: 0,
+                    host_per_token: 0,
                 })
             }
             Method::Mosaic { config, .. } => {
@@ -115,6 +137,7 @@ impl Footprint {
                     input_segment_len: config.input_segment_len.max(1),
                     min_segment_len: config.min_segment_len.max(1),
                     sink_tokens: config.sink_tokens,
+                    host_per_token: rows,
                 })
             }
             _ => None,
@@ -122,8 +145,13 @@ impl Footprint {
     }
 
     /// The most bytes a request of `prompt` tokens and up to `max_tokens` generated ones can
-    /// hold at any time.
+    /// hold at any time: its caches at their worst and the host rows of every generated token.
     pub fn worst_case(&self, prompt: usize, max_tokens: usize) -> usize {
+        self.cache_worst_case(prompt, max_tokens) + max_tokens * self.host_per_token
+    }
+
+    /// The most device bytes the caches alone can reach (SPEC.md section 13).
+    pub fn cache_worst_case(&self, prompt: usize, max_tokens: usize) -> usize {
         let segments = if self.per_segment == 0 {
             0
         } else {
@@ -143,6 +171,11 @@ impl Footprint {
     /// `ceil(remaining / L_min) + 3` (the open one, a provisional one of the background worker,
     /// and the remainder).
     pub fn still_needed(&self, measured: usize, remaining: usize) -> usize {
+        self.device_still_needed(measured, remaining) + remaining * self.host_per_token
+    }
+
+    /// [`Footprint::still_needed`] without the host rows of the tokens to come.
+    pub fn device_still_needed(&self, measured: usize, remaining: usize) -> usize {
         let segments = if self.per_segment == 0 {
             0
         } else {
@@ -179,8 +212,11 @@ mod tests {
     fn full_is_exactly_dense_f16() {
         let f = Footprint::of(&Method::Full, &cfg()).unwrap();
         assert_eq!(f.per_token, 30 * 3 * 4 * 64);
-        assert_eq!(f.worst_case(100, 28), 128 * 30 * 3 * 4 * 64);
+        assert_eq!(f.cache_worst_case(100, 28), 128 * 30 * 3 * 4 * 64);
         assert_eq!(f.still_needed(1000, 10), 1000 + 10 * f.per_token);
+        // a dense cache keeps no host rows
+        assert_eq!(f.host_per_token, 0);
+        assert_eq!(f.worst_case(100, 28), f.cache_worst_case(100, 28));
     }
 
     #[test]
@@ -189,7 +225,10 @@ mod tests {
         // head_dim 64: 2 blocks per head and tensor
         assert_eq!(f("kvq8").per_token, 30 * 3 * 2 * 2 * 34);
         assert_eq!(f("kvq4").per_token, 30 * 3 * 2 * 2 * 18);
-        assert_eq!(f("kvq4").worst_case(100, 28), 128 * f("kvq4").per_token);
+        assert_eq!(
+            f("kvq4").cache_worst_case(100, 28),
+            128 * f("kvq4").per_token
+        );
     }
 
     #[test]
@@ -201,7 +240,7 @@ mod tests {
         assert_eq!(tq.dense, 26 * 4 * 16);
         assert_eq!(f("turboquant:k8v4").dense, 0);
         assert_eq!(f("turboquant:3bit_nc:boundary=0").per_token, 30 * 3 * 54);
-        assert_eq!(tq.worst_case(100, 28), 128 * tq.per_token + tq.dense);
+        assert_eq!(tq.cache_worst_case(100, 28), 128 * tq.per_token + tq.dense);
     }
 
     #[test]
@@ -220,17 +259,17 @@ mod tests {
         // 1 prompt segment (SPEC 10.1: 996 tokens after the sink < L_in), 1 open one, no close
         // (100 < L_min)
         assert_eq!(
-            f.worst_case(1000, 100),
+            f.cache_worst_case(1000, 100),
             1100 * f.per_token + 2 * f.per_segment + f.dense
         );
         // a prompt within the sink has no segment; 2 * L_min generated tokens allow 2 closes
         assert_eq!(
-            f.worst_case(4, 8192),
+            f.cache_worst_case(4, 8192),
             8196 * f.per_token + (1 + 4) * f.per_segment + f.dense
         );
         // 40,000 prompt tokens after the sink: floor(40000 / 16384) = 2 segments
         assert_eq!(
-            f.worst_case(40_004, 10),
+            f.cache_worst_case(40_004, 10),
             40_014 * f.per_token + 3 * f.per_segment + f.dense
         );
         // fixed retention 1/4 at g = 1: r = 16, a record is 8 + 32 = 40 B
@@ -247,5 +286,20 @@ mod tests {
         assert_eq!(per_token("mosaic:dt=int4"), 30 * 3 * (2 * 36 + 9));
         assert_eq!(per_token("mosaic:dt=int4/int8/f16"), per_token("mosaic"));
         assert!(Footprint::of(&Method::parse("quest").unwrap(), &cfg()).is_none());
+    }
+
+    #[test]
+    fn mosaic_charges_the_host_rows_of_generated_tokens() {
+        let f = Footprint::of(&Method::parse("mosaic").unwrap(), &cfg()).unwrap();
+        // f32 K and V per token, layer and KV head
+        assert_eq!(f.host_per_token, 30 * 3 * 8 * 64);
+        assert_eq!(
+            f.worst_case(1000, 100),
+            f.cache_worst_case(1000, 100) + 100 * f.host_per_token
+        );
+        assert_eq!(
+            f.still_needed(5000, 10),
+            f.device_still_needed(5000, 10) + 10 * f.host_per_token
+        );
     }
 }

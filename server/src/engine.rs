@@ -599,19 +599,23 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
         shared.metrics.finished("ok");
         return None;
     }
-    let measured: usize = s.caches.iter().map(|c| c.bytes()).sum();
-    if measured > s.reserve {
+    let device: usize = s.caches.iter().map(|c| c.bytes()).sum();
+    let host: usize = s.caches.iter().map(|c| c.host_bytes()).sum();
+    if device + host > s.reserve {
         shared.reservation_overruns.fetch_add(1, Ordering::SeqCst);
     }
     // tokens still to append: this one (next step) and up to max_tokens - generated - 1 more
     let remaining = s.max_tokens - s.tokens();
-    // the caches' own bound from their state (the fitted strategies), else the method's
+    // the caches' own bound from their state (the fitted strategies), else the method's; plus
+    // the host rows held now and those of every token still to come (a close only drops them)
     let bound = s
         .caches
         .iter()
         .map(|c| c.bytes_bound(remaining))
         .sum::<Option<usize>>()
-        .unwrap_or_else(|| foot.still_needed(measured, remaining));
+        .unwrap_or_else(|| foot.device_still_needed(device, remaining))
+        + host
+        + remaining * foot.host_per_token;
     s.reserve = s.reserve.min(bound);
     s.next = tok;
     Some(s)
@@ -620,10 +624,13 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
 /// Publishes the running set's measured bytes, reservations (the prefilling job's included)
 /// and count.
 fn publish(shared: &Shared, running: &[Seq], prefilling: Option<&Prefilling>) {
-    let used: usize = running
-        .iter()
-        .map(|s| s.caches.iter().map(|c| c.bytes()).sum::<usize>())
-        .sum();
+    let held = |caches: &[Box<dyn LayerKv>]| -> usize {
+        caches.iter().map(|c| c.bytes() + c.host_bytes()).sum()
+    };
+    // device and host bytes of the running caches and of the caches a prompt is filling (its
+    // f32 prompt rows are the forward pass's working memory, outside the budget: budget.rs)
+    let used: usize = running.iter().map(|s| held(&s.caches)).sum::<usize>()
+        + prefilling.map_or(0, |p| p.filling.as_ref().map_or(0, |f| held(&f.caches)));
     let reserved: usize =
         running.iter().map(|s| s.reserve).sum::<usize>() + prefilling.map_or(0, |p| p.job.reserve);
     shared.kv_used.store(used, Ordering::SeqCst);

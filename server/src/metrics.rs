@@ -49,7 +49,7 @@ impl Metrics {
         let queued = gauge("mosaickv_queued_sequences", "Accepted requests waiting");
         let kv_used = gauge(
             "mosaickv_kv_bytes_used",
-            "Device bytes of every running sequence's KV caches (memory(), SPEC.md section 13)",
+            "Bytes of every running sequence's KV caches, device (memory(), SPEC.md section 13) and host rows, and of the caches a prompt is filling",
         );
         let kv_reserved = gauge(
             "mosaickv_kv_bytes_reserved",
