@@ -11,14 +11,17 @@
 //!   most `ceil(generated / min_segment_len) * kv_heads * 2 * D * D * 4` bytes:
 //!   per generated token at most `2 * D / min_segment_len` of a dense f16 row
 //!   (`4 * kv_heads * D` bytes) when `min_segment_len` divides the generated
-//!   count, 1/32 here (D = 64, 4,096). The test asserts that, and below 1/16
-//!   of a dense row as the plain statement a reader needs.
+//!   count: 1/8 here with the default (D = 64, 1,024), the price of closing
+//!   generated segments every 1,024-2,048 tokens so their f32 host rows stay
+//!   short (SPEC.md section 2, the defaults' rationale). The test asserts
+//!   that bound.
 //!
 //! Before the minimum length (the close rule compared the loss on new tokens
 //! with a fit loss measured on the strategy's own, possibly 64, rows) the
 //! paper's configuration closed a segment at every flush: 128 segments of 64
 //! tokens, 768 rotation bytes per generated token against 512 for dense f16
-//! (the default: 127 segments, 1,016 B); now 2 segments, 12 and 16 B.
+//! (the default: 127 segments, 1,016 B); with a 4,096-token minimum it was 2
+//! segments, 12 and 16 B, and with today's 1,024 it is 8 segments, 64 B.
 
 use mosaickv_optimized::{LiveCache, Mode, OptimizedMosaicCache};
 use mosaickv_reference::synthetic::drifting_kv;
@@ -91,8 +94,7 @@ fn check_bounded(c: &CompressedCache, what: &str) -> (usize, usize, f64) {
     let per_token = rotation_bytes as f64 / GENERATED as f64;
     let dense_row = (4 * kv * d) as f64;
     assert!(
-        per_token <= dense_row * 2.0 * d as f64 / cfg.min_segment_len as f64
-            && per_token < dense_row / 16.0,
+        per_token <= dense_row * 2.0 * d as f64 / cfg.min_segment_len as f64,
         "{what}: {per_token} rotation bytes per generated token, dense f16 row {dense_row}: {lens:?}"
     );
     let closed = generated
@@ -107,10 +109,20 @@ fn check_bounded(c: &CompressedCache, what: &str) -> (usize, usize, f64) {
     (generated.len(), closed, per_token)
 }
 
-fn configs() -> [(&'static str, CompressConfig); 2] {
+/// The default and the paper's configuration cap a segment at 2,048 tokens;
+/// `uncapped` (the paper's 65,536 cap, out of reach) checks that the loss
+/// rule alone closes drifting segments (here every 1,024 tokens, `L_min`).
+fn configs() -> [(&'static str, CompressConfig); 3] {
     [
         ("default", CompressConfig::default()),
         ("paper_fixed", CompressConfig::paper_fixed()),
+        (
+            "uncapped",
+            CompressConfig {
+                max_segment_len: 65_536,
+                ..CompressConfig::default()
+            },
+        ),
     ]
 }
 
@@ -128,8 +140,17 @@ fn long_generation_segments_stay_bounded() {
         let (_, closed, _) = check_bounded(opt.compressed(), &format!("{name} optimized"));
         check_bounded(sync.compressed(), &format!("{name} live sync"));
         check_bounded(asy.compressed(), &format!("{name} live async"));
-        // The loss rule still closes drifting segments (max_segment_len is 65,536).
         assert!(closed > 0, "{name}: no generated segment closed");
+        if cfg.max_segment_len > PROMPT + GENERATED {
+            // No cap in reach: the loss rule alone closes drifting segments.
+            let by_loss = opt
+                .compressed()
+                .segments
+                .iter()
+                .filter(|s| s.start >= PROMPT && s.state == SegmentState::Closed)
+                .count();
+            assert!(by_loss > 0, "{name}: the loss rule closed nothing");
+        }
         assert_eq!(
             sync.compressed(),
             opt.compressed(),

@@ -4,8 +4,8 @@
 //! `optimized/tests/generation.rs` checks the same on the optimized caches;
 //! the bound is the one stated there: every generated segment but the last is
 //! at least `min_segment_len` long, so their rotations cost at most
-//! `2 * D / min_segment_len` of a dense f16 row per generated token (1/32 at
-//! D = 64), where the rule without a minimum closed every 64 tokens.
+//! `2 * D / min_segment_len` of a dense f16 row per generated token (1/8 at
+//! D = 64 and the default 1,024), where the rule without a minimum closed every 64 tokens.
 
 use mosaickv_reference::synthetic::drifting_kv;
 use mosaickv_reference::MosaicCache;
@@ -23,6 +23,14 @@ fn long_generation_segments_stay_bounded() {
     for (name, cfg) in [
         ("default", CompressConfig::default()),
         ("paper_fixed", CompressConfig::paper_fixed()),
+        // The paper's 65,536 cap, out of reach: the loss rule alone closes.
+        (
+            "uncapped",
+            CompressConfig {
+                max_segment_len: 65_536,
+                ..CompressConfig::default()
+            },
+        ),
     ] {
         let mut cache = MosaicCache::new(shape, cfg.clone()).unwrap();
         cache
@@ -53,15 +61,14 @@ fn long_generation_segments_stay_bounded() {
         let per_token = rotation_bytes as f64 / GENERATED as f64;
         let dense_row = (4 * kv * d) as f64;
         assert!(
-            per_token <= dense_row * 2.0 * d as f64 / cfg.min_segment_len as f64
-                && per_token < dense_row / 16.0,
+            per_token <= dense_row * 2.0 * d as f64 / cfg.min_segment_len as f64,
             "{name}: {per_token} rotation B per generated token, dense row {dense_row}: {lens:?}"
         );
         let closed = generated
             .iter()
             .filter(|s| s.state == SegmentState::Closed)
             .count();
-        assert!(closed > 0, "{name}: the loss rule closed nothing: {lens:?}");
+        assert!(closed > 0, "{name}: no generated segment closed: {lens:?}");
         eprintln!(
             "{name} reference: {} generated segments ({closed} closed), lengths {lens:?}, \
              {per_token:.1} rotation B per generated token (dense f16 row {dense_row} B)",

@@ -33,9 +33,9 @@
 //!   block. Segments: exactly the prompt's closed segments of SPEC.md section 10.1
 //!   ([`mosaickv_spec::rules::prompt_segments`]), one open segment for the generated tokens
 //!   (it holds a copy of the last strategy), and two more for each close that can happen
-//!   (SPEC 10.3: a generated segment closes only once it holds `L_min` tokens, so at most
-//!   `floor(max_tokens / L_min)` closes; each one fits a new strategy for the closed segment
-//!   and the next open segment copies it).
+//!   (SPEC 10.3: a generated segment closes only once it holds `min(L_min, L_max)` tokens, so
+//!   at most `floor(max_tokens / min(L_min, L_max))` closes; each one fits a new strategy for
+//!   the closed segment and the next open segment copies it).
 //!
 //! Admission reserves [`Footprint::worst_case`] for the prompt plus `max_tokens`. Once the prompt is in the cache, the scheduler lowers the reservation
 //! after each step to the bound the caches give from their real state
@@ -61,7 +61,8 @@ pub struct Footprint {
     pub dense: usize,
     /// Prompt segment length `L_in` (for counting segments; unused when `per_segment` is 0).
     pub input_segment_len: usize,
-    /// Minimum generated segment length `L_min`.
+    /// The fewest tokens a generated segment holds when it closes, `min(L_min, L_max)`
+    /// (`CompressConfig::close_spacing`; 1 for dense caches).
     pub min_segment_len: usize,
     /// Tokens kept in the dense sink (not in any segment).
     pub sink_tokens: usize,
@@ -135,7 +136,7 @@ impl Footprint {
                             + mosaickv_spec::cache::SEGMENT_HEADER_BYTES),
                     dense: layers * kvh * (config.sink_tokens + config.buffer_capacity) * 4 * d,
                     input_segment_len: config.input_segment_len.max(1),
-                    min_segment_len: config.min_segment_len.max(1),
+                    min_segment_len: config.close_spacing(),
                     sink_tokens: config.sink_tokens,
                     host_per_token: rows,
                 })
@@ -262,11 +263,16 @@ mod tests {
             f.cache_worst_case(1000, 100),
             1100 * f.per_token + 2 * f.per_segment + f.dense
         );
-        // a prompt within the sink has no segment; 2 * L_min generated tokens allow 2 closes
+        // a prompt within the sink has no segment; 8,192 generated tokens allow 8 closes (one
+        // per min(L_min, L_max) = 1,024 tokens), each charged two segments
         assert_eq!(
             f.cache_worst_case(4, 8192),
-            8196 * f.per_token + (1 + 4) * f.per_segment + f.dense
+            8196 * f.per_token + (1 + 16) * f.per_segment + f.dense
         );
+        // L_max below L_min: the cap sets the spacing
+        let capped =
+            Footprint::of(&Method::parse("mosaic:lmin=4096:lmax=512").unwrap(), &cfg()).unwrap();
+        assert_eq!(capped.min_segment_len, 512);
         // 40,000 prompt tokens after the sink: floor(40000 / 16384) = 2 segments
         assert_eq!(
             f.cache_worst_case(40_004, 10),

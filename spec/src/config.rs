@@ -124,7 +124,8 @@ pub struct CompressConfig {
     pub sink_tokens: usize,
     /// Segment length for prompt (prefill) tokens.
     pub input_segment_len: usize,
-    /// Hard cap on the length of a generated-token segment.
+    /// Hard cap on the length of a generated-token segment (SPEC.md section 10.3); bounds the
+    /// f32 host rows an open segment keeps.
     pub max_segment_len: usize,
     /// Length a generated-token segment must reach before the loss rule may
     /// close it (SPEC.md section 10.3); bounds the rotations per token.
@@ -155,8 +156,8 @@ impl Default for CompressConfig {
             variance_threshold: 0.25,
             sink_tokens: 4,
             input_segment_len: 16_384,
-            max_segment_len: 65_536,
-            min_segment_len: 4_096,
+            max_segment_len: 2_048,
+            min_segment_len: 1_024,
             buffer_capacity: 64,
             segment_loss_margin: 0.02,
             value_dtypes: vec![ValueDtype::F16, ValueDtype::Int8, ValueDtype::Int4],
@@ -363,6 +364,13 @@ impl CompressConfig {
         Ok(())
     }
 
+    /// SPEC.md section 10.3: the fewest tokens a generated segment holds when it closes,
+    /// `min(min_segment_len, max_segment_len)` (the cap closes a segment even below the
+    /// minimum), so at most `floor(generated / close_spacing)` closes happen.
+    pub fn close_spacing(&self) -> usize {
+        self.min_segment_len.min(self.max_segment_len).max(1)
+    }
+
     /// Rotated channels eligible for top-r: `D - floor_g(truncate_fraction * D)` (SPEC.md section 4).
     pub fn kept_dims(&self, head_dim: usize, group_size: usize) -> usize {
         let cut = (self.truncate_fraction * head_dim as f64).floor() as usize;
@@ -468,10 +476,11 @@ mod tests {
         }
         let cfg = CompressConfig::from_json(r#"{"min_segment_len": 128}"#).unwrap();
         assert_eq!(cfg.min_segment_len, 128);
-        assert_eq!(
-            CompressConfig::from_json("{}").unwrap().min_segment_len,
-            4_096
-        );
+        let d = CompressConfig::from_json("{}").unwrap();
+        assert_eq!((d.min_segment_len, d.max_segment_len), (1_024, 2_048));
+        // the fewest tokens between closes: the cap wins below the minimum
+        assert_eq!(d.close_spacing(), 1_024);
+        assert_eq!(with(4_096).close_spacing(), 2_048);
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! `/`-separated), `gs` (candidate group sizes, `/`-separated), `aloss` (attention-loss
 //! thresholds `KEY/VALUE`), `dt` (mosaic: value dtypes, `/`-separated, e.g. `dt=int4/int8/f16`),
 //! `minb` (mosaic: min_budget_tokens), `trunc` (truncate_fraction), `sink` (mosaic,
-//! quest-sink), `lin` (input_segment_len), `bs` (block sizes, `/`-separated), `var`
+//! quest-sink), `lin` (input_segment_len), `lmin` / `lmax` (min / max_segment_len: when a
+//! generated segment may / must close, SPEC.md section 10.3), `bs` (block sizes, `/`-separated), `var`
 //! (variance_threshold). Every parameter left out takes the one default written here or in
 //! [`CompressConfig::default`] (SPEC.md sections 2 and 12).
 //! Example: `mosaic:ret=0.5`, `naive2d:ret=0.25`, `mosaic:rate=1:trunc=0`, `quest:dense=0`.
@@ -294,6 +295,8 @@ impl Method {
                         "trunc" => c.truncate_fraction = num(k, v)?,
                         "sink" => c.sink_tokens = count(k, v)?,
                         "lin" => c.input_segment_len = count(k, v)?,
+                        "lmin" => c.min_segment_len = count(k, v)?,
+                        "lmax" => c.max_segment_len = count(k, v)?,
                         "var" => c.variance_threshold = num(k, v)?,
                         // the attention loss (SPEC.md section 11.1) with its K/V thresholds
                         "aloss" => match list(k, v)?.as_slice() {
@@ -647,6 +650,12 @@ impl fmt::Display for Method {
                 if c.input_segment_len != d.input_segment_len {
                     write!(f, ":lin={}", c.input_segment_len)?;
                 }
+                if c.min_segment_len != d.min_segment_len {
+                    write!(f, ":lmin={}", c.min_segment_len)?;
+                }
+                if c.max_segment_len != d.max_segment_len {
+                    write!(f, ":lmax={}", c.max_segment_len)?;
+                }
                 if c.variance_threshold != d.variance_threshold {
                     write!(f, ":var={}", c.variance_threshold)?;
                 }
@@ -683,6 +692,7 @@ mod tests {
             "mosaic:ret=0.375",
             "mosaic:rate=1:trunc=0.25",
             "mosaic:kloss=0.02:vloss=0.05",
+            "mosaic:lmin=512:lmax=4096",
             "quest:rate=0.3",
             "quest:dense=0",
             "quest:minb=0",

@@ -10,12 +10,13 @@
 //! - the first flush after a closed segment opens a segment that holds a copy of that
 //!   strategy (its rotations and headers are charged again);
 //! - only a segment close changes a strategy, and a generated segment closes only once
-//!   it holds at least `min_segment_len` tokens (SPEC 10.3). With `o` tokens in open
+//!   it holds at least `min(min_segment_len, max_segment_len)` tokens (SPEC 10.3,
+//!   `CompressConfig::close_spacing`). With `o` tokens in open
 //!   segments now and `f` still to be flushed (the buffer's and the new ones), at most
-//!   `c = floor((o + f) / min_segment_len)` closes can happen.
+//!   `c = floor((o + f) / close_spacing)` closes can happen.
 //!
 //! With no close possible (`c = 0`, the common case for a reply shorter than
-//! `min_segment_len`), the bound is exact up to the buffer's last partial fill. With
+//! `close_spacing`), the bound is exact up to the buffer's last partial fill. With
 //! closes possible, every open or future token is priced at the policy's largest record
 //! again (the close re-encodes the open segment with a new strategy) and each close at two
 //! of the largest segment overheads (the closed segment's new strategy and the next open
@@ -64,7 +65,7 @@ impl LiveCache {
         // `rules::worst_token_bytes` / `worst_segment_head_bytes`, computed once at build.
         let (worst_rate, worst_segment) = self.worst;
 
-        let closes = (open + flushed) / cfg.min_segment_len.max(1);
+        let closes = (open + flushed) / cfg.close_spacing();
         let segments_bytes = now - buffer_now;
         let bound = match self.view.segments.last() {
             Some(last) if closes == 0 => {
