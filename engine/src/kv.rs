@@ -23,7 +23,8 @@ pub trait LayerKv: Send {
         None
     }
     /// Host-side bytes held apart from the device data (full-precision rows kept
-    /// for background compression); 0 for caches that keep none.
+    /// for background compression, and the live cache's covariance accumulators:
+    /// `MemoryReport::host_bytes`); 0 for caches that keep none.
     fn host_bytes(&self) -> usize {
         0
     }

@@ -63,7 +63,7 @@ impl LayerKv for KvAdapter {
             .map_err(|e| e.to_string())
     }
     fn host_bytes(&self) -> usize {
-        self.0.memory().host_rows
+        self.0.memory().host_bytes()
     }
     fn memory_report(&self) -> Option<mosaickv_spec::MemoryReport> {
         Some(self.0.memory())

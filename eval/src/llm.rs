@@ -31,7 +31,8 @@ pub struct Decoded {
     pub step_s: Vec<f64>,
     /// Device bytes per cached token, averaged over layers, at the end of the decode.
     pub bytes_per_token: f64,
-    /// Host-side bytes (full-precision rows kept for background compression), all layers.
+    /// Host-side bytes (full-precision rows kept for background compression, and a live
+    /// cache's covariance accumulators: `MemoryReport::host_bytes`), all layers.
     pub host_bytes: usize,
 }
 

@@ -6,7 +6,8 @@
 use mosaickv_optimized::{CpuBackend, Holder, LiveCache, Mode, OptimizedMosaicCache, PrefillRule};
 use mosaickv_reference::MosaicCache;
 use mosaickv_spec::{
-    persist, Backend, CompressConfig, CompressedCache, KvCache, KvShape, MosaicError, SegmentState,
+    persist, Backend, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
+    SegmentState,
 };
 use ndarray::{s, Array2, Array3};
 use rand::{Rng, SeedableRng};
@@ -223,10 +224,28 @@ fn sync_equals_optimized_and_reference_boundaries() {
             "strategy parameters vs reference"
         );
         assert_eq!(c, opt.compressed(), "bytes vs OptimizedMosaicCache");
+        // the reference keeps no covariance accumulators (`host_scratch`): the rest is equal
         assert_eq!(
-            sync.memory(),
+            MemoryReport {
+                host_scratch: 0,
+                ..sync.memory()
+            },
             rf.memory(),
             "memory report (device and host rows) vs reference"
+        );
+        let open = c
+            .segments
+            .last()
+            .is_some_and(|s| s.state == SegmentState::Open);
+        assert_eq!(
+            sync.memory().host_scratch,
+            if open {
+                let sh = shape();
+                2 * sh.kv_heads * sh.head_dim * sh.head_dim * 8
+            } else {
+                0
+            },
+            "covariance accumulators while a segment is open"
         );
         assert_eq!(
             sync.memory(),
@@ -748,6 +767,28 @@ fn memory_separates_device_and_host_rows() {
             0
         }
     );
+    // the report carries the accumulators apart from the rows (SPEC 13's `host_scratch`)
+    let m = live.memory();
+    assert_eq!(m.host_scratch, cov);
+    assert_eq!(m.host_bytes(), m.host_rows + cov);
+    // appending to an open segment keeps one set of accumulators
+    let before = live.len();
+    for t in before..before + 40 {
+        live.append(k.slice(s![t, .., ..]), v.slice(s![t, .., ..]))
+            .unwrap();
+    }
+    live.drain().unwrap();
+    let open_now = live
+        .compressed()
+        .segments
+        .last()
+        .is_some_and(|s| s.state == SegmentState::Open);
+    let expect = if open_now {
+        2 * sh.kv_heads * sh.head_dim * sh.head_dim * 8
+    } else {
+        0
+    };
+    assert_eq!(live.memory().host_scratch, expect);
 }
 
 #[test]

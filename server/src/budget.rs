@@ -10,6 +10,10 @@
 //!   `8 * head_dim` bytes (f32 K and V) per appended token, layer and KV head, twice a dense
 //!   f16 row, so a generated token costs more than a dense cache's until its segment closes
 //!   ([`Footprint::host_per_token`]);
+//! * the live MosaicKV cache's covariance accumulators for its open segment's fit (SPEC 10.4,
+//!   `memory().host_scratch`): `2 * kv_heads * head_dim^2` f64 per layer while a segment is
+//!   open, charged once per sequence ([`Footprint::host_fixed`]; 5.9 MB on SmolLM2, 14.7 MB on
+//!   Qwen2.5-Coder-1.5B).
 //!
 //! Outside the budget, as vLLM keeps its forward pass's activations outside its KV pool: the
 //! prompt's f32 K/V rows that the model's prefill hands to the caches (a chunked prompt's
@@ -42,8 +46,8 @@
 //! ([`mosaickv_engine::LayerKv::bytes_bound`]: for the live MosaicKV cache, the measured bytes
 //! plus the remaining tokens at the fitted strategies' own rate while no close can happen;
 //! `mosaickv_optimized::LiveCache::device_bytes_bound`), or, for a cache that gives none, to
-//! [`Footprint::still_needed`], plus the host rows held now and
-//! [`Footprint::host_per_token`] for each token still to come. The reservation never rises,
+//! [`Footprint::still_needed`], plus the host rows held now,
+//! [`Footprint::host_per_token`] for each token still to come and [`Footprint::host_fixed`]. The reservation never rises,
 //! and the measured bytes (device and host) never exceed it (the engine counts any step where
 //! they do, and the tests check that count is zero).
 
@@ -70,6 +74,10 @@ pub struct Footprint {
     /// its update buffer and open segment until a close (0 for caches that keep none). An
     /// upper bound: a close drops them.
     pub host_per_token: usize,
+    /// Host bytes charged once per sequence, all layers: the live MosaicKV cache's covariance
+    /// accumulators (`2 * kv_heads * head_dim^2` f64 per layer while a segment is open; 0 for
+    /// caches that keep none).
+    pub host_fixed: usize,
 }
 
 /// Methods the server runs.
@@ -92,6 +100,7 @@ impl Footprint {
                 min_segment_len: 1,
                 sink_tokens: 0,
                 host_per_token: 0,
+                host_fixed: 0,
             }),
             Method::Kvq { format, .. } => Some(Self {
                 per_token: layers * kvh * 2 * d.div_ceil(KVQ_BLOCK) * format.block_bytes(),
@@ -101,6 +110,7 @@ impl Footprint {
                 min_segment_len: 1,
                 sink_tokens: 0,
                 host_per_token: 0,
+                host_fixed: 0,
             }),
             // vLLM's slots in the compressed layers, dense f16 in its boundary layers (the
             // engine's own dense cache), the f32 key codebook once per compressed layer
@@ -123,6 +133,7 @@ impl Footprint {
                     min_segment_len: 1,
                     sink_tokens: 0,
                     host_per_token: 0,
+                    host_fixed: 0,
                 })
             }
             Method::Mosaic { config, .. } => {
@@ -139,6 +150,8 @@ impl Footprint {
                     min_segment_len: config.close_spacing(),
                     sink_tokens: config.sink_tokens,
                     host_per_token: rows,
+                    // the reference cache (`mosaic-ref`) keeps none: an over-count there
+                    host_fixed: layers * 2 * kvh * d * d * 8,
                 })
             }
             _ => None,
@@ -146,9 +159,12 @@ impl Footprint {
     }
 
     /// The most bytes a request of `prompt` tokens and up to `max_tokens` generated ones can
-    /// hold at any time: its caches at their worst and the host rows of every generated token.
+    /// hold at any time: its caches at their worst, the host rows of every generated token and
+    /// the host scratch.
     pub fn worst_case(&self, prompt: usize, max_tokens: usize) -> usize {
-        self.cache_worst_case(prompt, max_tokens) + max_tokens * self.host_per_token
+        self.cache_worst_case(prompt, max_tokens)
+            + max_tokens * self.host_per_token
+            + self.host_fixed
     }
 
     /// The most device bytes the caches alone can reach (SPEC.md section 13).
@@ -172,7 +188,9 @@ impl Footprint {
     /// `ceil(remaining / L_min) + 3` (the open one, a provisional one of the background worker,
     /// and the remainder).
     pub fn still_needed(&self, measured: usize, remaining: usize) -> usize {
-        self.device_still_needed(measured, remaining) + remaining * self.host_per_token
+        self.device_still_needed(measured, remaining)
+            + remaining * self.host_per_token
+            + self.host_fixed
     }
 
     /// [`Footprint::still_needed`] without the host rows of the tokens to come.
@@ -295,17 +313,20 @@ mod tests {
     }
 
     #[test]
-    fn mosaic_charges_the_host_rows_of_generated_tokens() {
+    fn mosaic_charges_the_host_rows_of_generated_tokens_and_its_scratch() {
         let f = Footprint::of(&Method::parse("mosaic").unwrap(), &cfg()).unwrap();
         // f32 K and V per token, layer and KV head
         assert_eq!(f.host_per_token, 30 * 3 * 8 * 64);
+        // two f64 covariances D x D per layer and KV head: 5,898,240 B on SmolLM2
+        assert_eq!(f.host_fixed, 30 * 2 * 3 * 64 * 64 * 8);
+        assert_eq!(f.host_fixed, 5_898_240);
         assert_eq!(
             f.worst_case(1000, 100),
-            f.cache_worst_case(1000, 100) + 100 * f.host_per_token
+            f.cache_worst_case(1000, 100) + 100 * f.host_per_token + f.host_fixed
         );
         assert_eq!(
             f.still_needed(5000, 10),
-            f.device_still_needed(5000, 10) + 10 * f.host_per_token
+            f.device_still_needed(5000, 10) + 10 * f.host_per_token + f.host_fixed
         );
     }
 }

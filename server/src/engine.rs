@@ -606,16 +606,24 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
     }
     // tokens still to append: this one (next step) and up to max_tokens - generated - 1 more
     let remaining = s.max_tokens - s.tokens();
+    // host rows held now (the host bytes less the scratch, which `host_fixed` charges whole)
+    let rows: usize = s
+        .caches
+        .iter()
+        .map(|c| c.memory_report().map_or(c.host_bytes(), |m| m.host_rows))
+        .sum();
     // the caches' own bound from their state (the fitted strategies), else the method's; plus
-    // the host rows held now and those of every token still to come (a close only drops them)
+    // the host rows held now, those of every token still to come (a close only drops them) and
+    // the scratch (allocated while a segment is open)
     let bound = s
         .caches
         .iter()
         .map(|c| c.bytes_bound(remaining))
         .sum::<Option<usize>>()
         .unwrap_or_else(|| foot.device_still_needed(device, remaining))
-        + host
-        + remaining * foot.host_per_token;
+        + rows
+        + remaining * foot.host_per_token
+        + foot.host_fixed;
     s.reserve = s.reserve.min(bound);
     s.next = tok;
     Some(s)

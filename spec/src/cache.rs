@@ -149,7 +149,8 @@ pub const STRATEGY_HEADER_BYTES: usize = 32;
 
 /// Every byte a cache holds, by kind. Device-side kinds are summed by
 /// [`MemoryReport::device_bytes`]; `host_rows` (full-precision rows kept on the
-/// host for open segments) is reported apart.
+/// host for open segments) and `host_scratch` are reported apart
+/// ([`MemoryReport::host_bytes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct MemoryReport {
     pub tokens: usize,
@@ -170,6 +171,11 @@ pub struct MemoryReport {
     pub segment_headers: usize,
     /// Host-side f32 rows of open segments (not device memory).
     pub host_rows: usize,
+    /// Host-side working state kept beside the rows (not device memory): the live cache's
+    /// covariance accumulators for its open segment's fit (SPEC.md sections 10.4 and 13),
+    /// `2 * kv_heads * head_dim^2` f64 while a segment is open; 0 for every other cache.
+    #[serde(default)]
+    pub host_scratch: usize,
 }
 
 /// Kind by kind: the memory of several caches together (e.g. all layers of a model).
@@ -185,6 +191,7 @@ impl std::ops::AddAssign for MemoryReport {
         self.dense += o.dense;
         self.segment_headers += o.segment_headers;
         self.host_rows += o.host_rows;
+        self.host_scratch += o.host_scratch;
     }
 }
 
@@ -198,6 +205,10 @@ impl MemoryReport {
             + self.rotations
             + self.dense
             + self.segment_headers
+    }
+    /// Host-side bytes beside the device data: `host_rows + host_scratch`.
+    pub fn host_bytes(&self) -> usize {
+        self.host_rows + self.host_scratch
     }
     /// Device bytes per cached token (0 for an empty cache).
     pub fn bytes_per_token(&self) -> f64 {

@@ -342,13 +342,16 @@ fn memory_dict<'py>(
         ("tokens", m.tokens),
         ("values", m.values),
         ("bitmaps", m.bitmaps),
+        ("scales", m.scales),
         ("padding", m.padding),
         ("block_meta", m.block_meta),
         ("rotations", m.rotations),
         ("dense", m.dense),
         ("segment_headers", m.segment_headers),
         ("host_rows", m.host_rows),
+        ("host_scratch", m.host_scratch),
         ("device_bytes", m.device_bytes()),
+        ("host_bytes", m.host_bytes()),
     ] {
         d.set_item(k, v)?;
     }

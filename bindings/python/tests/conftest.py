@@ -83,3 +83,15 @@ def cli_error_line(stderr):
     lines = [l for l in stderr.splitlines() if l.startswith("mosaickv: error: ")]
     assert lines, f"no error line in {stderr!r}"
     return lines[-1][len("mosaickv: error: "):]
+
+
+def rows_memory(m):
+    """A cache's `memory()` without the host scratch (the live CPU cache's covariance
+    accumulators, SPEC section 13's `host_scratch`, which the reference does not keep) and
+    the host total that includes it: what two backends holding the same rows must agree on."""
+    return {k: v for k, v in m.items() if k not in ("host_scratch", "host_bytes")}
+
+
+def covariance_bytes(kv_heads, head_dim):
+    """SPEC section 10.4: two f64 D x D accumulators per KV head while a segment is open."""
+    return 2 * kv_heads * head_dim * head_dim * 8

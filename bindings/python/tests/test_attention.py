@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mosaickv
-from conftest import exact_attention, low_rank_kv, queries, rel_l2
+from conftest import covariance_bytes, exact_attention, low_rank_kv, queries, rel_l2, rows_memory
 
 # conformance/src/tolerances.rs ATTEND_REL_L2: the bound between the optimized and
 # the reference attention on the same cache.
@@ -90,7 +90,12 @@ def test_reference_agrees_with_cpu(config):
     cpu, ref = caches["cpu"], caches["reference"]
     # Same strategies (SPEC 5-7 are exact across backends) and the same bytes.
     assert cpu.segments == ref.segments
-    assert cpu.memory() == ref.memory()
+    assert rows_memory(cpu.memory()) == rows_memory(ref.memory())
+    # every byte: the CPU cache's covariance accumulators while a segment is open
+    open_seg = cpu.segments[-1].state == "open" if cpu.segments else False
+    assert cpu.memory()["host_scratch"] == (covariance_bytes(kv_heads, d) if open_seg else 0)
+    assert ref.memory()["host_scratch"] == 0
+    assert cpu.memory()["host_bytes"] == cpu.memory()["host_rows"] + cpu.memory()["host_scratch"]
     for seed in range(3):
         q = queries(10 + seed, q_heads, d)
         assert rel_l2(cpu.attend(q), ref.attend(q)) < ATTEND_REL_L2

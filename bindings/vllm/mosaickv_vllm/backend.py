@@ -124,7 +124,8 @@ def _memory_log(impl, layer, seq: int, tokens: int, cache, seconds: float) -> No
     mem = cache.memory()
     row = {"pid": os.getpid(), "layer": getattr(layer, "layer_name", None), "seq": seq,
            "tokens": tokens, "build_s": round(seconds, 4), "device_bytes": mem["device_bytes"],
-           "host_rows": mem["host_rows"], "caches": len(impl.caches) + 1,
+           "host_rows": mem["host_rows"], "host_scratch": mem.get("host_scratch", 0),
+           "caches": len(impl.caches) + 1,
            "rss": st.get("VmRSS"), "hwm": st.get("VmHWM"), **heap}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -589,11 +589,13 @@ impl KvCache for LiveCache {
     }
 
     /// SPEC 13: device bytes of the current version; `host_rows` = f32 rows of
-    /// the buffer, the worker's open segment and queued flushes, and pending prompt rows.
+    /// the buffer, the worker's open segment and queued flushes, and pending prompt rows;
+    /// `host_scratch` = the worker's covariance accumulators.
     fn memory(&self) -> MemoryReport {
         let mut m = self.view.memory();
         let h = self.host_memory();
         m.host_rows = h.buffer_rows + h.worker_rows + h.pending_rows;
+        m.host_scratch = h.covariance;
         m
     }
 }

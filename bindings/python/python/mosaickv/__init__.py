@@ -241,10 +241,13 @@ class _Base:
 
     def memory(self) -> Dict[str, Union[int, float]]:
         """Every byte held, by kind, as SPEC section 13 counts them: ``values``,
-        ``bitmaps``, ``padding``, ``block_meta``, ``rotations``, ``dense`` (sink and
+        ``bitmaps``, ``scales`` (int8/int4 record scales, coded sides' per-dim
+        coding), ``padding``, ``block_meta``, ``rotations``, ``dense`` (sink and
         buffer rows), ``segment_headers``, their sum ``device_bytes``, and apart
-        ``host_rows`` (host f32 rows of the open segment and buffer); plus
-        ``tokens``, ``bytes_per_token`` and ``dense_f16_bytes_per_token``."""
+        ``host_rows`` (host f32 rows of the open segment and buffer) and
+        ``host_scratch`` (a live cache's covariance accumulators), their sum
+        ``host_bytes``; plus ``tokens``, ``bytes_per_token`` and
+        ``dense_f16_bytes_per_token``."""
         return self._inner.memory()
 
     @property
