@@ -311,12 +311,12 @@ pub fn forced_table(
         .collect();
     if !itemized.is_empty() {
         out += "\nKV bytes per token, by kind (SPEC.md section 13; all layers, device bytes)\n\n";
-        out += "| method | values | scales | bitmaps | padding | block meta | rotations | dense rows | headers | total | host rows (apart) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        out += "| method | values | scales | bitmaps | padding | block meta | rotations | dense rows | headers | total | host rows (apart) | host scratch (apart) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
         for (r, m) in itemized {
             let t = m.tokens.max(1) as f64;
             let per = |b: usize| format!("{:.1}", b as f64 / t);
             out += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.method,
                 per(m.values),
                 per(m.scales),
@@ -327,7 +327,8 @@ pub fn forced_table(
                 per(m.dense),
                 per(m.segment_headers),
                 per(m.device_bytes()),
-                per(m.host_rows)
+                per(m.host_rows),
+                per(m.host_scratch)
             );
         }
     }

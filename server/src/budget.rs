@@ -151,7 +151,7 @@ impl Footprint {
                     sink_tokens: config.sink_tokens,
                     host_per_token: rows,
                     // the reference cache (`mosaic-ref`) keeps none: an over-count there
-                    host_fixed: layers * 2 * kvh * d * d * 8,
+                    host_fixed: layers * mosaickv_spec::cache::covariance_scratch_bytes(kvh, d),
                 })
             }
             _ => None,

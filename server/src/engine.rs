@@ -599,19 +599,29 @@ fn emit(model: &Model, foot: &Footprint, shared: &Shared, mut s: Seq, tok: u32) 
         shared.metrics.finished("ok");
         return None;
     }
-    let device: usize = s.caches.iter().map(|c| c.bytes()).sum();
-    let host: usize = s.caches.iter().map(|c| c.host_bytes()).sum();
+    // device bytes, host bytes and the host rows among them (the host bytes less the scratch,
+    // which `host_fixed` charges whole), one look at each cache
+    let (mut device, mut host, mut rows) = (0usize, 0usize, 0usize);
+    for c in &s.caches {
+        match c.memory_report() {
+            Some(m) => {
+                device += m.device_bytes();
+                host += m.host_bytes();
+                rows += m.host_rows;
+            }
+            None => {
+                let h = c.host_bytes();
+                device += c.bytes();
+                host += h;
+                rows += h;
+            }
+        }
+    }
     if device + host > s.reserve {
         shared.reservation_overruns.fetch_add(1, Ordering::SeqCst);
     }
     // tokens still to append: this one (next step) and up to max_tokens - generated - 1 more
     let remaining = s.max_tokens - s.tokens();
-    // host rows held now (the host bytes less the scratch, which `host_fixed` charges whole)
-    let rows: usize = s
-        .caches
-        .iter()
-        .map(|c| c.memory_report().map_or(c.host_bytes(), |m| m.host_rows))
-        .sum();
     // the caches' own bound from their state (the fitted strategies), else the method's; plus
     // the host rows held now, those of every token still to come (a close only drops them) and
     // the scratch (allocated while a segment is open)

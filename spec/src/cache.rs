@@ -147,6 +147,14 @@ pub const SEGMENT_HEADER_BYTES: usize = 16;
 /// Bytes charged per side strategy for its scalars (kept_dims, r, g, dtype, block size, fit loss).
 pub const STRATEGY_HEADER_BYTES: usize = 32;
 
+/// SPEC.md sections 10.4 and 13: the host bytes of a live cache's covariance accumulators
+/// while a segment is open, one `head_dim x head_dim` f64 matrix per KV head and side:
+/// `2 * kv_heads * head_dim^2 * 8` ([`MemoryReport::host_scratch`]). The one place this size is
+/// written: the live cache reports it and the server's budget charges it.
+pub fn covariance_scratch_bytes(kv_heads: usize, head_dim: usize) -> usize {
+    2 * kv_heads * head_dim * head_dim * std::mem::size_of::<f64>()
+}
+
 /// Every byte a cache holds, by kind. Device-side kinds are summed by
 /// [`MemoryReport::device_bytes`]; `host_rows` (full-precision rows kept on the
 /// host for open segments) and `host_scratch` are reported apart

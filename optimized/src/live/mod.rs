@@ -83,6 +83,7 @@ use crate::attention::{packed_attention, MosaicScratch, SelectionSource};
 use crate::backend::contig;
 use crate::simd::Path;
 use dense::dense_attention;
+use mosaickv_spec::cache::covariance_scratch_bytes;
 use mosaickv_spec::{
     rules, validate, CompressConfig, CompressedCache, KvCache, KvShape, MemoryReport, MosaicError,
     Result, SegmentState,
@@ -272,7 +273,7 @@ impl LiveCache {
                 if let Some(o) = &w.open {
                     host_bytes.store(4 * (o.keys.len() + o.values.len()), Ordering::Relaxed);
                     cov_bytes.store(
-                        2 * shape.kv_heads * shape.head_dim * shape.head_dim * 8,
+                        covariance_scratch_bytes(shape.kv_heads, shape.head_dim),
                         Ordering::Relaxed,
                     );
                 }

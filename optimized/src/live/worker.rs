@@ -11,6 +11,7 @@ use super::protocol::{Done, FlushJob, HostRows, Job, Part, Tag, Timing, Update};
 use crate::strategy::LossSums;
 use crate::{meta, packed, rotation, strategy};
 use mosaickv_spec::layout::bitmap_bit;
+use mosaickv_spec::cache::covariance_scratch_bytes;
 use mosaickv_spec::{
     CompressConfig, KvShape, MosaicError, PackedRows, Result, Side, SideStrategy, Strategy,
     ValueDtype,
@@ -116,7 +117,8 @@ impl WorkerState {
             values: Vec::new(),
             sides: (0..kv).map(|_| [side(), side()]).collect(),
         });
-        self.cov_bytes.store(2 * kv * d * d * 8, Ordering::Relaxed);
+        self.cov_bytes
+            .store(covariance_scratch_bytes(kv, d), Ordering::Relaxed);
     }
 
     /// Adds rows `[n][kv][d]` to the open segment: covariance and loss sums per

@@ -486,7 +486,8 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
     let (dt, r, rb) = (layout.kept_dims, layout.r, layout.record_bytes());
     let chunks = dt.div_ceil(16);
     let nb = dt.div_ceil(8);
-    let vo = layout.values_offset();
+    // (each a division: once per call, not per record)
+    let (vo, bb) = (layout.values_offset(), layout.bitmap_bytes());
     // A g = 1 record whose Dt is a multiple of 8 is read in place: its bitmap bytes are its
     // dims (two per chunk stay inside the 4-byte words), its int8 codes are read 16 at a time
     // where that stays inside `bytes`.
@@ -545,7 +546,7 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
             }
             c += 2;
         }
-        let o = layout.bitmap_bytes();
+        let o = bb;
         let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
         let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
         let mut lanes = [0f32; 8];

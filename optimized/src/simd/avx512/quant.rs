@@ -28,18 +28,19 @@ fn stored_word(rec: &[u8], bb: usize, w: usize) -> u64 {
     }
 }
 
-/// Dims `64 w .. 64 w + 64` of a record as one bit per dim: the bitmap's own bits for g = 1,
+/// Dims `64 w .. 64 w + 64` of a record of group size `g` and `bb` bitmap bytes
+/// (`RecordLayout::bitmap_bytes`, a division: computed once per call, not per record) as one
+/// bit per dim: the bitmap's own bits for g = 1,
 /// each group's bit repeated over its g dims (`pdep` onto every g-th bit, times `2^g - 1`)
 /// for g = 2, 4 and 8, the table spread otherwise.
 #[inline(always)]
-unsafe fn dim_word(layout: &RecordLayout, rec: &[u8], spread: &[u8], w: usize) -> u64 {
-    let g = layout.group_size;
+unsafe fn dim_word(g: usize, bb: usize, rec: &[u8], spread: &[u8], w: usize) -> u64 {
     match g {
-        1 => stored_word(rec, layout.bitmap_bytes(), w),
+        1 => stored_word(rec, bb, w),
         2 | 4 | 8 => {
             let per = 64 / g; // groups per 64 dims, a divisor of 64
             let first = w * per;
-            let bits = stored_word(rec, layout.bitmap_bytes(), first / 64) >> (first % 64);
+            let bits = stored_word(rec, bb, first / 64) >> (first % 64);
             let every = match g {
                 2 => 0x5555_5555_5555_5555u64,
                 4 => 0x1111_1111_1111_1111,
@@ -66,6 +67,7 @@ unsafe fn dim_word(layout: &RecordLayout, rec: &[u8], spread: &[u8], w: usize) -
 pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     Path::Avx512.ran();
     let g = layout.group_size;
+    let (gsz, bb, vo) = (g, layout.bitmap_bytes(), layout.values_offset());
     let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
     if !matches!(g, 1 | 2 | 4 | 8) {
         spread_groups(rec, layout, &mut spread);
@@ -73,7 +75,7 @@ pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     let (dt, r, dp) = (layout.kept_dims, layout.r, row.len());
     // int8 codes are read straight from the record (masked loads); int4 ones are unpacked to
     // one byte each first.
-    let stored = &rec[layout.values_offset()..];
+    let stored = &rec[vo..];
     let int8 = layout.dtype == ValueDtype::Int8;
     // (Only int4 fills a buffer: zeroing one per int8 record cost 1.5 % of a decode step.)
     let mut codes_buf: [u8; QUANT_SIMD_MAX_R + CODE_SLACK];
@@ -85,14 +87,14 @@ pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
         codes_buf.as_ptr()
     };
     // The record's minimum and scale, two f16 after the bitmap, widened together (exact).
-    let o = layout.bitmap_bytes();
+    let o = bb;
     let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
     let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
     let min = _mm512_broadcastss_ps(ms);
     let scale = _mm512_broadcastss_ps(_mm_movehdup_ps(ms));
     let mut off = 0usize;
     for w in 0..dt.div_ceil(64) {
-        let mask = dim_word(layout, rec, &spread, w);
+        let mask = dim_word(gsz, bb, rec, &spread, w);
         let src = if int8 {
             _mm512_maskz_loadu_epi8(lanes64(r - off), stored.as_ptr().add(off) as *const i8)
         } else {
@@ -185,6 +187,7 @@ unsafe fn sparse_accumulate_q_buf<const DV: usize, const CODES: usize>(
         layout.record_bytes(),
         layout.bitmap_bytes(),
     );
+    let vo = layout.values_offset();
     let (heads, chunks, stride) = (plan.heads, plan.chunks, plan.stride());
     let mut vidx = [_mm512_setzero_si512(); SPARSE_MAX_CHUNKS];
     let mut hidx = [_mm512_setzero_si512(); SPARSE_MAX_CHUNKS];
@@ -207,7 +210,7 @@ unsafe fn sparse_accumulate_q_buf<const DV: usize, const CODES: usize>(
     let (words, groups) = (bb / 4, layout.kept_dims / g);
     for t in 0..n {
         let rec = &bytes[t * rb..(t + 1) * rb];
-        let stored = &rec[layout.values_offset()..];
+        let stored = &rec[vo..];
         let src: *const u8 = if int8 {
             stored.as_ptr()
         } else {
@@ -377,7 +380,9 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
         W
     };
     let int8 = layout.dtype == ValueDtype::Int8;
-    let spread_table = !matches!(layout.group_size, 1 | 2 | 4 | 8);
+    // (each a division: once per call, not per record)
+    let (gsz, bb, vo) = (layout.group_size, layout.bitmap_bytes(), layout.values_offset());
+    let spread_table = !matches!(gsz, 1 | 2 | 4 | 8);
     let mut buf = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
     let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
     let ones = _mm512_set1_epi8(1);
@@ -399,10 +404,10 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
             let t = $t;
             let rec = &bytes[t * rb..(t + 1) * rb];
             let codes = if int8 {
-                rec[layout.values_offset()..].as_ptr()
+                rec[vo..].as_ptr()
             } else {
                 // (zeroes the slack past r, so a 64-byte load at any offset up to r reads zeros)
-                unpack_codes(layout.dtype, &rec[layout.values_offset()..], r, &mut buf);
+                unpack_codes(layout.dtype, &rec[vo..], r, &mut buf);
                 buf.as_ptr()
             };
             if spread_table {
@@ -413,7 +418,7 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
             let mut ak = [_mm512_setzero_si512(); N];
             let mut off = 0usize;
             for w in 0..words {
-                let mask = dim_word(layout, rec, &spread, w);
+                let mask = dim_word(gsz, bb, rec, &spread, w);
                 let lanes = lanes64(r - off);
                 let src = if int8 {
                     // masked: no byte past the record's r codes is read
@@ -435,7 +440,7 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
                     ak[j] = _mm512_dpbusd_epi32(ak[j], kept, qj);
                 }
             }
-            let o = layout.bitmap_bytes();
+            let o = bb;
             let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
             (ac, ak, _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32)))
         }};
