@@ -10,8 +10,8 @@ use super::gather;
 use super::protocol::{Done, FlushJob, HostRows, Job, Part, Tag, Timing, Update};
 use crate::strategy::LossSums;
 use crate::{meta, packed, rotation, strategy};
-use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::cache::covariance_scratch_bytes;
+use mosaickv_spec::layout::bitmap_bit;
 use mosaickv_spec::{
     CompressConfig, KvShape, MosaicError, PackedRows, Result, Side, SideStrategy, Strategy,
     ValueDtype,

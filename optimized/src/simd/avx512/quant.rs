@@ -381,7 +381,11 @@ unsafe fn logits_q8_heads<const N: usize, const W: usize>(a: HeadsArgs<'_>) {
     };
     let int8 = layout.dtype == ValueDtype::Int8;
     // (each a division: once per call, not per record)
-    let (gsz, bb, vo) = (layout.group_size, layout.bitmap_bytes(), layout.values_offset());
+    let (gsz, bb, vo) = (
+        layout.group_size,
+        layout.bitmap_bytes(),
+        layout.values_offset(),
+    );
     let spread_table = !matches!(gsz, 1 | 2 | 4 | 8);
     let mut buf = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
     let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
