@@ -296,7 +296,7 @@ unsafe fn sparse_accumulate_q_buf<const DV: usize, const CODES: usize>(
 /// placed by one `vpexpandb` ([`expand_q`]'s placement), the first `r` kept dims marked by a
 /// byte 1 (`pdep` of the code lanes onto the dims), and per head two `vpdpbusd` (unsigned
 /// codes times signed query bytes, four products per i32 lane) add them into exact i32 sums.
-/// Up to six heads per pass; with at most four, two records at a time, their 16 sums reduced
+/// Up to six heads per pass (eight where Dt <= 64); with at most four, two records at a time, their 16 sums reduced
 /// by one transposition tree and one 8-lane f64 epilogue; otherwise one record at a time, four
 /// heads per reduction. The epilogue is `spec::layout::key_logit_q8`'s operations lane for
 /// lane: the bits of every other path.
@@ -322,12 +322,15 @@ pub unsafe fn key_logits_q8(
     out: &mut [f32],
 ) {
     Path::Avx512.ran();
-    // Up to six heads per pass over the records (fixed counts, so the sums and, for Dt <= 128, the
-    // query rows stay in registers); each pass places each record's codes again.
+    // Up to six heads per pass over the records, eight where Dt <= 64 (fixed counts, so the
+    // sums and, for Dt <= 128, the query rows stay in registers: 3 N registers at Dt <= 64, 4 N
+    // at Dt <= 128); each pass places each record's codes again. (Qwen2.5-Coder-0.5B's seven
+    // heads per KV head at Dt <= 64 take one pass, not six and one.)
+    let pass = if layout.kept_dims <= 64 { 8 } else { HEADS_Q8 };
     let mut h0 = 0;
     while h0 < g {
         let mut sqv = [0f64; 8];
-        let hn = (g - h0).min(HEADS_Q8);
+        let hn = (g - h0).min(pass);
         sqv[..hn].copy_from_slice(&sq[h0..h0 + hn]);
         let (qp, op) = (q8.as_ptr().add(h0 * qs), out.as_mut_ptr().add(h0 * TILE));
         let a = (qp, qs, &sqv, bytes, layout, n, inv_sqrt_d, op);
@@ -346,9 +349,11 @@ pub unsafe fn key_logits_q8(
             3 => words!(3),
             4 => words!(4),
             5 => words!(5),
-            _ => words!(6),
+            6 => words!(6),
+            7 => logits_q8_heads::<7, 1>(a),
+            _ => logits_q8_heads::<8, 1>(a),
         }
-        h0 += HEADS_Q8;
+        h0 += pass;
     }
 }
 
@@ -366,8 +371,9 @@ type HeadsArgs<'a> = (
     *mut f32,
 );
 
-/// [`key_logits_q8`] for `N <= HEADS_Q8` heads over the `n` records; `W` the 64-dim words of `Dt` (1
-/// or 2, whose query rows are held in registers), or 0 for any `Dt` (rows loaded per word).
+/// [`key_logits_q8`] for `N <= 8` heads over the `n` records (`N <= HEADS_Q8` unless `W == 1`);
+/// `W` the 64-dim words of `Dt` (1 or 2, whose query rows are held in registers), or 0 for any
+/// `Dt` (rows loaded per word).
 #[target_feature(
     enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,avx2,fma,f16c,popcnt,bmi2"
 )]
