@@ -361,6 +361,39 @@ mod tests {
         );
     }
 
+    /// The by-kind table itemizes a report per token, the host rows and the covariance scratch
+    /// in their own columns beside the device total (which counts neither).
+    #[test]
+    fn the_by_kind_table_shows_host_rows_and_scratch_apart() {
+        let m = mosaickv_spec::MemoryReport {
+            tokens: 100,
+            values: 10_000,
+            bitmaps: 1_600,
+            rotations: 400,
+            host_rows: 2_500,
+            host_scratch: 65_536,
+            ..Default::default()
+        };
+        let r = ForcedRecord {
+            method: "mosaic".into(),
+            kl: 0.05,
+            top1: 0.9,
+            kv_bytes_per_token: 120.0,
+            memory: Some(m),
+            positions: 8,
+            tokens: 100,
+        };
+        let t = forced_table(&[r], 8, 100, "x");
+        assert!(
+            t.contains("| total | host rows (apart) | host scratch (apart) |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| mosaic | 100.0 | 0.0 | 16.0 | 0.0 | 0.0 | 4.0 | 0.0 | 0.0 | 120.0 | 25.0 | 655.4 |"),
+            "{t}"
+        );
+    }
+
     #[test]
     fn zero_steps_or_recall_k_is_no_measurement() {
         assert!(check_measures(0, 32).is_err());

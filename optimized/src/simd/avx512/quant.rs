@@ -29,10 +29,9 @@ fn stored_word(rec: &[u8], bb: usize, w: usize) -> u64 {
 }
 
 /// Dims `64 w .. 64 w + 64` of a record of group size `g` and `bb` bitmap bytes
-/// (`RecordLayout::bitmap_bytes`, a division: computed once per call, not per record) as one
-/// bit per dim: the bitmap's own bits for g = 1,
-/// each group's bit repeated over its g dims (`pdep` onto every g-th bit, times `2^g - 1`)
-/// for g = 2, 4 and 8, the table spread otherwise.
+/// (`RecordLayout::bitmap_bytes`, a division: the callers compute it once per call) as one bit
+/// per dim: the bitmap's own bits for g = 1, each group's bit repeated over its g dims (`pdep`
+/// onto every g-th bit, times `2^g - 1`) for g = 2, 4 and 8, the table spread otherwise.
 #[inline(always)]
 unsafe fn dim_word(g: usize, bb: usize, rec: &[u8], spread: &[u8], w: usize) -> u64 {
     match g {
@@ -67,7 +66,7 @@ unsafe fn dim_word(g: usize, bb: usize, rec: &[u8], spread: &[u8], w: usize) -> 
 pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     Path::Avx512.ran();
     let g = layout.group_size;
-    let (gsz, bb, vo) = (g, layout.bitmap_bytes(), layout.values_offset());
+    let (bb, vo) = (layout.bitmap_bytes(), layout.values_offset());
     let mut spread = [0u8; QUANT_SIMD_MAX_R / 8];
     if !matches!(g, 1 | 2 | 4 | 8) {
         spread_groups(rec, layout, &mut spread);
@@ -94,7 +93,7 @@ pub unsafe fn expand_q(rec: &[u8], layout: &RecordLayout, row: &mut [f32]) {
     let scale = _mm512_broadcastss_ps(_mm_movehdup_ps(ms));
     let mut off = 0usize;
     for w in 0..dt.div_ceil(64) {
-        let mask = dim_word(gsz, bb, rec, &spread, w);
+        let mask = dim_word(g, bb, rec, &spread, w);
         let src = if int8 {
             _mm512_maskz_loadu_epi8(lanes64(r - off), stored.as_ptr().add(off) as *const i8)
         } else {
@@ -296,9 +295,9 @@ unsafe fn sparse_accumulate_q_buf<const DV: usize, const CODES: usize>(
 /// placed by one `vpexpandb` ([`expand_q`]'s placement), the first `r` kept dims marked by a
 /// byte 1 (`pdep` of the code lanes onto the dims), and per head two `vpdpbusd` (unsigned
 /// codes times signed query bytes, four products per i32 lane) add them into exact i32 sums.
-/// Up to six heads per pass (eight where Dt <= 64); with at most four, two records at a time, their 16 sums reduced
-/// by one transposition tree and one 8-lane f64 epilogue; otherwise one record at a time, four
-/// heads per reduction. The epilogue is `spec::layout::key_logit_q8`'s operations lane for
+/// Up to six heads per pass (eight where Dt <= 64); with at most four, two records at a time,
+/// their 16 sums reduced by one transposition tree and one 8-lane f64 epilogue; otherwise one
+/// record at a time, four heads per reduction. The epilogue is `spec::layout::key_logit_q8`'s operations lane for
 /// lane: the bits of every other path.
 ///
 /// # Safety
