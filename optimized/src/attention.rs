@@ -23,7 +23,7 @@ use crate::select::{
     given_blocks, rotate_and_select, segment_geometry, segment_of, selection_of, SegGeom,
     SelectBuffers,
 };
-use crate::simd::{fast_exp, pad8, q8_stride, Path, SparsePlan, TILE};
+use crate::simd::{fast_exp, pad8, q8_stride, Path, TILE};
 use half::f16;
 use mosaickv_spec::{CompressedCache, MosaicError, Result, Selection, SideStrategy, ValueDtype};
 use rayon::prelude::*;
@@ -520,9 +520,12 @@ pub(crate) fn tile_key_logits(
 /// head `u.head`, geometry `gm`, tile by tile: key logits ([`tile_key_logits`]), the online
 /// softmax, and the values accumulated in the segment's rotated space, into the partial `st`.
 /// The values take the fastest kernel the path has for their layout: accumulated straight
-/// from f16 records, from int8/int4 records at their kept dims only (AVX-512: into a
-/// head-minor accumulator, [`Path::sparse_accumulate_q`]; AVX2: into the dense one,
-/// [`Path::kept_accumulate_q`]), or expanded to a tile first. With `clocks`, each step's thread time is charged to its [`Stage`].
+/// from f16 records of `g` 1 (AVX-512, [`Path::packed_accumulate`]); at their kept dims only
+/// into a head-minor accumulator where the records keep at most half their dims
+/// ([`Path::sparse_accumulate_q`]: int8/int4 on AVX-512; int8/int4/f16 of `g` 2-8 on AVX2);
+/// other sparse int8/int4 records on AVX2 into the dense accumulator
+/// ([`Path::kept_accumulate_q`]); or expanded to a tile first. With `clocks`, each step's
+/// thread time is charged to its [`Stage`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_unit(
     path: Path,
@@ -555,13 +558,13 @@ pub(crate) fn attend_unit(
         && !coded_v
         && !vl.dtype.is_quantized()
         && path.fused_packed(vl.group_size, vl.kept_dims, vl.r, gm.dpv);
-    // Sparse int8/int4 values: only the kept dims are accumulated, into a
+    // Sparse values (int8/int4; AVX2 also f16): only the kept dims are accumulated, into a
     // head-minor accumulator (in the value tile's buffer) for the whole unit.
     // (`plan.len(dtv) <= 16 dtv`, inside the value tile's TILE * dpmax floats.)
-    let sparse = if !coded_v && path.sparse_values(vl, g) {
-        SparsePlan::new(vl.group_size, g)
-    } else {
+    let sparse = if coded_v || fused_v {
         None
+    } else {
+        path.sparse_plan(vl, g)
     };
     // AVX2: int8/int4 values that keep at most half their dims are added at those dims only.
     let kept_v = sparse.is_none() && !fused_v && !coded_v && path.kept_values_q(vl);

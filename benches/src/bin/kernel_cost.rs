@@ -185,7 +185,8 @@ fn main() {
 /// r 80; values Dt 128, g 4, r 16; 4 query heads per KV head): the tile kernels (expand, then
 /// logits or accumulation) beside the kernels that read the records directly: the SPEC 9
 /// integer key logits (`key_logits_q8`, every path) and the values at their kept dims where
-/// the path has it (AVX2: `kept_accumulate_q`).
+/// the path has it (`sparse_accumulate_q`; AVX2 also `kept_accumulate_q`), and the paper
+/// configuration's f16 values.
 fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
     use mosaickv_optimized::packed::pack_rotated;
     use mosaickv_spec::{RecordLayout, ValueDtype};
@@ -283,6 +284,98 @@ fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
             || {
                 path.kept_accumulate_q(&p, g, d, &values, &vl, TILE, &mut acc);
                 black_box(&acc);
+            },
+        );
+    }
+    if let Some(plan) = path.sparse_plan(&vl, g) {
+        let mut acc_t = vec![0f32; plan.len(d)];
+        time(
+            "int8 values g=4 r=16: sparse_accumulate_q",
+            TILE,
+            100_000,
+            || {
+                path.sparse_accumulate_q(&p, &plan, &values, &vl, TILE, &mut acc_t);
+                black_box(&acc_t);
+            },
+        );
+    }
+    // Qwen2.5-Coder-0.5B's most common value layout on its real cache at 8K (int4, g 2, r 16
+    // of Dt 64; seven query heads per KV head): at the kept dims into the dense accumulator
+    // (AVX2's `kept_accumulate_q`: one scalar FMA per dim and head) or the head-minor one
+    let (d7, h7) = (64usize, 7usize);
+    let ql = RecordLayout {
+        head_dim: d7,
+        kept_dims: d7,
+        r: 16,
+        group_size: 2,
+        dtype: ValueDtype::Int4,
+        code_bits: 0,
+    };
+    let rows7: Vec<f64> = (0..TILE * d7)
+        .map(|_| (rnd() % 10_000) as f64 / 1250.0 - 4.0)
+        .collect();
+    let values7 = pack_rotated(&rows7, d7, &side(ql))
+        .expect("valid int4 layout")
+        .bytes;
+    let p7: Vec<f32> = (0..h7 * TILE).map(|i| 1e-3 * i as f32).collect();
+    let mut acc7 = vec![0f32; h7 * d7];
+    if path.kept_values_q(&ql) {
+        time(
+            "int4 values g=2 r=16 of 64, 7 heads: kept_accumulate_q",
+            TILE,
+            100_000,
+            || {
+                path.kept_accumulate_q(&p7, h7, d7, &values7, &ql, TILE, &mut acc7);
+                black_box(&acc7);
+            },
+        );
+    }
+    if let Some(plan) = path.sparse_plan(&ql, h7) {
+        let mut acc_t = vec![0f32; plan.len(d7)];
+        time(
+            "int4 values g=2 r=16 of 64, 7 heads: sparse_accumulate_q",
+            TILE,
+            100_000,
+            || {
+                path.sparse_accumulate_q(&p7, &plan, &values7, &ql, TILE, &mut acc_t);
+                black_box(&acc_t);
+            },
+        );
+    }
+    // The paper configuration's values (f16, g 1, r 32 of Dt 96): expanded and accumulated
+    // densely, or at their kept dims where the path has it (AVX2)
+    let (dt, r) = (96usize, 32usize);
+    let hl = RecordLayout {
+        head_dim: d,
+        kept_dims: dt,
+        r,
+        group_size: 1,
+        dtype: ValueDtype::F16,
+        code_bits: 0,
+    };
+    let half_values = pack_rotated(&rows, d, &side(hl))
+        .expect("valid f16 layout")
+        .bytes;
+    let (rb, bb) = (hl.record_bytes(), hl.bitmap_bytes());
+    time(
+        "f16 values g=1 r=32 of 96: expand + accumulate",
+        TILE,
+        100_000,
+        || {
+            path.expand_records(&half_values, 0, TILE, rb, bb, 1, dt, r, dt, &mut tile);
+            path.tile_accumulate(&p, g, dt, &tile, TILE, &mut acc);
+            black_box(&acc);
+        },
+    );
+    if let Some(plan) = path.sparse_plan(&hl, g) {
+        let mut acc_t = vec![0f32; plan.len(dt)];
+        time(
+            "f16 values g=1 r=32 of 96: sparse_accumulate_q",
+            TILE,
+            100_000,
+            || {
+                path.sparse_accumulate_q(&p, &plan, &half_values, &hl, TILE, &mut acc_t);
+                black_box(&acc_t);
             },
         );
     }

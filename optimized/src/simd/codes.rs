@@ -23,18 +23,20 @@ pub(crate) fn unpack_codes_scalar(dtype: ValueDtype, v: &[u8], r: usize, out: &m
 /// Most query heads per KV head [`Path::sparse_accumulate_q`] takes.
 pub const SPARSE_MAX_HEADS: usize = 16;
 
-/// Most 16-lane registers a kept group's slot spans (`g * heads <= 16 * SPARSE_MAX_CHUNKS`).
+/// Most registers a kept group's slot spans (`g * heads <= lanes * SPARSE_MAX_CHUNKS`).
 pub const SPARSE_MAX_CHUNKS: usize = 8;
 
 /// The head-minor accumulator of the sparse value accumulation for one group size `g` and
-/// `heads` query heads: one slot of whole 16-lane registers per group of `g` dims, lane `e <
-/// g * heads` of a slot being dim `e / heads` of the group and head `e % heads`; the lanes past
-/// that stay 0. Per register `c` of a slot: the first decoded value its lanes read (`vbase`),
-/// each lane's value offset from it (`vidx`, < 16) and head (`hidx`), the live lanes (`live`).
+/// `heads` query heads: one slot of whole registers of `lanes` floats (16 on AVX-512, 8 on
+/// AVX2) per group of `g` dims, lane `e < g * heads` of a slot being dim `e / heads` of the
+/// group and head `e % heads`; the lanes past that stay 0. Per register `c` of a slot: the
+/// first decoded value its lanes read (`vbase`), each lane's value offset from it (`vidx`, <
+/// `lanes`) and head (`hidx`), the live lanes (`live`); entries past `lanes` are unused.
 #[derive(Clone, Debug)]
 pub struct SparsePlan {
     pub g: usize,
     pub heads: usize,
+    pub lanes: usize,
     pub chunks: usize,
     pub vbase: [usize; SPARSE_MAX_CHUNKS],
     pub vidx: [[i32; 16]; SPARSE_MAX_CHUNKS],
@@ -43,16 +45,22 @@ pub struct SparsePlan {
 }
 
 impl SparsePlan {
-    /// The plan for group size `g` and `heads` heads, or `None` past the kernel's limits.
-    pub fn new(g: usize, heads: usize) -> Option<Self> {
+    /// The plan for group size `g`, `heads` heads and registers of `lanes` floats (8 or 16),
+    /// or `None` past the kernels' limits.
+    pub fn new(g: usize, heads: usize, lanes: usize) -> Option<Self> {
         let span = g * heads;
-        if !(1..=SPARSE_MAX_HEADS).contains(&heads) || g == 0 || span > 16 * SPARSE_MAX_CHUNKS {
+        if !(1..=SPARSE_MAX_HEADS).contains(&heads)
+            || g == 0
+            || !(lanes == 8 || lanes == 16)
+            || span > lanes * SPARSE_MAX_CHUNKS
+        {
             return None;
         }
-        let chunks = span.div_ceil(16);
+        let chunks = span.div_ceil(lanes);
         let mut plan = SparsePlan {
             g,
             heads,
+            lanes,
             chunks,
             vbase: [0; SPARSE_MAX_CHUNKS],
             vidx: [[0; 16]; SPARSE_MAX_CHUNKS],
@@ -60,14 +68,14 @@ impl SparsePlan {
             live: [0; SPARSE_MAX_CHUNKS],
         };
         for c in 0..chunks {
-            plan.vbase[c] = 16 * c / heads;
-            for l in 0..16 {
-                let e = (16 * c + l).min(span - 1);
+            plan.vbase[c] = lanes * c / heads;
+            for l in 0..lanes {
+                let e = (lanes * c + l).min(span - 1);
                 plan.vidx[c][l] = (e / heads - plan.vbase[c]) as i32;
                 plan.hidx[c][l] = (e % heads) as i32;
             }
-            let lanes = (span - 16 * c).min(16);
-            plan.live[c] = ((1u32 << lanes) - 1) as u16;
+            let live = (span - lanes * c).min(lanes);
+            plan.live[c] = ((1u32 << live) - 1) as u16;
         }
         Some(plan)
     }
@@ -75,7 +83,7 @@ impl SparsePlan {
     /// Floats of one group's slot.
     #[inline]
     pub fn stride(&self) -> usize {
-        16 * self.chunks
+        self.lanes * self.chunks
     }
 
     /// Floats of the accumulator for `kept_dims` dims.
@@ -104,7 +112,7 @@ impl SparsePlan {
             }
         }
         for slot in acc_t.chunks_exact_mut(self.stride()) {
-            for (reg, pat) in slot.chunks_exact_mut(16).zip(&pattern) {
+            for (reg, pat) in slot.chunks_exact_mut(self.lanes).zip(&pattern) {
                 for (x, &c) in reg.iter_mut().zip(pat) {
                     *x *= c;
                 }

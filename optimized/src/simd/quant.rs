@@ -9,7 +9,7 @@ use super::codes::{SparsePlan, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS, SPARSE_MAX_H
 use super::{avx2, avx512};
 use super::{Path, TILE};
 use mosaickv_spec::layout::{dequantize, key_logit_q8, read_code, record_quant};
-use mosaickv_spec::RecordLayout;
+use mosaickv_spec::{RecordLayout, ValueDtype};
 
 impl Path {
     /// Expands `n` consecutive int8/int4 records (`layout`, `layout.record_bytes()` each,
@@ -80,25 +80,54 @@ impl Path {
 
 impl Path {
     /// Whether [`Path::sparse_accumulate_q`] takes value records of `layout` for `heads` query
-    /// heads per KV head: the AVX-512 path, int8/int4 records that keep at most half of their
-    /// `Dt` dims (past that, expanding every dim and multiplying it is as fast), and the
-    /// kernel's limits on `heads` and on `g * heads`.
+    /// heads per KV head: records that keep at most half of their `Dt` dims (past that,
+    /// expanding every dim and multiplying it is as fast), within the kernels' limits. AVX-512:
+    /// int8/int4 records (its f16 records of `g` 1 take the fused kernel,
+    /// [`Path::packed_accumulate`]), up to 16 heads and `g * heads <= 128`; AVX2: int8/int4
+    /// records of `g <= 8` and f16 records of `2 <= g <= 8`, up to 8 heads.
     #[inline]
     pub fn sparse_values(self, layout: &RecordLayout, heads: usize) -> bool {
+        let sparse = layout.r <= QUANT_SIMD_MAX_R && 2 * layout.r <= layout.kept_dims;
         cfg!(target_arch = "x86_64")
-            && self == Path::Avx512
-            && layout.dtype.is_quantized()
-            && layout.r <= QUANT_SIMD_MAX_R
-            && 2 * layout.r <= layout.kept_dims
-            && (1..=SPARSE_MAX_HEADS).contains(&heads)
-            && layout.group_size * heads <= 16 * SPARSE_MAX_CHUNKS
+            && sparse
+            && match self {
+                Path::Avx512 => {
+                    layout.dtype.is_quantized()
+                        && (1..=SPARSE_MAX_HEADS).contains(&heads)
+                        && layout.group_size * heads <= 16 * SPARSE_MAX_CHUNKS
+                }
+                // (f16 records of g = 1: a read-modify-write of a register per kept dim costs
+                // more than the dense tile's FMAs on their exact widening; kernel_cost,
+                // PERFORMANCE.md section 1)
+                Path::Avx2 => {
+                    let g = layout.group_size;
+                    (1..=8).contains(&heads)
+                        && (1..=8).contains(&g)
+                        && (layout.dtype.is_quantized()
+                            || (layout.dtype == ValueDtype::F16 && g >= 2))
+                }
+                _ => false,
+            }
     }
 
-    /// SPEC.md section 9, value side, on packed int8/int4 records: `acc_t[plan.at(j, h)] +=
-    /// p[h * TILE + t] * v_t[j]` for the kept dims `j` of the `n` records in `bytes` (token
-    /// order, one FMA each). The same bits as expanding the records
-    /// ([`Path::expand_records_q`]) and accumulating the expanded tile with FMAs. Only where
-    /// [`Path::sparse_values`] holds, with `plan` made for the layout's group size.
+    /// The head-minor accumulator's plan for [`Path::sparse_accumulate_q`] on value records of
+    /// `layout` and `heads` heads (registers of 16 floats on AVX-512, 8 on AVX2), or `None`
+    /// where [`Path::sparse_values`] does not hold.
+    pub fn sparse_plan(self, layout: &RecordLayout, heads: usize) -> Option<SparsePlan> {
+        if !self.sparse_values(layout, heads) {
+            return None;
+        }
+        let lanes = if self == Path::Avx512 { 16 } else { 8 };
+        SparsePlan::new(layout.group_size, heads, lanes)
+    }
+
+    /// SPEC.md section 9, value side, on packed records at their kept dims only:
+    /// `acc_t[plan.at(j, h)] += p[h * TILE + t] * v_t[j]` for the kept dims `j` of the `n`
+    /// records in `bytes` (token order, one FMA each), `v_t[j]` the record's decoded value
+    /// (`m + code * s` for int8/int4, the f16 widened). The same bits as expanding the records
+    /// ([`Path::expand_records_q`], [`Path::expand_records`]) and accumulating the expanded tile
+    /// with FMAs. Only where [`Path::sparse_values`] holds, with the plan of
+    /// [`Path::sparse_plan`].
     pub fn sparse_accumulate_q(
         self,
         p: &[f32],
@@ -111,24 +140,36 @@ impl Path {
         assert!(
             self.sparse_values(layout, plan.heads)
                 && plan.g == layout.group_size
+                && plan.lanes == if self == Path::Avx512 { 16 } else { 8 }
                 && n <= TILE
                 && p.len() >= plan.heads * TILE
                 && bytes.len() >= n * layout.record_bytes()
                 && acc_t.len() >= plan.len(layout.kept_dims)
         );
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `sparse_values` holds (AVX-512 detected, the kernel's limits) and the sizes
-        // are asserted above; the kernel reads no bitmap bit past group Dt / g nor more than
-        // r / g groups, so it writes inside `acc_t`.
+        // SAFETY: `sparse_values` holds (the path's features detected, the kernel's limits)
+        // and the sizes are asserted above; the kernels read no bitmap bit past group Dt / g
+        // nor more than r / g groups, so they write inside `acc_t`.
         unsafe {
-            avx512::quant::sparse_accumulate_q(
-                p.as_ptr(),
-                plan,
-                bytes,
-                layout,
-                n,
-                acc_t.as_mut_ptr(),
-            )
+            if self == Path::Avx512 {
+                avx512::quant::sparse_accumulate_q(
+                    p.as_ptr(),
+                    plan,
+                    bytes,
+                    layout,
+                    n,
+                    acc_t.as_mut_ptr(),
+                )
+            } else {
+                avx2::quant::sparse_accumulate(
+                    p.as_ptr(),
+                    plan,
+                    bytes,
+                    layout,
+                    n,
+                    acc_t.as_mut_ptr(),
+                )
+            }
         }
     }
 }
@@ -333,18 +374,33 @@ mod tests {
 
     /// The sparse value accumulation gives the bits of expanding the records and
     /// accumulating the expanded tile (the dense path), for g = 1, 2, 4 and 8, 1 to 16 heads
-    /// (spans of one to eight 16-lane chunks, uneven ones included), int8 and int4, over
-    /// several tiles with accumulators that start nonzero.
+    /// (spans of one to eight registers, uneven ones included), int8 and int4 (AVX2: up to 8
+    /// heads, and f16 at g >= 2), over several tiles with accumulators that start nonzero, on every
+    /// path this CPU has.
     #[test]
     fn sparse_accumulate_equals_expand_then_accumulate() {
-        if !Path::Avx512.runs_here() {
-            eprintln!("no AVX-512 here: nothing to compare");
-            return;
+        for path in [Path::Avx512, Path::Avx2] {
+            if path.runs_here() {
+                sparse_equals_dense_on(path);
+            } else {
+                eprintln!("no {path:?} here: nothing to compare");
+            }
         }
+    }
+
+    /// [`Path::sparse_accumulate_q`] against expanding the same records and accumulating the
+    /// tile densely, on `path`: the same bits at every (dim, head), dead lanes 0, over three
+    /// tiles with rescales between them. int8 and int4 records; on AVX2 also f16 records.
+    fn sparse_equals_dense_on(path: Path) {
         let mut rng = ChaCha8Rng::seed_from_u64(12);
         let n = TILE;
         let mut cases = 0;
-        for dtype in [ValueDtype::Int8, ValueDtype::Int4] {
+        let dtypes: &[ValueDtype] = if path == Path::Avx2 {
+            &[ValueDtype::Int8, ValueDtype::Int4, ValueDtype::F16]
+        } else {
+            &[ValueDtype::Int8, ValueDtype::Int4]
+        };
+        for &dtype in dtypes {
             for &(d, g, dt, r, heads) in &[
                 (64usize, 1usize, 64usize, 8usize, 3usize),
                 (64, 4, 64, 16, 3),
@@ -355,6 +411,10 @@ mod tests {
                 (128, 8, 128, 64, 16),
                 (128, 2, 128, 32, 1),
                 (32, 4, 32, 8, 5),
+                // f16 at g 1 (the paper configuration's layout; AVX-512 only) and Qwen's six heads
+                (128, 1, 96, 32, 4),
+                (128, 4, 128, 32, 6),
+                (64, 8, 64, 32, 8),
                 // r past 64: the kernel's larger local buffers
                 (256, 2, 256, 96, 4),
                 (256, 1, 200, 100, 2),
@@ -368,17 +428,29 @@ mod tests {
                     code_bits: 0,
                 };
                 layout.validate().unwrap();
-                assert!(Path::Avx512.sparse_values(&layout, heads), "{layout:?}");
+                let Some(plan) = path.sparse_plan(&layout, heads) else {
+                    // AVX2 takes at most 8 heads, and f16 records of g >= 2
+                    let f16_g1 = dtype == ValueDtype::F16 && g == 1;
+                    assert!(
+                        path == Path::Avx2 && (heads > 8 || f16_g1),
+                        "{layout:?} {heads}"
+                    );
+                    continue;
+                };
                 let rows: Vec<f64> = (0..n * d).map(|_| rng.gen_range(-4.0..4.0)).collect();
                 let packed = pack_rotated(&rows, d, &SideStrategy::bare(layout)).unwrap();
                 let p: Vec<f32> = (0..heads * TILE).map(|_| rng.gen_range(0.0..1.0)).collect();
                 let dp = crate::simd::pad8(dt);
                 // Dense: expanded tile, FMAs over every dim.
                 let mut tile = vec![0f32; n * dp];
-                Path::Avx512.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
+                if dtype == ValueDtype::F16 {
+                    let (rb, bb) = (layout.record_bytes(), layout.bitmap_bytes());
+                    path.expand_records(&packed.bytes, 0, n, rb, bb, g, dt, r, dp, &mut tile);
+                } else {
+                    path.expand_records_q(&packed.bytes, n, &layout, dp, &mut tile);
+                }
                 let start: Vec<f32> = (0..heads * dp).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let mut dense = start.clone();
-                let plan = SparsePlan::new(g, heads).unwrap();
                 let mut sparse = vec![0f32; plan.len(dt)];
                 for h in 0..heads {
                     for j in 0..dt {
@@ -396,15 +468,8 @@ mod tests {
                         }
                     }
                     plan.rescale(&mut sparse, &corr);
-                    Path::Avx512.tile_accumulate(&p, heads, dp, &tile, n, &mut dense);
-                    Path::Avx512.sparse_accumulate_q(
-                        &p,
-                        &plan,
-                        &packed.bytes,
-                        &layout,
-                        n,
-                        &mut sparse,
-                    );
+                    path.tile_accumulate(&p, heads, dp, &tile, n, &mut dense);
+                    path.sparse_accumulate_q(&p, &plan, &packed.bytes, &layout, n, &mut sparse);
                 }
                 // Lanes past each slot's span stay 0.
                 for (e, &x) in sparse.iter().enumerate() {
@@ -418,14 +483,16 @@ mod tests {
                         assert_eq!(
                             a.to_bits(),
                             b.to_bits(),
-                            "{layout:?} heads {heads} h {h} j {j}: {a} vs {b}"
+                            "{path:?} {layout:?} heads {heads} h {h} j {j}: {a} vs {b}"
                         );
                     }
                 }
                 cases += 1;
             }
         }
-        assert_eq!(cases, 22);
+        // AVX-512: 14 layouts x int8/int4; AVX2: 13 (not 16 heads) x int8/int4, 9 (nor g 1)
+        // x f16
+        assert_eq!(cases, if path == Path::Avx2 { 35 } else { 28 }, "{path:?}");
     }
 
     /// The layouts the fused AVX2 kernels are checked on: every group size the default
@@ -638,6 +705,27 @@ mod tests {
             let mut acc = vec![0f32; 64];
             Path::Avx2.kept_accumulate_q(&p, 1, 64, &rec, &layout, 2, &mut acc);
             assert_eq!(acc.iter().filter(|&&x| x != 0.0).count(), 8, "{acc:?}");
+            // the sparse kernels (r = 8 of 64 kept dims: sparse; g = 2, every one of the 32
+            // groups' bits set) stop at r too
+            let grouped = RecordLayout {
+                group_size: 2,
+                ..layout
+            };
+            let rb = grouped.record_bytes();
+            let mut rec = vec![0u8; 2 * rb];
+            for t in 0..2 {
+                rec[t * rb..t * rb + 4].fill(0xff);
+                rec[t * rb + 4..t * rb + 8].copy_from_slice(&[0, 0x3c, 0, 0x3c]);
+            }
+            for path in [Path::Avx2, Path::Avx512] {
+                if path.runs_here() {
+                    let plan = path.sparse_plan(&grouped, 1).unwrap();
+                    let mut acc_t = vec![0f32; plan.len(64)];
+                    path.sparse_accumulate_q(&p, &plan, &rec, &grouped, 2, &mut acc_t);
+                    let kept = (0..64).filter(|&j| acc_t[plan.at(j, 0)] != 0.0).count();
+                    assert_eq!(kept, 8, "{path:?} {acc_t:?}");
+                }
+            }
         }
     }
 }

@@ -2,7 +2,9 @@
 //! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
 //! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
 
-use crate::simd::codes::{unpack_codes_scalar, CODE_SLACK, QUANT_SIMD_MAX_R};
+use crate::simd::codes::{
+    unpack_codes_scalar, SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS,
+};
 use crate::simd::common::TILE;
 use crate::simd::path::Path;
 use mosaickv_spec::{RecordLayout, ValueDtype};
@@ -318,6 +320,161 @@ unsafe fn kept_accumulate_g<const G: usize>(
                 off += gs;
             }
         }
+    }
+}
+
+/// SPEC.md section 9, value side, at the kept dims only, into the head-minor accumulator of
+/// `plan` (8-lane registers, [`SparsePlan`]): `acc_t[plan.at(j, h)] += p[h * TILE + t] *
+/// v_t[j]` for every kept dim `j` of record `t < n`, in token order, one FMA each; `v_t[j]`
+/// is the decoded value (`m + code * s` for int8/int4, the f16 widened), the float the
+/// expansion writes. A kept group costs one FMA per register of its slot (its `g` values and
+/// `heads` probabilities spread over the lanes by `vpermps`), where the dense path multiplies
+/// every dim for every head; each accumulator sees the dense path's FMAs in its order (which
+/// adds `p * 0` at the dims not kept and leaves the sum as it is), so the result is the same
+/// bits as expanding the records and accumulating the tile (`tiles::tile_accumulate`).
+///
+/// # Safety
+/// AVX2, FMA, F16C and POPCNT available; `layout` int8/int4/f16 with `r <= QUANT_SIMD_MAX_R`,
+/// `1 <= g <= 8`; `plan` made for `g`, at most 8 heads, 8 lanes; `bytes` holds `n` whole
+/// records; `p` holds `plan.heads * TILE` floats, `n <= TILE`; `acc_t` holds
+/// `plan.len(layout.kept_dims)` floats.
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+pub unsafe fn sparse_accumulate(
+    p: *const f32,
+    plan: &SparsePlan,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    acc_t: *mut f32,
+) {
+    Path::Avx2.ran();
+    match layout.group_size {
+        1 => sparse_accumulate_g::<1>(p, plan, bytes, layout, n, acc_t),
+        2 => sparse_accumulate_g::<2>(p, plan, bytes, layout, n, acc_t),
+        4 => sparse_accumulate_g::<4>(p, plan, bytes, layout, n, acc_t),
+        _ => sparse_accumulate_g::<0>(p, plan, bytes, layout, n, acc_t),
+    }
+}
+
+/// [`sparse_accumulate`] for group size `G` (0: any other up to 8, read from the layout).
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+unsafe fn sparse_accumulate_g<const G: usize>(
+    p: *const f32,
+    plan: &SparsePlan,
+    bytes: &[u8],
+    layout: &RecordLayout,
+    n: usize,
+    acc_t: *mut f32,
+) {
+    let g = if G == 0 { layout.group_size } else { G };
+    let (r, rb, bb, vo) = (
+        layout.r,
+        layout.record_bytes(),
+        layout.bitmap_bytes(),
+        layout.values_offset(),
+    );
+    let (words, groups) = (bb / 4, layout.kept_dims / g);
+    let (heads, chunks, stride) = (plan.heads, plan.chunks, plan.stride());
+    let half = layout.dtype == ValueDtype::F16;
+    let int8 = layout.dtype == ValueDtype::Int8;
+    // Per register of a slot: which of the group's decoded values (< g <= 8) and which head's
+    // probability each lane takes, and its live lanes (the others multiply 0 into their 0).
+    let mut vsel = [_mm256_setzero_si256(); SPARSE_MAX_CHUNKS];
+    let mut hsel = [_mm256_setzero_si256(); SPARSE_MAX_CHUNKS];
+    let mut live = [_mm256_setzero_ps(); SPARSE_MAX_CHUNKS];
+    for c in 0..chunks {
+        let (mut v, mut h, mut m) = ([0i32; 8], [0i32; 8], [0i32; 8]);
+        for l in 0..8 {
+            v[l] = plan.vbase[c] as i32 + plan.vidx[c][l];
+            h[l] = plan.hidx[c][l];
+            m[l] = -(((plan.live[c] >> l) & 1) as i32);
+        }
+        vsel[c] = _mm256_loadu_si256(v.as_ptr() as *const __m256i);
+        hsel[c] = _mm256_loadu_si256(h.as_ptr() as *const __m256i);
+        live[c] = _mm256_castsi256_ps(_mm256_loadu_si256(m.as_ptr() as *const __m256i));
+    }
+    // This tile's probabilities token-major: lane h of row t is p[h * TILE + t].
+    let mut pt = [0f32; 8 * TILE];
+    for h in 0..heads {
+        for t in 0..n {
+            pt[8 * t + h] = *p.add(h * TILE + t);
+        }
+    }
+    // A record's values with the slack to load a whole register past the last: f16 halves
+    // (2 r bytes, 16 after) or codes one byte each (int4 unpacked; int8 copied near the end).
+    let mut local = [0u8; 2 * QUANT_SIMD_MAX_R + CODE_SLACK];
+    for t in 0..n {
+        let at = t * rb;
+        let rec = &bytes[at..at + rb];
+        let src: *const u8 = if half {
+            if at + vo + 2 * r + 16 <= bytes.len() {
+                rec.as_ptr().add(vo)
+            } else {
+                local[..2 * r].copy_from_slice(&rec[vo..vo + 2 * r]);
+                local[2 * r..2 * r + 16].fill(0);
+                local.as_ptr()
+            }
+        } else if int8 && at + vo + r + 8 <= bytes.len() {
+            rec.as_ptr().add(vo)
+        } else {
+            if int8 {
+                local[..r].copy_from_slice(&rec[vo..vo + r]);
+                local[r..r + 8].fill(0);
+            } else {
+                unpack_codes(layout.dtype, &rec[vo..], r, &mut local);
+            }
+            local.as_ptr()
+        };
+        let (min, scale) = if half {
+            (_mm256_setzero_ps(), _mm256_setzero_ps())
+        } else {
+            let ms = u32::from_le_bytes([rec[bb], rec[bb + 1], rec[bb + 2], rec[bb + 3]]);
+            let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
+            (
+                _mm256_broadcastss_ps(ms),
+                _mm256_broadcastss_ps(_mm_movehdup_ps(ms)),
+            )
+        };
+        let prow = _mm256_loadu_ps(pt.as_ptr().add(8 * t));
+        let mut pc = [_mm256_setzero_ps(); SPARSE_MAX_CHUNKS];
+        for c in 0..chunks {
+            pc[c] = _mm256_and_ps(_mm256_permutevar8x32_ps(prow, hsel[c]), live[c]);
+        }
+        let mut off = 0usize;
+        for w in 0..words {
+            let mut bits =
+                u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
+            // Bits past the last group are not read, nor more than r / g groups: a record
+            // that broke the layout's invariants cannot make the kernel write out of bounds.
+            if groups < 32 * (w + 1) {
+                bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
+            }
+            while bits != 0 && off + g <= r {
+                let slot = acc_t.add((32 * w + bits.trailing_zeros() as usize) * stride);
+                bits &= bits - 1;
+                // the group's g values, spread over each register's lanes
+                let vd = decode8(half, src, off, scale, min);
+                for c in 0..chunks {
+                    let a = slot.add(8 * c);
+                    let v = _mm256_permutevar8x32_ps(vd, vsel[c]);
+                    _mm256_storeu_ps(a, _mm256_fmadd_ps(pc[c], v, _mm256_loadu_ps(a)));
+                }
+                off += g;
+            }
+        }
+    }
+}
+
+/// A record's decoded values `i..i + 8` from its f16 halves or one-byte codes at `src`
+/// (`m + code * s`, one rounding); past `r`, the slack's (never accumulated).
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn decode8(half: bool, src: *const u8, i: usize, scale: __m256, min: __m256) -> __m256 {
+    if half {
+        _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i) as *const __m128i))
+    } else {
+        let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src.add(i) as *const __m128i));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), scale, min)
     }
 }
 
