@@ -1,6 +1,9 @@
 //! SPEC.md section 6, int8/int4 records: codes unpacked with 16-byte nibble splits,
 //! then placed by a `pshufb` table (eight dims per bitmap byte), widened, scaled and offset
 //! by the record's minimum in one FMA, and masked to the kept dims by a lane-mask table.
+//! SPEC 9 on the records as stored: the integer key logits ([`key_logits_q8`]) and the values
+//! at their kept dims, into a head-minor accumulator ([`sparse_accumulate`], int8/int4 and
+//! f16) or, past its eight heads, the dense one ([`kept_accumulate_q`]).
 
 use crate::simd::codes::{
     unpack_codes_scalar, SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS,
