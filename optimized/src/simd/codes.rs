@@ -20,6 +20,20 @@ pub(crate) fn unpack_codes_scalar(dtype: ValueDtype, v: &[u8], r: usize, out: &m
     }
 }
 
+/// Word `w` of a record's group bitmap (little-endian, groups `32 w..32 w + 32`), with the bits
+/// past the last of its `groups` groups cleared: what the kernels that walk a record's kept
+/// groups read, so that a record breaking the layout's invariants cannot make them write past
+/// their accumulators.
+#[inline]
+pub(crate) fn group_word(rec: &[u8], w: usize, groups: usize) -> u32 {
+    let bits = u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
+    if groups < 32 * (w + 1) {
+        bits & ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32
+    } else {
+        bits
+    }
+}
+
 /// Most query heads per KV head [`Path::sparse_accumulate_q`] takes.
 pub const SPARSE_MAX_HEADS: usize = 16;
 

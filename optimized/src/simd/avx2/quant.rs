@@ -6,7 +6,7 @@
 //! f16) or, past its eight heads, the dense one ([`kept_accumulate_q`]).
 
 use crate::simd::codes::{
-    unpack_codes_scalar, SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS,
+    group_word, unpack_codes_scalar, SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS,
 };
 use crate::simd::common::TILE;
 use crate::simd::path::Path;
@@ -288,13 +288,8 @@ unsafe fn kept_accumulate_g<const G: usize>(
         let pt = p.as_ptr().add(t);
         let mut off = 0usize;
         for w in 0..words {
-            let mut bits =
-                u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
-            // Bits past the last group are not read, nor more than r / g groups: a record
-            // that broke the layout's invariants cannot make the kernel write out of bounds.
-            if groups < 32 * (w + 1) {
-                bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
-            }
+            // (no bit past the last group; no more than r / g groups taken below)
+            let mut bits = group_word(rec, w, groups);
             while bits != 0 && off + gs <= r {
                 let a0 = ap.add((32 * w + bits.trailing_zeros() as usize) * gs);
                 bits &= bits - 1;
@@ -445,13 +440,8 @@ unsafe fn sparse_accumulate_g<const G: usize>(
         }
         let mut off = 0usize;
         for w in 0..words {
-            let mut bits =
-                u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
-            // Bits past the last group are not read, nor more than r / g groups: a record
-            // that broke the layout's invariants cannot make the kernel write out of bounds.
-            if groups < 32 * (w + 1) {
-                bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
-            }
+            // (no bit past the last group; no more than r / g groups taken below)
+            let mut bits = group_word(rec, w, groups);
             while bits != 0 && off + g <= r {
                 let slot = acc_t.add((32 * w + bits.trailing_zeros() as usize) * stride);
                 bits &= bits - 1;

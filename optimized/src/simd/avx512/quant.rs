@@ -6,7 +6,7 @@
 
 use super::{lanes16, lanes64};
 use crate::simd::avx2::quant::{spread_groups, unpack_codes, HEADS_Q8};
-use crate::simd::codes::{SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS};
+use crate::simd::codes::{group_word, SparsePlan, CODE_SLACK, QUANT_SIMD_MAX_R, SPARSE_MAX_CHUNKS};
 use crate::simd::common::TILE;
 use crate::simd::path::Path;
 use mosaickv_spec::{RecordLayout, ValueDtype};
@@ -262,13 +262,8 @@ unsafe fn sparse_accumulate_q_buf<const DV: usize, const CODES: usize>(
         }
         let mut off = 0usize;
         for w in 0..words {
-            let mut bits =
-                u32::from_le_bytes([rec[4 * w], rec[4 * w + 1], rec[4 * w + 2], rec[4 * w + 3]]);
-            // Bits past the last group are not read, nor more than r / g groups: a record
-            // that broke the layout's invariants cannot make the kernel write out of bounds.
-            if groups < 32 * (w + 1) {
-                bits &= ((1u64 << groups.saturating_sub(32 * w)) - 1) as u32;
-            }
+            // (no bit past the last group; no more than r / g groups taken below)
+            let mut bits = group_word(rec, w, groups);
             while bits != 0 && off + g <= r {
                 let k = 32 * w + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
