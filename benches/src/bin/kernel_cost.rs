@@ -8,7 +8,14 @@ use mosaickv_optimized::simd::{Path, TILE};
 use std::hint::black_box;
 use std::time::Instant;
 
+/// Times `f` (`reps` runs after one warm-up) and prints ns per unit, unless the command line
+/// names a filter (`kernel_cost key_logits`) that `label` does not contain (then 0, not run).
 fn time(label: &str, units: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+    if let Some(filter) = std::env::args().nth(1) {
+        if !label.contains(filter.as_str()) {
+            return 0.0;
+        }
+    }
     f();
     let t = Instant::now();
     for _ in 0..reps {

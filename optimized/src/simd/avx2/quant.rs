@@ -596,9 +596,12 @@ type HeadsArgs<'a> = (
 
 /// Sixteen dims of a record placed by two `pshufb` (eight dims per bitmap byte): the codes at
 /// their dims (0 elsewhere) and a byte 1 per kept dim. `off` advances past the codes taken.
+/// `CLAMP`: each load's offset is clamped to `r`, for a record whose bitmap keeps more dims
+/// than it has codes (corrupt); a record that keeps at most `r` reads at most `r + 16` bytes
+/// from `cp` without it.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 #[inline]
-unsafe fn place16(
+unsafe fn place16<const CLAMP: bool>(
     bits: *const u8,
     c: usize,
     cp: *const u8,
@@ -606,15 +609,15 @@ unsafe fn place16(
     r: usize,
 ) -> (__m128i, __m128i) {
     let (b0, b1) = (*bits.add(2 * c) as usize, *bits.add(2 * c + 1) as usize);
-    // The running offset is a chain of adds only; each load clamps its own copy to r (a
-    // record with more kept dims than r cannot read past the codes and their slack).
+    let clamp = |o: usize| if CLAMP { o.min(r) } else { o };
+    // The running offset is a chain of adds only.
     let o1 = *off + b0.count_ones() as usize;
-    let v0 = _mm_loadu_si128(cp.add((*off).min(r)) as *const __m128i);
+    let v0 = _mm_loadu_si128(cp.add(clamp(*off)) as *const __m128i);
     let p0 = _mm_shuffle_epi8(
         v0,
         _mm_loadu_si128(EXPAND_LUT8[b0].as_ptr() as *const __m128i),
     );
-    let v1 = _mm_loadu_si128(cp.add(o1.min(r)) as *const __m128i);
+    let v1 = _mm_loadu_si128(cp.add(clamp(o1)) as *const __m128i);
     let p1 = _mm_shuffle_epi8(
         v1,
         _mm_loadu_si128(EXPAND_LUT8[b1].as_ptr() as *const __m128i),
@@ -624,12 +627,71 @@ unsafe fn place16(
     (_mm_unpacklo_epi64(p0, p1), kept)
 }
 
+/// Set bits in the `n` bytes at `p` (whole words read where they fit).
+#[inline]
+unsafe fn popcount_bytes(p: *const u8, n: usize) -> usize {
+    let mut k = 0;
+    let mut i = 0;
+    while i + 8 <= n {
+        k += (p.add(i) as *const u64).read_unaligned().count_ones() as usize;
+        i += 8;
+    }
+    while i < n {
+        k += (*p.add(i)).count_ones() as usize;
+        i += 1;
+    }
+    k
+}
+
+/// One record's integer sums for `N` heads (`ac[h]`: i32 lanes summing to `S_h = sum_kept
+/// a_hj (c_j - 128)`; `ak[h]`: i16 lanes summing to `I_k`), 32 dims a step, for
+/// [`logits_q8_heads`].
+#[target_feature(enable = "avx2,fma,f16c,popcnt")]
+#[inline]
+unsafe fn record_sums<const N: usize, const CLAMP: bool>(
+    bits: *const u8,
+    cp: *const u8,
+    r: usize,
+    chunks: usize,
+    q8: *const i8,
+    qs: usize,
+) -> ([__m256i; N], [__m256i; N]) {
+    let ones = _mm256_set1_epi16(1);
+    let mut ac = [_mm256_setzero_si256(); N];
+    let mut ak = [_mm256_setzero_si256(); N];
+    let mut off = 0usize;
+    let mut c = 0;
+    while c < chunks {
+        let (p0, k0) = place16::<CLAMP>(bits, c, cp, &mut off, r);
+        let (p1, k1) = if c + 1 < chunks {
+            place16::<CLAMP>(bits, c + 1, cp, &mut off, r)
+        } else {
+            (_mm_setzero_si128(), _mm_setzero_si128())
+        };
+        let placed = _mm256_set_m128i(p1, p0);
+        let kept = _mm256_set_m128i(k1, k0);
+        // c - 128 where kept (a 0x80 flips the code's top bit), 0 elsewhere
+        let signed = _mm256_xor_si256(placed, _mm256_slli_epi16::<7>(kept));
+        let mag = _mm256_abs_epi8(signed);
+        for j in 0..N {
+            let qv = _mm256_loadu_si256(q8.add(j * qs + 16 * c) as *const __m256i);
+            let prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qv, signed));
+            ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(prod, ones));
+            ak[j] = _mm256_add_epi16(ak[j], _mm256_maddubs_epi16(kept, qv));
+        }
+        c += 2;
+    }
+    (ac, ak)
+}
+
 /// [`key_logits_q8`] for `N <= HEADS_Q8` heads over the `n` records, 32 dims at a time: the
 /// placed codes become signed (`c - 128`, 0 where not kept) so that `vpmaddubsw` on their
 /// magnitudes against the query bytes carrying their signs (llama.cpp's q8_0 route) cannot
 /// saturate (`2 * 128 * 127 < 2^15`); `S = sum_kept a_j (c_j - 128)`, and the kept dims' query
 /// sum `I_k` by `vpmaddubsw` on a byte 1 per kept dim (pairs at most 254, added in i16 over the
-/// blocks), so `I_c = S + 128 I_k`, exactly.
+/// blocks), so `I_c = S + 128 I_k`, exactly. The records' exact sums are kept for the tile and
+/// the f64 epilogue runs after the last record, so one record's epilogue (a chain of
+/// conversions and products) does not hold up the next record's placement.
 #[target_feature(enable = "avx2,fma,f16c,popcnt")]
 unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
     let (q8, qs, sq, bytes, layout, n, inv_sqrt_d, out) = a;
@@ -644,8 +706,10 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
     let bits_in_place = layout.group_size == 1 && dt % 8 == 0;
     let mut dims = [0u8; QUANT_SIMD_MAX_R / 8 + 2];
     let mut codes = [0u8; QUANT_SIMD_MAX_R + CODE_SLACK];
-    let inv = _mm256_set1_pd(inv_sqrt_d);
     let ones = _mm256_set1_epi16(1);
+    // per record: (I_c, I_k) of each group of four heads, and the f16 minimum and scale
+    let mut sums = [[(_mm_setzero_si128(), _mm_setzero_si128()); 2]; TILE];
+    let mut mss = [0u32; TILE];
     for t in 0..n {
         let at = t * rb;
         let rec = &bytes[at..at + rb];
@@ -672,35 +736,13 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
             unpack_codes(layout.dtype, &rec[vo..], r, &mut codes);
             codes.as_ptr()
         };
-        let mut ac = [_mm256_setzero_si256(); N];
-        let mut ak = [_mm256_setzero_si256(); N];
-        let mut off = 0usize;
-        let mut c = 0;
-        while c < chunks {
-            let (p0, k0) = place16(bits, c, cp, &mut off, r);
-            let (p1, k1) = if c + 1 < chunks {
-                place16(bits, c + 1, cp, &mut off, r)
-            } else {
-                (_mm_setzero_si128(), _mm_setzero_si128())
-            };
-            let placed = _mm256_set_m128i(p1, p0);
-            let kept = _mm256_set_m128i(k1, k0);
-            // c - 128 where kept (a 0x80 flips the code's top bit), 0 elsewhere
-            let signed = _mm256_xor_si256(placed, _mm256_slli_epi16::<7>(kept));
-            let mag = _mm256_abs_epi8(signed);
-            for j in 0..N {
-                let qv = _mm256_loadu_si256(q8.add(j * qs + 16 * c) as *const __m256i);
-                let prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qv, signed));
-                ac[j] = _mm256_add_epi32(ac[j], _mm256_madd_epi16(prod, ones));
-                ak[j] = _mm256_add_epi16(ak[j], _mm256_maddubs_epi16(kept, qv));
-            }
-            c += 2;
-        }
-        let o = bb;
-        let ms = u32::from_le_bytes([rec[o], rec[o + 1], rec[o + 2], rec[o + 3]]);
-        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(ms as i32));
-        let mut lanes = [0f32; 8];
-        for (k, chunk) in lanes.chunks_exact_mut(4).enumerate().take(N.div_ceil(4)) {
+        // the bytes the chunks read keep at most r dims: no load can pass r + 16
+        let (ac, ak) = if popcount_bytes(bits, 2 * chunks) <= r {
+            record_sums::<N, false>(bits, cp, r, chunks, q8, qs)
+        } else {
+            record_sums::<N, true>(bits, cp, r, chunks, q8, qs)
+        };
+        for k in 0..N.div_ceil(4) {
             let (mut hc, mut hk) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
             for j in 4 * k..N.min(4 * k + 4) {
                 hc[j - 4 * k] = ac[j];
@@ -708,6 +750,16 @@ unsafe fn logits_q8_heads<const N: usize>(a: HeadsArgs<'_>) {
             }
             let ik = super::hsum4_i32(&hk);
             let ic = _mm_add_epi32(super::hsum4_i32(&hc), _mm_slli_epi32::<7>(ik));
+            sums[t][k] = (ic, ik);
+        }
+        mss[t] = u32::from_le_bytes([rec[bb], rec[bb + 1], rec[bb + 2], rec[bb + 3]]);
+    }
+    let inv = _mm256_set1_pd(inv_sqrt_d);
+    for t in 0..n {
+        let ms = _mm_cvtph_ps(_mm_cvtsi32_si128(mss[t] as i32));
+        let mut lanes = [0f32; 8];
+        for (k, chunk) in lanes.chunks_exact_mut(4).enumerate().take(N.div_ceil(4)) {
+            let (ic, ik) = sums[t][k];
             let z = logit_epilogue(ic, ik, ms, _mm256_loadu_pd(sq.as_ptr().add(4 * k)), inv);
             _mm_storeu_ps(chunk.as_mut_ptr(), z);
         }
