@@ -7,6 +7,22 @@ use ndarray::{Array2, ArrayView2, ArrayView3};
 use rayon::prelude::*;
 use std::time::Instant;
 
+/// Sets up rayon's global pool as the CLI does, the main thread one of its workers
+/// (`mosaickv_optimized::threads`), so that every method a bench times runs in the same pool
+/// as in `mosaickv generate`; `MOSAICKV_MAIN_THREAD_WORKER=0` keeps rayon's default. Call first
+/// thing in `main`. Returns the setup's name for the JSON (`"main-thread-worker"`, `"default"`).
+pub fn setup_pool() -> &'static str {
+    use mosaickv_optimized::threads::{main_thread_worker, PoolSetup};
+    match main_thread_worker() {
+        Ok(PoolSetup::MainThreadWorker(_)) => "main-thread-worker",
+        Ok(PoolSetup::Default) => "default",
+        Err(e) => {
+            eprintln!("rayon pool: {e}; rayon's default pool");
+            "default"
+        }
+    }
+}
+
 /// Measured read bandwidth in GB/s (1e9 bytes/s): best of `reps` multi-threaded
 /// passes summing a buffer of `bytes` bytes (u64 words, 4 accumulators per thread).
 pub fn read_bandwidth_gbps(bytes: usize, reps: usize) -> f64 {

@@ -52,6 +52,12 @@ enum Command {
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
+    // Every command but the server runs its work on this thread: make it one of rayon's
+    // workers (mosaickv_optimized::threads). The server's requests come from its runtime's
+    // threads, so it keeps rayon's default pool.
+    if !matches!(cli.command, Command::Serve(_)) {
+        mosaickv_optimized::threads::main_thread_worker()?;
+    }
     match cli.command {
         Command::Compress(a) => cmd_compress::run(a),
         Command::Attend(a) => cmd_attend::run(a),

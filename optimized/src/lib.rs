@@ -36,6 +36,7 @@
 //! | [`baselines`] | 12 (Full, Quest, kvq) |
 //! | [`turboquant`] | 12 (TurboQuant, vLLM's `turboquant_<preset>` cache) |
 //! | [`backend`] | the `Backend` trait over the steps above |
+//! | [`threads`] | (the CLI's rayon pool, its main thread a worker) |
 
 // Index loops mirror the SPEC's formulas; kernels take many scalar geometry arguments.
 #![allow(
@@ -62,6 +63,7 @@ pub mod round;
 pub mod select;
 pub mod simd;
 pub mod strategy;
+pub mod threads;
 pub mod topr;
 pub mod turboquant;
 

@@ -364,7 +364,12 @@ fn mean_error(
     Ok(s / exact.len().max(1) as f64)
 }
 
+/// How rayon's global pool was set up ([`mosaickv_benches::setup_pool`]), for the JSON lines.
+static POOL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
 fn main() {
+    let pool = mosaickv_benches::setup_pool();
+    POOL.set(pool).expect("set once");
     if let Err(e) = run(Args::parse()) {
         eprintln!("compare: error: {e}");
         std::process::exit(2);
@@ -412,9 +417,10 @@ fn run(args: Args) -> BoxResult<()> {
         .any(|c| matches!(c.config.loss, LossPolicy::Attention { .. }));
     let backend = CpuBackend::new();
     eprintln!(
-        "backend {}, {} rayon threads; configs {}; measuring read bandwidth ({} MiB buffer)...",
+        "backend {}, {} rayon threads ({} pool); configs {}; measuring read bandwidth ({} MiB buffer)...",
         backend.name(),
         rayon::current_num_threads(),
+        POOL.get().copied().unwrap_or("default"),
         args.config.join(", "),
         args.bandwidth_bytes >> 20
     );
@@ -756,6 +762,7 @@ fn report(
             "source": source,
             "backend": backend,
             "threads": rayon::current_num_threads(),
+            "pool": POOL.get().copied().unwrap_or("default"),
         });
         if let Some(m) = &r.strategy_mix {
             o["strategy_mix"] = m.clone();
