@@ -271,6 +271,17 @@ fn quantized_records(path: Path, rnd: &mut impl FnMut() -> u64) {
         path.key_logits_q8(&q8_6, qs, &sq6, 6, &keys, &kl, TILE, inv, &mut lg6);
         black_box(&lg6);
     });
+    // Qwen2.5-Coder-0.5B's group: 7 query heads per KV head; 8 (Llama-3-70B's)
+    for heads in [7usize, 8] {
+        let qh: Vec<f32> = (0..heads * d).map(|i| (i % 7) as f32 * 0.1).collect();
+        let (q8h, sqh) = quantize(heads, &qh);
+        let mut lgh = vec![0f32; heads * TILE];
+        let label = format!("int8 keys r=80: key_logits_q8 g={heads}");
+        time(&label, TILE, 100_000, || {
+            path.key_logits_q8(&q8h, qs, &sqh, heads, &keys, &kl, TILE, inv, &mut lgh);
+            black_box(&lgh);
+        });
+    }
     let p: Vec<f32> = (0..g * TILE).map(|i| 1e-3 * i as f32).collect();
     let mut acc = vec![0f32; g * d];
     time(

@@ -555,6 +555,8 @@ mod tests {
                 (7, 16),
                 (8, 11),
                 (9, 7),
+                (12, 9),
+                (16, 16),
             ] {
                 let qf: Vec<f32> = (0..g * dt).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let mut q8 = vec![0i8; g * qs];
