@@ -16,7 +16,11 @@ fn main() {
     std::env::remove_var("MOSAICKV_MAIN_THREAD_WORKER");
     let setup = main_thread_worker().expect("the global pool is built once, here");
     assert_eq!(setup, PoolSetup::MainThreadWorker(2));
-    assert_eq!(rayon::current_thread_index(), Some(0), "the main thread is worker 0");
+    assert_eq!(
+        rayon::current_thread_index(),
+        Some(0),
+        "the main thread is worker 0"
+    );
     assert_eq!(rayon::current_num_threads(), 2);
     // A second build is an error, not a second pool.
     assert!(main_thread_worker().is_err());
@@ -34,7 +38,10 @@ fn main() {
         })
         .sum();
     assert_eq!(sum, 3 * (1_000_000u64 * 999_999 / 2));
-    assert!(on_main.load(Ordering::Relaxed), "worker 0 ran none of the main thread's work");
+    assert!(
+        on_main.load(Ordering::Relaxed),
+        "worker 0 ran none of the main thread's work"
+    );
 
     // The main thread blocked on a channel, outside rayon: another thread's parallel job is
     // done by the other worker.

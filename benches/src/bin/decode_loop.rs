@@ -208,7 +208,10 @@ fn view2(x: &[f32], kv: usize, d: usize) -> ndarray::ArrayView2<'_, f32> {
 
 fn main() {
     let pool = mosaickv_benches::setup_pool();
-    eprintln!("rayon: {} threads, {pool} pool", rayon::current_num_threads());
+    eprintln!(
+        "rayon: {} threads, {pool} pool",
+        rayon::current_num_threads()
+    );
     let args = Args::parse();
     let shape = match args.shape.as_str() {
         "smol" => KvShape::new(3, 9, 64).expect("shape"),

@@ -54,7 +54,10 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 
 fn main() {
     let pool = mosaickv_benches::setup_pool();
-    eprintln!("rayon: {} threads, {pool} pool", rayon::current_num_threads());
+    eprintln!(
+        "rayon: {} threads, {pool} pool",
+        rayon::current_num_threads()
+    );
     if let Err(e) = run(Args::parse()) {
         eprintln!("profile_stages: {e}");
         std::process::exit(1);

@@ -12,7 +12,10 @@ use std::time::Instant;
 
 fn main() {
     let pool = mosaickv_benches::setup_pool();
-    eprintln!("rayon: {} threads, {pool} pool", rayon::current_num_threads());
+    eprintln!(
+        "rayon: {} threads, {pool} pool",
+        rayon::current_num_threads()
+    );
     let a: Vec<String> = std::env::args().collect();
     let method = a.get(1).map(String::as_str).unwrap_or("full");
     let ctx: usize = a.get(2).and_then(|s| s.parse().ok()).unwrap_or(32768);
