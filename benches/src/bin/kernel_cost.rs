@@ -1,6 +1,7 @@
 //! Single-thread cost of each decode-step kernel on L1/L2-resident data, in ns per unit:
 //! `kernel_cost` (uses the run-time detected path; `MOSAICKV_FORCE_AVX2=1` / `MOSAICKV_FORCE_PORTABLE=1`
-//! select the others). Separates arithmetic cost from memory cost: multiply by the units of a
+//! select the others; `kernel_cost TEXT` runs only the lines whose label contains TEXT).
+//! Separates arithmetic cost from memory cost: multiply by the units of a
 //! step (blocks scored, records expanded, tokens attended) to get the step's compute floor.
 
 use half::f16;
